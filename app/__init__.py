@@ -1,0 +1,33 @@
+"""The llmq API: create_app(settings) builds the Flask app with its clients in app.extensions."""
+from __future__ import annotations
+
+from flask import Flask
+
+from common.settings import Settings
+
+
+def create_app(settings: Settings | None = None, *, redis_client=None, celery=None) -> Flask:
+    """Builds the app: settings from LLMQ_* (or given), one Redis client, one Celery client."""
+    from celery import Celery
+
+    from common.store import SequenceStore
+
+    from .api_server import bp, register_error_handlers
+    from .llm_engine import LLMEngine
+
+    settings = settings or Settings.from_env()
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.json.ensure_ascii = False
+    app.json.sort_keys = False
+    store = SequenceStore.from_settings(settings, client=redis_client)
+    if celery is None:
+        from common.celery_config import celery_config
+
+        celery = Celery("llmq-api")
+        celery.conf.update(celery_config(settings))
+    app.extensions["llmq"] = {"settings": settings, "store": store,
+                              "engine": LLMEngine(settings, store, celery)}
+    app.register_blueprint(bp)
+    register_error_handlers(app)
+    return app

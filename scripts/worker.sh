@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Starts one Celery worker. GPU hosts: LLMQ_GPU=<index> pins it with CUDA_VISIBLE_DEVICES.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -n "${LLMQ_GPU:-}" ]; then
+  export CUDA_VISIBLE_DEVICES="$LLMQ_GPU"
+  dev="gpu${LLMQ_GPU}"
+else
+  dev="${LLMQ_WORKER_DEVICE_NAME:-cpu${LLMQ_WORKER_INDEX:-0}}"
+fi
+seqs="${LLMQ_MAX_NUM_SEQS:-64}"
+exec .venv/bin/celery -A worker.celery_app worker --pool threads --concurrency "$seqs" \
+  --queues "${LLMQ_QUEUE:-llmq}" --prefetch-multiplier 1 --task-events \
+  --hostname "llmq-${dev}@%h" --loglevel "${LLMQ_LOG_LEVEL:-INFO}"

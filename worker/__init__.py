@@ -1,0 +1,1 @@
+"""The GPU worker: Celery app and tasks, engine loop, workload manager, model executor/worker/manager."""

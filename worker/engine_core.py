@@ -1,0 +1,241 @@
+"""The worker side of the LLM engine: one loop that schedules, executes, updates and publishes.
+
+Celery task threads hand sequences in through `run_sequence` and wait; the loop runs in its own
+thread, and the model runs in the model-worker process behind the executor.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+from common.protocol import FinishReason, SamplingParams, SequenceStatus
+from common.store import SequenceStore, TokenDelta
+
+from .detokenizer import IncrementalDetokenizer
+from .messages import NewSequence, StepRequest, StepResult
+from .model_executor import ModelExecutor, ModelWorkerDied
+from .sequence import Sequence
+from .workload_manager import POLICIES, SchedulerOutput, WorkloadManager
+
+log = logging.getLogger("llmq.engine")
+
+MAX_RESTARTS_PER_SEQUENCE = 2
+
+
+class EngineCore:
+    """Runs the continuous-batching loop of one worker over its model executor."""
+
+    def __init__(self, name: str, settings, store: SequenceStore, executor: ModelExecutor,
+                 tokenizer, scheduler: WorkloadManager | None = None):
+        self.name = name
+        self.settings = settings
+        self.store = store
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler or WorkloadManager(
+            settings.max_num_seqs, settings.max_num_batched_tokens,
+            POLICIES[settings.batch_policy]())
+        self.inbox: queue.Queue[Sequence] = queue.Queue()
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.num_finished = 0
+        self.last_step_time = time.time()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_heartbeat = 0.0
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self.executor.start()   # loads the model in its own process (blocks until ready)
+        self._thread = threading.Thread(target=self._loop, name="llmq-engine", daemon=True)
+        self._thread.start()
+        self._heartbeat(force=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(10)
+        self.executor.stop()
+        self.store.remove_worker(self.name)
+
+    # --- the door Celery tasks use -------------------------------------------------------------
+    def run_sequence(self, seq_id: str, timeout_s: float | None = None) -> dict:
+        """Runs one sequence to its end (called from a Celery task thread)."""
+        seq = self.admit(seq_id)
+        if seq is None:
+            return {"seq_id": seq_id, "skipped": True}
+        seq.done.wait(timeout_s)
+        return {"seq_id": seq_id, "finish_reason": seq.finish_reason and seq.finish_reason.value,
+                "completion_tokens": seq.num_output_tokens}
+
+    def admit(self, seq_id: str) -> Sequence | None:
+        """Marks the record running, tokenizes (in the caller's thread) and queues the sequence."""
+        _prev, attempt = self.store.start(seq_id, self.name)
+        if not attempt:
+            return None   # finished, cancelled while queued, or expired: nothing to do twice
+        req = self.store.load_request(seq_id)
+        try:
+            ids = self._tokenize(req)
+            if len(ids) >= self.executor.info.max_model_len:
+                raise ValueError(f"prompt is {len(ids)} tokens; the model's context is "
+                                 f"{self.executor.info.max_model_len}")
+            if not ids:
+                raise ValueError("prompt is empty after tokenization")
+        except Exception as exc:  # noqa: BLE001 - bad input fails this sequence alone
+            self.store.finish(seq_id, FinishReason.ERROR, error=str(exc), text="",
+                              completion_tokens=0, only_if=(SequenceStatus.RUNNING,))
+            return None
+        self.store.set_prompt_tokens(seq_id, len(ids))
+        seq = Sequence(seq_id, ids, self._resolve(req.params, len(ids)),
+                       eos_token_ids=self.executor.info.eos_token_ids)
+        self.detokenizers[seq_id] = IncrementalDetokenizer(self.tokenizer, ids)
+        self.inbox.put(seq)
+        return seq
+
+    # --- the loop -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        pending: list[tuple[Sequence, str]] = []
+        while not self._stop.is_set():
+            self._take_inbox(block=not (self.scheduler.num_unfinished or pending))
+            out = self.scheduler.schedule()                      # 1. schedule
+            if out.is_empty:
+                pending = self._publish(pending)
+                continue
+            try:
+                self.executor.submit(self._request(out))         # 2. execute (async) ...
+                pending = self._publish(pending)                 # ... publishing meanwhile
+                result = self.executor.wait()
+            except ModelWorkerDied as exc:
+                self._recover(out, exc)
+                continue
+            pending = self._update(out, result)                  # 3. update
+        self._publish(pending)                                   # 4. publish (the last one)
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            seq = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            while True:
+                self.scheduler.add(seq)
+                seq = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+        if block:
+            self._heartbeat()
+
+    def _request(self, out: SchedulerOutput) -> StepRequest:
+        return StepRequest(
+            prefill=[NewSequence(s.seq_id, s.all_token_ids, s.params, s.num_output_tokens,
+                                 s.stop_token_ids) for s in out.prefill],
+            decode_seq_ids=[s.seq_id for s in out.decode],
+            free_seq_ids=out.freed_seq_ids)
+
+    def _update(self, out: SchedulerOutput, result: StepResult) -> list[tuple[Sequence, str]]:
+        """Turns sampled tokens into text deltas and finishes sequences; returns what to publish."""
+        self.last_step_time = time.time()
+        for seq_id, error in result.errors.items():
+            seq = next(s for s in out.prefill + out.decode if s.seq_id == seq_id)
+            self.scheduler.abort(seq, FinishReason.ERROR, error)
+        self.scheduler.update(out, result.token_ids)
+        publish = []
+        for seq in out.prefill + out.decode:
+            if seq.seq_id in result.token_ids and seq.seq_id in self.detokenizers:
+                detok = self.detokenizers[seq.seq_id]
+                delta = detok.step(seq.output_token_ids[-1]) if seq.output_token_ids else ""
+                if seq.is_finished:
+                    delta += detok.flush()
+                text = seq.add_text(delta, final=seq.is_finished)
+                if seq.is_finished and seq in self.scheduler.running:   # a stop string ended it
+                    self.scheduler.abort(seq, FinishReason.STOP)
+                publish.append((seq, text))
+            elif seq.is_finished:
+                publish.append((seq, ""))
+        return publish
+
+    def _publish(self, pending: list[tuple[Sequence, str]]) -> list:
+        """Token events and finished records to Redis in one round trip; cancellations back."""
+        if pending:
+            self.store.publish_deltas(TokenDelta(s.seq_id, t, s.text, s.num_output_tokens)
+                                      for s, t in pending if t or not s.is_finished)
+            for seq, _ in pending:
+                if seq.is_finished:
+                    self._finish(seq)
+        active = [s for s in self.scheduler.running] + list(self.scheduler.waiting)
+        cancelled = self.store.cancelled_among([s.seq_id for s in active])
+        for seq in active:
+            if seq.seq_id in cancelled:
+                self.scheduler.abort(seq, FinishReason.CANCELLED)
+                self._finish(seq)
+        self._heartbeat()
+        return []
+
+    def _finish(self, seq: Sequence) -> None:
+        if self.detokenizers.pop(seq.seq_id, None) is None:
+            return   # already finished and published
+        self.store.finish(seq.seq_id, seq.finish_reason, text=seq.text,
+                          completion_tokens=seq.num_output_tokens, error=seq.error,
+                          only_if=(SequenceStatus.RUNNING,))
+        self.num_finished += 1
+        seq.done.set()
+
+    def _recover(self, out: SchedulerOutput, exc: Exception) -> None:
+        """The model process died: restart it and re-run the batch from the tokens we have."""
+        log.error("model worker died (%s); restarting it", exc)
+        seqs = self.scheduler.requeue(out)
+        for seq in seqs:
+            seq.num_restarts += 1
+            if seq.num_restarts > MAX_RESTARTS_PER_SEQUENCE:
+                self.scheduler.abort(seq, FinishReason.ERROR,
+                                     f"model worker crashed {seq.num_restarts} times running it")
+                self._finish(seq)
+        while not self._stop.is_set():
+            try:
+                self.executor.restart()
+                return
+            except ModelWorkerDied as err:
+                log.error("model worker restart failed: %s", err)
+                time.sleep(1.0)
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _tokenize(self, req) -> list[int]:
+        if req.messages is not None:
+            text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
+                                                      tokenize=False)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(req.prompt)["input_ids"]
+
+    def _resolve(self, p: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """Fills unset sampling values from the model's generation_config; caps max_tokens."""
+        d = self.executor.info.generation_defaults
+        room = self.executor.info.max_model_len - num_prompt_tokens
+        return SamplingParams(
+            max_tokens=max(1, min(p.max_tokens, room)),
+            temperature=p.temperature if p.temperature is not None else d.get("temperature", 0.0),
+            top_p=p.top_p if p.top_p is not None else d.get("top_p"),
+            top_k=p.top_k if p.top_k is not None else d.get("top_k"),
+            min_p=p.min_p if p.min_p is not None else d.get("min_p"),
+            repetition_penalty=(p.repetition_penalty if p.repetition_penalty is not None
+                                else d.get("repetition_penalty")),
+            seed=p.seed, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+            min_tokens=p.min_tokens, ignore_eos=p.ignore_eos)
+
+    def stats(self) -> dict:
+        st = self.scheduler.stats
+        return {"model": self.executor.info.name if self.executor.info else "",
+                "device": self.executor.info.device if self.executor.info else "",
+                "model_loaded": int(self.executor.info is not None),
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "num_steps": st.num_steps, "num_prefilled": st.num_prefilled,
+                "num_joined_running_batch": st.num_joined_running_batch,
+                "max_running": st.max_running, "num_finished": self.num_finished,
+                "model_starts": self.executor.num_starts, "last_step": self.last_step_time}
+
+    def _heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_heartbeat >= self.settings.worker_heartbeat_s:
+            self._last_heartbeat = now
+            try:
+                self.store.heartbeat(self.name, self.stats(), ttl_s=self.settings.worker_stale_s * 4)
+            except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again next beat
+                log.warning("heartbeat failed: %s", exc)
+

@@ -1,0 +1,61 @@
+"""Messages between the engine (model executor) and the model-worker process.
+
+Token ids travel, never text. Every message is a small dataclass, and `encode`/`decode` are the
+one place they are serialised for the pipe.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+
+from common.protocol import SamplingParams
+
+
+@dataclass(slots=True)
+class NewSequence:
+    """A sequence joining the batch: its tokens so far and how to sample it."""
+
+    seq_id: str
+    token_ids: list[int]           # prompt, plus output already made (after a restart)
+    params: SamplingParams         # resolved: no None left for temperature
+    num_output_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class StepRequest:
+    """One engine step: free these, prefill those, decode the rest of the running batch."""
+
+    prefill: list[NewSequence] = field(default_factory=list)
+    decode_seq_ids: list[str] = field(default_factory=list)
+    free_seq_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """The token sampled for each sequence, and per-sequence errors (that sequence alone fails)."""
+
+    token_ids: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Ready:
+    """Sent once the model is loaded and warmed up."""
+
+    info: object   # ModelInfo
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+def encode(msg) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes):
+    return pickle.loads(data)

@@ -1,0 +1,99 @@
+"""The model executor: owns the model-worker process, sends it steps, notices when it dies."""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+
+from . import messages, model_worker
+from .messages import Ready, Shutdown, StepRequest, StepResult
+
+log = logging.getLogger("llmq.model_executor")
+
+
+class ModelWorkerDied(RuntimeError):
+    """The model process exited or broke mid-step; its KV cache is gone."""
+
+
+class ModelExecutor:
+    """Spawns the model worker (spawn, never fork: CUDA cannot survive a fork) and talks to it."""
+
+    def __init__(self, settings, start_timeout_s: float = 600.0):
+        self.settings = settings
+        self.start_timeout_s = start_timeout_s
+        self.info = None
+        self.num_starts = 0
+        self._ctx = mp.get_context("spawn")
+        self._proc = None
+        self._conn = None
+        self._in_flight = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> None:
+        parent, child = self._ctx.Pipe()
+        self._proc = self._ctx.Process(target=model_worker.main, args=(child, self.settings),
+                                       name="llmq-model-worker", daemon=True)
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        self._in_flight = False
+        msg = self._recv(self.start_timeout_s)
+        if not isinstance(msg, Ready):
+            raise ModelWorkerDied(f"model worker failed to start: {msg!r}")
+        self.info = msg.info
+        self.num_starts += 1
+        log.info("model worker %s ready: %s on %s", self._proc.pid, self.info.name, self.info.device)
+
+    def restart(self) -> None:
+        self.stop(timeout_s=2.0)
+        self.start()
+
+    def submit(self, req: StepRequest) -> None:
+        """Sends a step without waiting, so the engine can do Redis I/O while the model runs."""
+        try:
+            self._conn.send_bytes(messages.encode(req))
+        except (OSError, EOFError, BrokenPipeError) as exc:
+            raise ModelWorkerDied(str(exc)) from exc
+        self._in_flight = True
+
+    def wait(self) -> StepResult:
+        msg = self._recv(None)
+        self._in_flight = False
+        if not isinstance(msg, StepResult):
+            raise ModelWorkerDied(f"model worker step failed: {msg}")
+        return msg
+
+    def execute(self, req: StepRequest) -> StepResult:
+        self.submit(req)
+        return self.wait()
+
+    def _recv(self, timeout_s: float | None):
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                if self._conn.poll(0.5):
+                    return messages.decode(self._conn.recv_bytes())
+            except (EOFError, OSError) as exc:
+                raise ModelWorkerDied(f"model worker connection lost: {exc}") from exc
+            if not self._proc.is_alive():
+                raise ModelWorkerDied(f"model worker exited with code {self._proc.exitcode}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise ModelWorkerDied("model worker did not answer in time")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._proc is None:
+            return
+        try:
+            if self._proc.is_alive() and not self._in_flight:
+                self._conn.send_bytes(messages.encode(Shutdown()))
+        except OSError:
+            pass
+        self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._conn.close()
+        self._proc = None

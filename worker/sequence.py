@@ -1,0 +1,100 @@
+"""A sequence inside the worker: an explicit state machine over plain counters."""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+
+from common.protocol import FinishReason, SamplingParams
+
+
+class SequenceState(enum.Enum):
+    WAITING = "waiting"     # accepted by this worker, not yet in the batch
+    RUNNING = "running"     # in the batch, its KV cache lives in the model worker
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One prompt being generated: token ids, sampling, counters, and how it ended."""
+
+    seq_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    state: SequenceState = SequenceState.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    text: str = ""                    # the text streamed so far; final text when finished
+    pending_text: str = ""            # decoded but held back while it may begin a stop string
+    first_token_time: float | None = None
+    num_restarts: int = 0             # model-process crashes survived
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is SequenceState.FINISHED
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Tokens that end this sequence (EOS unless ignored, plus the request's own)."""
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return tuple(eos) + tuple(self.params.stop_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        """Records a sampled token and ends the sequence on a stop token or the length limit."""
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_token_ids.append(token_id)
+        if self.num_output_tokens >= self.params.min_tokens and token_id in self.stop_token_ids:
+            self.finish(FinishReason.STOP)
+        elif self.num_output_tokens >= self.params.max_tokens:
+            self.finish(FinishReason.LENGTH)
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        if self.is_finished:
+            return
+        self.state = SequenceState.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+    def add_text(self, delta: str, final: bool = False) -> str:
+        """Takes newly decoded text and returns the part that may be streamed now.
+
+        With stop strings, a tail that could be the start of one is held back, and the text is
+        cut just before a stop string when one appears (which ends the sequence). `final`
+        releases whatever is held back. The streamed pieces always add up to `self.text`.
+        """
+        stops = self.params.stop
+        buf = self.pending_text + delta
+        cut = min((i for i in (buf.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            emit, self.pending_text = buf[:cut], ""
+            self.finish(FinishReason.STOP)
+        elif final or not stops:
+            emit, self.pending_text = buf, ""
+        else:
+            keep = max((k for s in stops for k in range(min(len(s) - 1, len(buf)), 0, -1)
+                        if s.startswith(buf[len(buf) - k:])), default=0)
+            emit, self.pending_text = buf[:len(buf) - keep], buf[len(buf) - keep:]
+        self.text += emit
+        return emit

@@ -1,0 +1,153 @@
+"""The workload manager (scheduler): waiting and running queues, and the next batch.
+
+Plain Python over plain data: no torch, no Redis. The engine asks `schedule()` for the next
+step's work and reports the sampled tokens back through `update()`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from common.protocol import FinishReason
+
+from .sequence import Sequence, SequenceState
+
+
+class BatchPolicy(Protocol):
+    """Decides whether newcomers may join the batch this step (the replaceable part)."""
+
+    name: str
+
+    def may_admit(self, num_running: int) -> bool: ...
+
+
+class ContinuousBatching:
+    """Iteration-level batching: newcomers join at the next step whenever there is room."""
+
+    name = "continuous"
+
+    def may_admit(self, num_running: int) -> bool:
+        return True
+
+
+class StaticBatching:
+    """Request-level batching: a batch runs to completion before anyone joins (for comparison)."""
+
+    name = "static"
+
+    def may_admit(self, num_running: int) -> bool:
+        return num_running == 0
+
+
+POLICIES: dict[str, type] = {p.name: p for p in (ContinuousBatching, StaticBatching)}
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: sequences to prefill (joining the batch) and sequences to decode."""
+
+    prefill: list[Sequence] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+    freed_seq_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.prefill or self.decode)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.prefill) + len(self.decode)
+
+
+@dataclass
+class SchedulerStats:
+    """Counters the engine publishes; tests read them to prove sequences joined a live batch."""
+
+    num_steps: int = 0
+    num_prefilled: int = 0
+    num_joined_running_batch: int = 0    # prefilled while other sequences were decoding
+    max_running: int = 0
+
+
+class WorkloadManager:
+    """FIFO admission bounded by `max_num_seqs` and a per-step token budget."""
+
+    def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 policy: BatchPolicy | None = None):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy or ContinuousBatching()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+        self._freed: list[str] = []   # left the batch since the last step: the model frees them
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.state = SequenceState.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """Ends a sequence wherever it is (cancel, stop string, error) and frees its slot."""
+        seq.finish(reason, error)
+        self._remove(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(decode=list(self.running))
+        budget = self.max_num_batched_tokens - len(out.decode)
+        if self.policy.may_admit(len(self.running)):
+            while self.waiting and len(self.running) + len(out.prefill) < self.max_num_seqs:
+                seq = self.waiting[0]
+                # A prompt bigger than the whole budget still runs, alone, so it cannot starve.
+                if seq.num_tokens > budget and (out.prefill or out.decode):
+                    break
+                self.waiting.popleft()
+                out.prefill.append(seq)
+                budget -= seq.num_tokens
+        out.freed_seq_ids, self._freed = self._freed, []
+        self.stats.num_steps += 1
+        self.stats.num_prefilled += len(out.prefill)
+        if out.decode:
+            self.stats.num_joined_running_batch += len(out.prefill)
+        return out
+
+    def update(self, out: SchedulerOutput, token_ids: dict[str, int]) -> list[Sequence]:
+        """Appends each sequence's new token; returns the sequences that finished on a token."""
+        finished = []
+        for seq in out.prefill:
+            if seq.is_finished:   # aborted while its prefill ran: the model holds its cache
+                self._freed.append(seq.seq_id)
+            else:
+                seq.state = SequenceState.RUNNING
+                self.running.append(seq)
+        self.stats.max_running = max(self.stats.max_running, len(self.running))
+        for seq in out.prefill + out.decode:
+            if seq.is_finished or seq.seq_id not in token_ids:
+                continue
+            seq.append_token(token_ids[seq.seq_id])
+            if seq.is_finished:
+                self._remove(seq)
+                finished.append(seq)
+        return finished
+
+    def requeue(self, out: SchedulerOutput) -> list[Sequence]:
+        """After the model process died: the running batch and the step's newcomers go back to
+        the front of the queue, keeping their output so far (the next prefill covers both)."""
+        seqs = [s for s in self.running + out.prefill if not s.is_finished]
+        self.running = []
+        for seq in reversed(seqs):
+            seq.state = SequenceState.WAITING
+            self.waiting.appendleft(seq)
+        self._freed = []
+        return seqs
+
+    def _remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self._freed.append(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
