@@ -8,7 +8,6 @@ export REDIS_PORT ?= 6379
 export LLMQ_HOST ?= 127.0.0.1
 export LLMQ_PORT ?= 8000
 export FLOWER_PORT ?= 5555
-export WORKERS ?= 1
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help setup venv redis-server model run api worker redis flower test test-fast bench bench-quick compose-check clean
@@ -43,7 +42,7 @@ run: setup
 
 api: venv
 	$(BIN)/gunicorn --bind $(LLMQ_HOST):$(LLMQ_PORT) --worker-class gthread --workers 2 \
-	  --threads 64 --timeout 0 --graceful-timeout 30 'app:create_app()'
+	  --threads 64 --timeout 0 --graceful-timeout 30 app.wsgi:application
 
 worker: venv
 	bash scripts/worker.sh

@@ -13,7 +13,9 @@ def create_app(settings: Settings | None = None, *, redis_client=None, celery=No
     from common.store import SequenceStore
 
     from .api_server import bp, register_error_handlers
+    from . import metrics, openapi
     from .llm_engine import LLMEngine
+    from .openai_api import bp as openai_bp
 
     settings = settings or Settings.from_env()
     app = Flask(__name__)
@@ -29,5 +31,12 @@ def create_app(settings: Settings | None = None, *, redis_client=None, celery=No
     app.extensions["llmq"] = {"settings": settings, "store": store,
                               "engine": LLMEngine(settings, store, celery)}
     app.register_blueprint(bp)
+    app.register_blueprint(openai_bp)
+    metrics.init_app(app)
+    openapi.init_app(app)
+
+    @app.get("/")
+    def playground():
+        return app.send_static_file("playground.html")
     register_error_handlers(app)
     return app

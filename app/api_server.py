@@ -19,20 +19,23 @@ from .schemas import JobRequest
 bp = Blueprint("api", __name__)
 
 _STREAM_ID = re.compile(r"^\d+-\d+$")
-_OPEN_PATHS = {"/healthz", "/readyz"}
+_OPEN_PATHS = {"/healthz", "/readyz", "/"}   # and /static/: the playground page
 
 
 class APIError(Exception):
     """An error the client caused or must handle; rendered as {"error": {...}}."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 headers: dict | None = None):
+                 headers: dict | None = None, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.headers = status, message, type_, headers or {}
+        self.param, self.code = param, code
 
 
-def error_response(status: int, message: str, type_: str, headers: dict | None = None):
-    resp = jsonify({"error": {"message": message, "type": type_}})
+def error_response(status: int, message: str, type_: str, headers: dict | None = None,
+                   param: str | None = None, code: str | None = None):
+    """The one error shape, OpenAI's: {"error": {"message", "type", "param", "code"}}."""
+    resp = jsonify({"error": {"message": message, "type": type_, "param": param, "code": code}})
     resp.status_code = status
     for k, v in (headers or {}).items():
         resp.headers[k] = v
@@ -52,7 +55,7 @@ def settings():
 def _authenticate():
     g.owner = ""
     keys = settings().api_keys
-    if not keys or request.path in _OPEN_PATHS:
+    if not keys or request.path in _OPEN_PATHS or request.path.startswith("/static/"):
         return None
     header = request.headers.get("Authorization", "")
     given = header[7:].strip() if header.lower().startswith("bearer ") else ""
@@ -216,7 +219,7 @@ def sse_response(seq_id: str, after: str) -> Response:
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(APIError)
     def _api_error(exc: APIError):
-        return error_response(exc.status, exc.message, exc.type, exc.headers)
+        return error_response(exc.status, exc.message, exc.type, exc.headers, exc.param, exc.code)
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):

@@ -179,7 +179,11 @@ class SequenceStore:
     def request_cancel(self, seq_id: str) -> None:
         """Flags a sequence; a queued one is finished here, a running one by its engine."""
         self.r.sadd(CANCELLED_KEY, seq_id)
-        self.finish(seq_id, FinishReason.CANCELLED, only_if=(SequenceStatus.QUEUED,))
+        if not self.finish(seq_id, FinishReason.CANCELLED, only_if=(SequenceStatus.QUEUED,)):
+            # Already finished (or gone): nobody would ever remove the flag, so drop it here.
+            st = self.r.hget(record_key(seq_id), "status")
+            if st is None or SequenceStatus(st).is_finished:
+                self.r.srem(CANCELLED_KEY, seq_id)
 
     def read_events(self, seq_id: str, after: str = "0-0", block_ms: int | None = None,
                     count: int = 512) -> list[tuple[str, str, dict[str, Any]]]:

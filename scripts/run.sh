@@ -3,6 +3,11 @@
 # Ctrl-C stops them all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+LLMQ_HOST="${LLMQ_HOST:-127.0.0.1}"; LLMQ_PORT="${LLMQ_PORT:-8000}"; FLOWER_PORT="${FLOWER_PORT:-5555}"
+# On a GPU host, one worker per GPU, each pinned to its own (WORKERS defaults to the GPU count).
+ngpu=0
+command -v nvidia-smi >/dev/null 2>&1 && ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+WORKERS="${WORKERS:-$(( ngpu > 0 ? ngpu : 1 ))}"
 pids=()
 cleanup() {
   echo; echo "stopping llmq..."
@@ -27,13 +32,15 @@ if [ -z "${REDIS_URL:-}" ] && [ -z "${LLMQ_REDIS_URL:-}" ]; then
 fi
 export LLMQ_REDIS_URL="${LLMQ_REDIS_URL:-$REDIS_URL}"
 
-for i in $(seq 0 $(( ${WORKERS:-1} - 1 ))); do
-  LLMQ_WORKER_INDEX=$i bash scripts/worker.sh >"run/worker$i.log" 2>&1 &
+for i in $(seq 0 $(( WORKERS - 1 ))); do
+  if [ "$ngpu" -gt 0 ]; then dev="gpu$(( i % ngpu ))"; gpu=$(( i % ngpu )); else dev="cpu$i"; gpu=""; fi
+  LLMQ_WORKER_INDEX=$i LLMQ_GPU=$gpu LLMQ_WORKER_DEVICE_NAME=$dev bash scripts/worker.sh \
+    >"run/worker$i.log" 2>&1 &
   pids+=($!)
-  echo "worker: llmq-cpu$i (log run/worker$i.log)"
+  echo "worker: llmq-$dev (log run/worker$i.log)"
 done
 .venv/bin/gunicorn --bind "$LLMQ_HOST:$LLMQ_PORT" --worker-class gthread --workers 2 --threads 64 \
-  --timeout 0 --graceful-timeout 30 'app:create_app()' >run/api.log 2>&1 &
+  --timeout 0 --graceful-timeout 30 app.wsgi:application >run/api.log 2>&1 &
 pids+=($!)
 .venv/bin/celery -A worker.celery_app flower --address=127.0.0.1 --port="$FLOWER_PORT" \
   >run/flower.log 2>&1 &

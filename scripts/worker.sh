@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -n "${LLMQ_GPU:-}" ]; then
   export CUDA_VISIBLE_DEVICES="$LLMQ_GPU"
-  dev="gpu${LLMQ_GPU}"
+  dev="${LLMQ_WORKER_DEVICE_NAME:-gpu${LLMQ_GPU}}"
 else
   dev="${LLMQ_WORKER_DEVICE_NAME:-cpu${LLMQ_WORKER_INDEX:-0}}"
 fi

@@ -12,6 +12,7 @@ import socket
 
 from celery import Celery, signals
 
+from common import logs
 from common.celery_config import celery_config
 from common.settings import Settings
 
@@ -45,6 +46,13 @@ def build_engine(settings: Settings, name: str):
 
 
 celery = create_celery(Settings.from_env())
+
+
+@signals.after_setup_logger.connect
+@signals.after_setup_task_logger.connect
+def _json_logs(logger=None, **_kw):
+    if logger is not None and os.environ.get("LLMQ_LOG_FORMAT", "json") == "json":
+        logs.use_json(logger.handlers, "worker")
 
 
 @signals.worker_init.connect

@@ -10,6 +10,8 @@ import queue
 import threading
 import time
 
+from redis.exceptions import RedisError
+
 from common.protocol import FinishReason, SamplingParams, SequenceStatus
 from common.store import SequenceStore, TokenDelta
 
@@ -62,7 +64,15 @@ class EngineCore:
     # --- the door Celery tasks use -------------------------------------------------------------
     def run_sequence(self, seq_id: str, timeout_s: float | None = None) -> dict:
         """Runs one sequence to its end (called from a Celery task thread)."""
-        seq = self.admit(seq_id)
+        for attempt in range(600):
+            try:
+                seq = self.admit(seq_id)
+                break
+            except RedisError as exc:   # Redis restarting: the message is not acked yet
+                log.warning("redis unavailable admitting: %s", exc, extra={"seq_id": seq_id})
+                self._stop.wait(min(5.0, 0.2 * (attempt + 1)))
+        else:
+            raise RuntimeError("redis unavailable for too long")
         if seq is None:
             return {"seq_id": seq_id, "skipped": True}
         seq.done.wait(timeout_s)
@@ -83,10 +93,13 @@ class EngineCore:
             if not ids:
                 raise ValueError("prompt is empty after tokenization")
         except Exception as exc:  # noqa: BLE001 - bad input fails this sequence alone
+            log.warning("sequence rejected: %s", exc, extra={"seq_id": seq_id})
             self.store.finish(seq_id, FinishReason.ERROR, error=str(exc), text="",
                               completion_tokens=0, only_if=(SequenceStatus.RUNNING,))
             return None
         self.store.set_prompt_tokens(seq_id, len(ids))
+        log.info("sequence admitted", extra={"seq_id": seq_id, "attempt": attempt,
+                                             "prompt_tokens": len(ids)})
         seq = Sequence(seq_id, ids, self._resolve(req.params, len(ids)),
                        eos_token_ids=self.executor.info.eos_token_ids)
         self.detokenizers[seq_id] = IncrementalDetokenizer(self.tokenizer, ids)
@@ -109,7 +122,7 @@ class EngineCore:
             except ModelWorkerDied as exc:
                 self._recover(out, exc)
                 continue
-            pending = self._update(out, result)                  # 3. update
+            pending += self._update(out, result)                 # 3. update
         self._publish(pending)                                   # 4. publish (the last one)
 
     def _take_inbox(self, block: bool) -> None:
@@ -152,31 +165,55 @@ class EngineCore:
                 publish.append((seq, ""))
         return publish
 
-    def _publish(self, pending: list[tuple[Sequence, str]]) -> list:
-        """Token events and finished records to Redis in one round trip; cancellations back."""
-        if pending:
-            self.store.publish_deltas(TokenDelta(s.seq_id, t, s.text, s.num_output_tokens)
-                                      for s, t in pending if t or not s.is_finished)
-            for seq, _ in pending:
-                if seq.is_finished:
+    def _publish(self, pending: list[tuple[Sequence, str]]) -> list[tuple[Sequence, str]]:
+        """Token events and finished records to Redis; cancellations back. Returns what could
+        not be published (Redis unreachable): it is kept, in order, and retried next step."""
+        try:
+            if pending:
+                self.store.publish_deltas(TokenDelta(s.seq_id, t, s.text, s.num_output_tokens)
+                                          for s, t in pending if t or not s.is_finished)
+                pending = [(s, "") for s, t in pending if s.is_finished]
+                while pending:
+                    self._finish(pending[0][0])
+                    pending.pop(0)
+            active = self.scheduler.running + list(self.scheduler.waiting)
+            cancelled = self.store.cancelled_among([s.seq_id for s in active])
+            for seq in active:
+                if seq.seq_id in cancelled:
+                    self.scheduler.abort(seq, FinishReason.CANCELLED)
+                    pending.append((seq, ""))
                     self._finish(seq)
-        active = [s for s in self.scheduler.running] + list(self.scheduler.waiting)
-        cancelled = self.store.cancelled_among([s.seq_id for s in active])
-        for seq in active:
-            if seq.seq_id in cancelled:
-                self.scheduler.abort(seq, FinishReason.CANCELLED)
-                self._finish(seq)
+                    pending.pop()
+            self._expire_deadlines()
+        except RedisError as exc:
+            log.warning("redis unavailable, keeping %d updates for later: %s", len(pending), exc)
+            self._stop.wait(0.5)
+            return pending
         self._heartbeat()
         return []
 
     def _finish(self, seq: Sequence) -> None:
-        if self.detokenizers.pop(seq.seq_id, None) is None:
-            return   # already finished and published
+        """Writes the final record once (the detokenizer's presence marks "not yet written")."""
+        if seq.seq_id not in self.detokenizers:
+            return
         self.store.finish(seq.seq_id, seq.finish_reason, text=seq.text,
                           completion_tokens=seq.num_output_tokens, error=seq.error,
                           only_if=(SequenceStatus.RUNNING,))
+        del self.detokenizers[seq.seq_id]
         self.num_finished += 1
+        log.info("sequence finished", extra={
+            "seq_id": seq.seq_id, "finish_reason": seq.finish_reason.value,
+            "prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens,
+            "error": seq.error})
         seq.done.set()
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for seq in self.scheduler.running + list(self.scheduler.waiting):
+            deadline = getattr(seq.params, "deadline", None)
+            if deadline and now > deadline:
+                self.scheduler.abort(seq, FinishReason.TIMEOUT)
+                self._finish(seq)
 
     def _recover(self, out: SchedulerOutput, exc: Exception) -> None:
         """The model process died: restart it and re-run the batch from the tokens we have."""

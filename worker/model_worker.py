@@ -13,6 +13,8 @@ import time
 import torch
 from transformers.cache_utils import DynamicCache
 
+from common import logs
+
 from . import messages
 from .kv_cache import BatchKVCache
 from .messages import NewSequence, Ready, Shutdown, StepRequest, StepResult
@@ -73,7 +75,7 @@ class ModelWorker:
         except Exception as exc:  # noqa: BLE001 - isolate the poison sequence, keep the rest
             if len(seqs) == 1:
                 res.errors[seqs[0].seq_id] = f"{type(exc).__name__}: {exc}"
-                log.warning("prefill failed for %s: %s", seqs[0].seq_id, exc)
+                log.warning("prefill failed: %s", exc, extra={"seq_id": seqs[0].seq_id})
                 return
             for seq in seqs:
                 self._prefill([seq], res)
@@ -125,7 +127,7 @@ def main(conn, settings) -> None:
     if settings.device.startswith("cuda:") and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = settings.device.split(":", 1)[1]
         settings = settings.replace(device="cuda:0")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s model_worker %(message)s")
+    logs.configure("model_worker")
     worker = ModelWorker.load(settings)
     worker.warm_up()
     conn.send_bytes(messages.encode(Ready(worker.info)))

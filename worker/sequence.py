@@ -89,6 +89,8 @@ class Sequence:
         cut = min((i for i in (buf.find(s) for s in stops) if i >= 0), default=-1)
         if cut >= 0:
             emit, self.pending_text = buf[:cut], ""
+            if self.finish_reason is FinishReason.LENGTH:
+                self.finish_reason = FinishReason.STOP   # the text ends at a stop string
             self.finish(FinishReason.STOP)
         elif final or not stops:
             emit, self.pending_text = buf, ""

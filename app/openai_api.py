@@ -1,0 +1,297 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+Each request becomes sequences like any other (same ids, visible at /v1/jobs/<id> and in
+Flower). A client that disconnects from a streaming or waiting request cancels its sequences.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Iterator, Literal
+
+from flask import Blueprint, Response, g, jsonify, request, stream_with_context
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from common.protocol import EVENT_DONE, EVENT_TOKEN, SamplingParams
+
+from .api_server import APIError, engine, settings
+from .client_connection import client_gone
+
+bp = Blueprint("openai", __name__)
+
+# Parameters OpenAI clients send that would change the output and that llmq does not implement:
+# refused by name rather than silently ignored. A value equal to "off" is accepted.
+_UNSUPPORTED_OFF = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+                    "best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""),
+                    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+                    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+                    "response_format": (None, {"type": "text"}), "n": (None, 1),
+                    "use_beam_search": (None, False)}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI names plus vLLM's extras)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    request_id: str | None = None
+    priority: int | None = Field(None, ge=0, le=9)
+    # accepted only with their neutral values (see _UNSUPPORTED_OFF)
+    n: int | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    logit_bias: Any = None
+    suffix: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    response_format: Any = None
+    use_beam_search: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        v = [] if v is None else [v] if isinstance(v, str) else v
+        if any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]]
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+def _error(message: str, param: str | None = None, code: str | None = None,
+           status: int = 400) -> APIError:
+    return APIError(status, message, "invalid_request_error", param=param, code=code)
+
+
+def _parse(model_cls):
+    try:
+        body = json.loads(request.get_data(cache=False) or b"null")
+    except (ValueError, UnicodeDecodeError):
+        raise _error("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise _error("request body must be a JSON object")
+    unknown = sorted(set(body) - set(model_cls.model_fields))
+    if unknown:
+        raise _error(f"unsupported parameter(s): {', '.join(unknown)}", param=unknown[0],
+                     code="unsupported_parameter")
+    try:
+        req = model_cls.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(x) for x in err["loc"]) or None
+        raise _error(f"{param}: {err['msg'].removeprefix('Value error, ')}" if param
+                     else err["msg"], param=param) from None
+    for name, neutral in _UNSUPPORTED_OFF.items():
+        if getattr(req, name, None) not in neutral:
+            raise _error(f"'{name}' is not supported by this server"
+                         + (" (only n=1)" if name == "n" else ""), param=name,
+                         code="unsupported_parameter")
+    served = served_model_names()
+    if req.model is not None and req.model not in served:
+        raise APIError(404, f"The model `{req.model}` does not exist.", "invalid_request_error",
+                       param="model", code="model_not_found")
+    s = settings()
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if max_tokens is not None and max_tokens > s.max_tokens_limit:
+        raise _error(f"max_tokens must be at most {s.max_tokens_limit}", param="max_tokens")
+    if len(req.stop) > s.max_stop:
+        raise _error(f"at most {s.max_stop} stop strings", param="stop")
+    return req
+
+
+def served_model_names() -> list[str]:
+    name = settings().model
+    return [model_id(), name]
+
+
+def model_id() -> str:
+    """The public model name: the default's real name, else the configured id or folder name."""
+    name = settings().model
+    if name == "smollm2":
+        return "SmolLM2-135M-Instruct"
+    return name.rstrip("/").split("/")[-1] if name.startswith("/") else name
+
+
+def _params(req: _Common, default_max_tokens: int) -> SamplingParams:
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    return SamplingParams(
+        max_tokens=max_tokens or default_max_tokens, temperature=req.temperature,
+        top_p=req.top_p, top_k=req.top_k if req.top_k not in (None, -1, 0) else None,
+        min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
+        stop=list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
+        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos)
+
+
+def _text_content(content) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise _error("only text content parts are supported", param="messages")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+def _usage(jobs: list[dict]) -> dict:
+    p = sum(j["usage"]["prompt_tokens"] for j in jobs)
+    c = sum(j["usage"]["completion_tokens"] for j in jobs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _finish_reason(job: dict) -> str | None:
+    reason = job.get("finish_reason")
+    return {"cancelled": "abort", "timeout": "abort"}.get(reason, reason)
+
+
+# --- routes -----------------------------------------------------------------------------------
+@bp.get("/v1/models")
+def list_models():
+    return jsonify({"object": "list", "data": [
+        {"id": model_id(), "object": "model", "created": 0, "owned_by": "llmq",
+         "root": settings().model}]})
+
+
+@bp.post("/v1/completions")
+def completions():
+    req = _parse(CompletionRequest)
+    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if not prompts or any(not p for p in prompts):
+        raise _error("prompt must be a non-empty string or list of strings", param="prompt")
+    if len(prompts) > settings().max_prompts:
+        raise _error(f"at most {settings().max_prompts} prompts", param="prompt")
+    if req.stream and len(prompts) > 1:
+        raise _error("streaming takes a single prompt", param="prompt")
+    jobs = engine().submit([{"prompt": p} for p in prompts], _params(req, 16), g.owner)
+    return _respond(req, jobs, chat=False)
+
+
+@bp.post("/v1/chat/completions")
+def chat_completions():
+    req = _parse(ChatCompletionRequest)
+    messages = [{"role": "system" if m.role == "developer" else m.role,
+                 "content": _text_content(m.content)} for m in req.messages]
+    jobs = engine().submit([{"messages": messages}], _params(req, settings().default_max_tokens),
+                           g.owner)
+    return _respond(req, jobs, chat=True)
+
+
+def _respond(req: _Common, jobs: list[dict], chat: bool):
+    headers = {"X-Request-Id": jobs[0]["id"]}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        gen = _stream_chunks(jobs[0], chat, include_usage)
+        return Response(stream_with_context(gen), mimetype="text/event-stream",
+                        headers={**headers, "Cache-Control": "no-cache"})
+    finals = [_wait_or_cancel(j["id"]) for j in jobs]
+    created = int(time.time())
+    if chat:
+        choices = [{"index": 0, "message": {"role": "assistant", "content": finals[0]["text"]},
+                    "logprobs": None, "finish_reason": _finish_reason(finals[0])}]
+    else:
+        choices = [{"index": i, "text": f["text"], "logprobs": None,
+                    "finish_reason": _finish_reason(f)} for i, f in enumerate(finals)]
+    body = {"id": jobs[0]["id"], "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model_id(), "choices": choices, "usage": _usage(finals)}
+    return jsonify(body), 200, headers
+
+
+def _wait_or_cancel(seq_id: str) -> dict:
+    """Waits for the sequence; if the client hangs up meanwhile, cancels it."""
+    eng = engine()
+    deadline = time.monotonic() + settings().wait_timeout_s
+    for ev in eng.events(seq_id, keepalive_s=0.5):
+        if ev is not None and ev[1] == EVENT_DONE:
+            return ev[2]
+        if ev is None and (client_gone() or time.monotonic() > deadline):
+            eng.cancel(seq_id, g.owner)
+            raise APIError(408 if time.monotonic() > deadline else 499,
+                           "request ended before the sequence finished", "timeout_error")
+    job = eng.get(seq_id, g.owner)
+    if job is None:
+        raise APIError(404, "the sequence expired", "not_found_error")
+    return job
+
+
+def _stream_chunks(job: dict, chat: bool, include_usage: bool) -> Iterator[str]:
+    eng, seq_id, owner = engine(), job["id"], g.owner
+    created, model = int(time.time()), model_id()
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else (
+                {"content": delta_text} if delta_text is not None else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta_text or "", "logprobs": None,
+                      "finish_reason": finish}
+        return _data({"id": seq_id, "object": obj, "created": created, "model": model,
+                      "choices": [choice]})
+
+    finished = False
+    try:
+        if chat:
+            yield chunk(None, None, role=True)
+        for ev in eng.events(seq_id, keepalive_s=1.0):
+            if ev is None:
+                if client_gone():
+                    return
+                continue
+            _id, kind, data = ev
+            if kind == EVENT_TOKEN and data["text"]:
+                yield chunk(data["text"], None)
+            elif kind == EVENT_DONE:
+                finished = True
+                yield chunk(None if chat else "", _finish_reason(data))
+                if include_usage:
+                    yield _data({"id": seq_id, "object": obj, "created": created, "model": model,
+                                 "choices": [], "usage": _usage([data])})
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        if not finished:   # the client went away (or the server is stopping): stop generating
+            eng.cancel(seq_id, owner)
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,1 @@
+"""Fast unit tests: no model, no Redis server (fakeredis), no processes."""

@@ -1,0 +1,94 @@
+"""app/schemas.py: the request bodies and their validation, without Flask."""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from app.schemas import JobRequest, Message, SamplingFields
+
+
+def test_prompt_defaults():
+    req = JobRequest.model_validate({"prompt": "Hi"})
+    assert req.prompt == "Hi" and req.messages is None and req.prompts is None
+    assert req.stop == [] and req.max_tokens is None and req.min_tokens == 0
+    assert req.stream is False and req.ignore_eos is False
+
+
+def test_stop_string_becomes_a_list():
+    assert JobRequest.model_validate({"prompt": "x", "stop": "\n"}).stop == ["\n"]
+    assert JobRequest.model_validate({"prompt": "x", "stop": ["a", "b"]}).stop == ["a", "b"]
+    assert SamplingFields().stop == []
+
+
+def test_messages_and_prompts():
+    req = JobRequest.model_validate({"messages": [{"role": "system", "content": "Be brief"},
+                                                  {"role": "user", "content": "東京?"}]})
+    assert [m.role for m in req.messages] == ["system", "user"]
+    req = JobRequest.model_validate({"prompts": ["a", "b"]})
+    assert req.prompts == ["a", "b"]
+
+
+@pytest.mark.parametrize("body", [
+    {},
+    {"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+    {"prompt": "a", "prompts": ["b"]},
+    {"messages": [{"role": "user", "content": "b"}], "prompts": ["b"]},
+    {"prompt": ""},
+    {"prompt": "   \n"},
+    {"prompt": 5},
+    {"prompt": None},
+    {"prompt": ["a"]},
+    {"messages": []},
+    {"messages": [{"role": "robot", "content": "x"}]},
+    {"messages": [{"role": "user"}]},
+    {"messages": [{"role": "user", "content": "x", "name": "n"}]},
+    {"messages": "hi"},
+    {"prompts": []},
+    {"prompts": ["ok", ""]},
+    {"prompts": ["ok", 3]},
+    {"prompt": "x", "max_tokens": 0},
+    {"prompt": "x", "max_tokens": -1},
+    {"prompt": "x", "max_tokens": 1.5},
+    {"prompt": "x", "temperature": -0.1},
+    {"prompt": "x", "temperature": 2.01},
+    {"prompt": "x", "temperature": float("nan")},
+    {"prompt": "x", "temperature": float("inf")},
+    {"prompt": "x", "top_p": 0},
+    {"prompt": "x", "top_p": 1.5},
+    {"prompt": "x", "top_k": -2},
+    {"prompt": "x", "min_p": 1.1},
+    {"prompt": "x", "repetition_penalty": 0},
+    {"prompt": "x", "seed": -1},
+    {"prompt": "x", "seed": 2**63},
+    {"prompt": "x", "stop": ""},
+    {"prompt": "x", "stop": ["ok", ""]},
+    {"prompt": "x", "stop": [1]},
+    {"prompt": "x", "stop_token_ids": ["a"]},
+    {"prompt": "x", "min_tokens": -1},
+    {"prompt": "x", "min_tokens": 5, "max_tokens": 4},
+    {"prompt": "x", "unknown_field": 1},
+    {"prompt": "x", "model": "gpt-4"},
+])
+def test_invalid_bodies(body):
+    with pytest.raises(ValidationError):
+        JobRequest.model_validate(body)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", 1), ("temperature", 0.0), ("temperature", 2.0), ("top_p", 1.0),
+    ("top_k", -1), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 2.0), ("seed", 0),
+    ("seed", 2**63 - 1), ("stop_token_ids", [0, 1]), ("ignore_eos", True), ("min_tokens", 3),
+])
+def test_boundary_values_are_accepted(field, value):
+    req = JobRequest.model_validate({"prompt": "x", field: value})
+    assert getattr(req, field) == value
+
+
+def test_min_tokens_equal_to_max_tokens_is_fine():
+    req = JobRequest.model_validate({"prompt": "x", "min_tokens": 4, "max_tokens": 4})
+    assert (req.min_tokens, req.max_tokens) == (4, 4)
+
+
+def test_message_model_forbids_extra():
+    with pytest.raises(ValidationError):
+        Message.model_validate({"role": "user", "content": "x", "extra": 1})

@@ -1,0 +1,249 @@
+"""The Sequence state machine (stop tokens, lengths) and its stop-string text handling."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from common.protocol import FinishReason, SamplingParams, SequenceStatus
+from worker.sequence import Sequence, SequenceState
+
+from .factories import EOS, make_seq
+
+
+# --- tokens ----------------------------------------------------------------------------------
+def test_new_sequence_is_waiting_with_counters():
+    s = make_seq(5)
+    assert s.state is SequenceState.WAITING and not s.is_finished
+    assert (s.num_prompt_tokens, s.num_output_tokens, s.num_tokens) == (5, 0, 5)
+    s.append_token(9)
+    assert s.num_tokens == 6 and s.all_token_ids == list(range(100, 105)) + [9]
+    assert s.first_token_time is not None
+
+
+def test_eos_stops():
+    s = make_seq(2)
+    s.append_token(5)
+    assert not s.is_finished
+    s.append_token(EOS)
+    assert s.is_finished and s.finish_reason is FinishReason.STOP
+    assert s.output_token_ids == [5, EOS]            # the stop token is counted
+
+
+def test_any_of_several_eos_ids_stops():
+    s = make_seq(2, eos=(2, 3))
+    s.append_token(3)
+    assert s.finish_reason is FinishReason.STOP
+
+
+def test_stop_token_ids_stop():
+    s = make_seq(2, stop_token_ids=[42])
+    s.append_token(41)
+    assert not s.is_finished
+    s.append_token(42)
+    assert s.finish_reason is FinishReason.STOP and s.state is SequenceState.FINISHED
+
+
+def test_max_tokens_gives_length():
+    s = make_seq(2, max_tokens=3)
+    for t in (5, 6):
+        s.append_token(t)
+        assert not s.is_finished
+    s.append_token(7)
+    assert s.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_token_on_last_allowed_token_is_stop_not_length():
+    s = make_seq(2, max_tokens=2)
+    s.append_token(5)
+    s.append_token(EOS)
+    assert s.finish_reason is FinishReason.STOP
+
+
+def test_min_tokens_suppresses_eos_stop():
+    s = make_seq(2, min_tokens=3, stop_token_ids=[42])
+    s.append_token(EOS)
+    s.append_token(42)
+    assert not s.is_finished                         # 2 tokens < min_tokens: no stop yet
+    s.append_token(EOS)                              # the 3rd token may stop
+    assert s.finish_reason is FinishReason.STOP and s.num_output_tokens == 3
+
+
+def test_min_tokens_does_not_override_max_tokens():
+    s = make_seq(2, min_tokens=2, max_tokens=2)
+    s.append_token(EOS)
+    s.append_token(5)
+    assert s.finish_reason is FinishReason.LENGTH
+
+
+def test_ignore_eos_keeps_going_but_stop_token_ids_still_stop():
+    s = make_seq(2, ignore_eos=True, stop_token_ids=[42], max_tokens=10)
+    assert s.stop_token_ids == (42,)
+    for _ in range(3):
+        s.append_token(EOS)
+    assert not s.is_finished
+    s.append_token(42)
+    assert s.finish_reason is FinishReason.STOP
+
+
+def test_ignore_eos_runs_to_max_tokens():
+    s = make_seq(2, ignore_eos=True, max_tokens=4)
+    for _ in range(4):
+        s.append_token(EOS)
+    assert s.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_token_ids_include_eos_unless_ignored():
+    assert make_seq(1, stop_token_ids=[9]).stop_token_ids == (EOS, 9)
+
+
+def test_finish_is_idempotent_first_reason_wins():
+    s = make_seq(2)
+    s.finish(FinishReason.CANCELLED)
+    s.finish(FinishReason.ERROR, "late")
+    assert s.finish_reason is FinishReason.CANCELLED and s.error is None
+
+
+def test_finish_records_error():
+    s = make_seq(2)
+    s.finish(FinishReason.ERROR, "out of memory")
+    assert (s.finish_reason, s.error, s.is_finished) == (FinishReason.ERROR, "out of memory", True)
+
+
+# --- stop strings ----------------------------------------------------------------------------
+def feed(seq: Sequence, deltas, final_last: bool = False) -> list[str]:
+    out = []
+    for i, d in enumerate(deltas):
+        out.append(seq.add_text(d, final=final_last and i == len(deltas) - 1))
+        if seq.is_finished and not (final_last and i == len(deltas) - 1):
+            break
+    return out
+
+
+def test_without_stop_strings_text_passes_through():
+    s = make_seq(1)
+    assert feed(s, ["Hel", "lo", ""]) == ["Hel", "lo", ""]
+    assert s.text == "Hello" and s.pending_text == "" and not s.is_finished
+
+
+def test_stop_string_cuts_text_before_it_and_stops():
+    s = make_seq(1, stop=["END"])
+    assert s.add_text("Hello END and more") == "Hello "
+    assert s.text == "Hello " and s.finish_reason is FinishReason.STOP
+
+
+def test_stop_string_at_the_very_start_yields_empty_text():
+    s = make_seq(1, stop=["###"])
+    assert s.add_text("###x") == "" and s.text == "" and s.is_finished
+
+
+def test_stop_string_split_across_deltas():
+    s = make_seq(1, stop=["STOP"])
+    pieces = feed(s, ["abc S", "T", "O", "P tail"])
+    assert pieces == ["abc ", "", "", ""]
+    assert s.text == "abc " and s.finish_reason is FinishReason.STOP
+    assert "S" not in "".join(pieces)
+
+
+def test_held_back_text_is_released_when_not_a_stop_string():
+    s = make_seq(1, stop=["STOP"])
+    assert s.add_text("a ST") == "a "
+    assert s.pending_text == "ST"
+    assert s.add_text("ART") == "START"
+    assert s.text == "a START" and not s.is_finished and s.pending_text == ""
+
+
+def test_final_releases_held_back_text():
+    s = make_seq(1, stop=["</s>"])
+    assert s.add_text("answer </") == "answer "
+    s.finish(FinishReason.LENGTH)
+    assert s.add_text("", final=True) == "</"
+    assert s.text == "answer </" and s.finish_reason is FinishReason.LENGTH
+
+
+def test_earliest_of_several_stop_strings_wins():
+    s = make_seq(1, stop=["world", "lo"])
+    assert s.add_text("hello world") == "hel"
+    assert s.text == "hel"
+
+
+def test_overlapping_prefix_is_held_until_resolved():
+    s = make_seq(1, stop=["aab"])
+    assert s.add_text("xa") == "x"
+    assert s.add_text("a") == ""                     # "aa" could still become "aab"
+    assert s.add_text("a") == "a"                    # "aaa": only the last "aa" may start it
+    assert s.add_text("b!") == ""
+    assert s.text == "xa" and s.is_finished
+
+
+def test_stop_string_found_in_final_delta():
+    s = make_seq(1, stop=["\n\n"])
+    s.finish(FinishReason.LENGTH)
+    assert s.add_text("line\n\nnext", final=True) == "line"
+    assert s.text == "line"
+
+
+def test_stop_string_completed_by_the_last_allowed_token_reports_stop():
+    """The text is cut at a stop string, so the reason is "stop" even on the last token
+    (vLLM and OpenAI report stop strings before the length limit)."""
+    s = make_seq(1, stop=["END"], max_tokens=2)
+    s.append_token(5)
+    assert s.add_text("ok EN") == "ok "
+    s.append_token(6)                                # hits max_tokens: LENGTH for now
+    assert s.finish_reason is FinishReason.LENGTH
+    assert s.add_text("D", final=True) == ""
+    assert s.text == "ok " and s.finish_reason is FinishReason.STOP
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pieces_always_add_up_to_text(seed):
+    rng = random.Random(seed)
+    alphabet = "ab c\nxé🎉"
+    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+             for _ in range(rng.randint(0, 3))]
+    full = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+    cuts = sorted(rng.sample(range(len(full) + 1), k=min(len(full) + 1, rng.randint(0, 12))))
+    deltas = [full[i:j] for i, j in zip([0] + cuts, cuts + [len(full)])]
+    s = make_seq(1, stop=stops)
+    pieces = []
+    for i, d in enumerate(deltas):
+        pieces.append(s.add_text(d, final=i == len(deltas) - 1))
+        assert "".join(pieces) == s.text
+        if s.is_finished:
+            break
+    # The streamed text is a prefix of the full text that ends right before a stop string, or
+    # the whole text when none occurs; a stop string never leaks into it.
+    assert full.startswith(s.text)
+    if any(x in full for x in stops):
+        assert s.finish_reason is FinishReason.STOP
+        assert any(full[len(s.text):].startswith(x) for x in stops)
+    else:
+        assert s.text == full and not s.is_finished
+    assert not any(x in s.text for x in stops)
+
+
+# --- protocol --------------------------------------------------------------------------------
+@pytest.mark.parametrize("reason,status", [
+    (FinishReason.STOP, SequenceStatus.SUCCEEDED),
+    (FinishReason.LENGTH, SequenceStatus.SUCCEEDED),
+    (FinishReason.CANCELLED, SequenceStatus.CANCELLED),
+    (FinishReason.TIMEOUT, SequenceStatus.CANCELLED),
+    (FinishReason.ERROR, SequenceStatus.FAILED),
+])
+def test_finish_reason_status(reason, status):
+    assert reason.status is status
+    assert status.is_finished
+
+
+def test_every_finish_reason_has_a_status():
+    assert {r.status for r in FinishReason} <= {s for s in SequenceStatus if s.is_finished}
+
+
+def test_unfinished_statuses():
+    assert not SequenceStatus.QUEUED.is_finished and not SequenceStatus.RUNNING.is_finished
+
+
+def test_sampling_params_round_trip_ignores_unknown_keys():
+    p = SamplingParams(max_tokens=5, temperature=0.5, stop=["x"], stop_token_ids=[3],
+                       min_tokens=1, ignore_eos=True, seed=7)
+    assert SamplingParams.from_dict({**p.to_dict(), "future_field": 1}) == p

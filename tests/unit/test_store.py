@@ -1,0 +1,303 @@
+"""SequenceStore on fakeredis: records, the start/finish scripts, events, pub/sub, workers."""
+from __future__ import annotations
+
+import json
+import time
+
+import fakeredis
+import pytest
+
+from common.protocol import (EVENT_DONE, EVENT_RESET, EVENT_TOKEN, FinishReason, SamplingParams,
+                             SequenceRequest, SequenceStatus)
+from common.store import (CANCELLED_KEY, WORKERS_KEY, SequenceStore, TokenDelta, channel,
+                          events_key, job_from_record, record_key, worker_key)
+
+pytest.importorskip("lupa", reason="fakeredis needs lupa to run the store's Lua scripts")
+
+RESULT_TTL, PENDING_TTL = 300, 3000
+
+
+@pytest.fixture
+def r():
+    return fakeredis.FakeRedis(decode_responses=True)
+
+
+@pytest.fixture
+def store(r):
+    return SequenceStore(r, result_ttl_s=RESULT_TTL, pending_ttl_s=PENDING_TTL, stream_maxlen=1000)
+
+
+def new(store, seq_id="seq-1", **kw):
+    kw.setdefault("prompt", "Hello")
+    return store.create([SequenceRequest(seq_id=seq_id, **kw)], model="m1")[0]
+
+
+def kinds(events):
+    return [k for _, k, _ in events]
+
+
+class Subscriber:
+    """A pub/sub subscription read without sleeping: fakeredis delivers synchronously."""
+
+    def __init__(self, r, seq_id):
+        self.p = r.pubsub()
+        self.p.subscribe(channel(seq_id))
+        self.p_channel = channel(seq_id)
+
+    def messages(self):
+        out = []
+        while (m := self.p.get_message(timeout=0)) is not None:
+            if m["type"] == "message":
+                assert m["channel"] == self.p_channel
+                out.append(json.loads(m["data"]))
+        return out
+
+
+# --- create ----------------------------------------------------------------------------------
+def test_create_returns_queued_job_objects(store):
+    before = time.time()
+    jobs = store.create([SequenceRequest("a", prompt="Hi"),
+                         SequenceRequest("b", messages=[{"role": "user", "content": "Yo"}])],
+                        model="m1")
+    assert [j["id"] for j in jobs] == ["a", "b"]
+    a, b = jobs
+    assert a["object"] == "job" and a["status"] == "queued"
+    assert a["prompt"] == "Hi" and a["messages"] is None
+    assert b["prompt"] is None and b["messages"] == [{"role": "user", "content": "Yo"}]
+    assert a["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    assert a["text"] == "" and a["finish_reason"] is None and a["error"] is None
+    assert a["model"] == "m1"
+    assert before - 1 <= a["created_at"] <= time.time() + 1
+    assert a["started_at"] is None and a["finished_at"] is None
+    assert store.get_job("a") == a                   # what create returns is what get reads
+
+
+def test_create_sets_pending_ttl_and_owner(store, r):
+    new(store, "a", owner="o1", params=SamplingParams(max_tokens=3, stop=["x"]))
+    assert 0 < r.ttl(record_key("a")) <= PENDING_TTL
+    req = store.load_request("a")
+    assert req.owner == "o1" and req.prompt == "Hello" and req.messages is None
+    assert req.params == SamplingParams(max_tokens=3, stop=["x"])
+
+
+def test_load_request_of_messages_and_missing(store):
+    new(store, "a", prompt=None, messages=[{"role": "user", "content": "東京 🎉"}])
+    req = store.load_request("a")
+    assert req.prompt is None and req.messages == [{"role": "user", "content": "東京 🎉"}]
+    assert store.load_request("nope") is None
+    assert store.get_job("nope") is None
+
+
+# --- start -----------------------------------------------------------------------------------
+def test_start_queued_then_redelivered(store):
+    new(store)
+    assert store.start("seq-1", "w1") == ("queued", 1)
+    job = store.get_job("seq-1")
+    assert job["status"] == "running" and job["started_at"] is not None
+    assert store.get_record("seq-1")["worker"] == "w1"
+    assert store.read_events("seq-1") == []          # a first start emits nothing
+    store.publish_deltas([TokenDelta("seq-1", "par", "par", 1)])
+    # The worker died; Celery redelivers: attempt 2, the partial text is dropped.
+    assert store.start("seq-1", "w2") == ("running", 2)
+    rec = store.get_record("seq-1")
+    assert rec["text"] == "" and rec["completion_tokens"] == "0" and rec["worker"] == "w2"
+    events = store.read_events("seq-1")
+    assert kinds(events) == [EVENT_TOKEN, EVENT_RESET]
+    assert events[-1][2] == {"attempt": 2}
+
+
+def test_start_of_finished_or_missing_does_not_run(store):
+    new(store)
+    store.start("seq-1", "w1")
+    assert store.finish("seq-1", FinishReason.STOP, text="done")
+    assert store.start("seq-1", "w1") == ("succeeded", 0)
+    assert store.get_job("seq-1")["status"] == "succeeded"
+    assert store.start("missing", "w1") == ("missing", 0)
+    assert store.get_record("missing") is None       # start must not create a record
+
+
+def test_start_of_cancelled_does_not_run(store):
+    new(store)
+    store.request_cancel("seq-1")
+    assert store.start("seq-1", "w1") == ("cancelled", 0)
+
+
+# --- finish ----------------------------------------------------------------------------------
+def test_finish_only_once_and_done_event_is_final_job(store, r):
+    new(store)
+    store.start("seq-1", "w1")
+    store.set_prompt_tokens("seq-1", 5)
+    sub = Subscriber(r, "seq-1")
+    assert store.finish("seq-1", FinishReason.LENGTH, text="hello world", completion_tokens=2)
+    assert not store.finish("seq-1", FinishReason.ERROR, error="again")
+    job = store.get_job("seq-1")
+    assert job["status"] == "succeeded" and job["finish_reason"] == "length"
+    assert job["text"] == "hello world" and job["error"] is None
+    assert job["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert job["finished_at"] >= job["started_at"] >= job["created_at"]
+    events = store.read_events("seq-1")
+    assert kinds(events) == [EVENT_DONE]             # exactly one done event
+    assert events[0][2] == job
+    assert sub.messages() == [{"done": True, "job": job}]
+
+
+def test_finish_sets_result_ttl(store, r):
+    new(store)
+    store.start("seq-1", "w1")
+    store.publish_deltas([TokenDelta("seq-1", "x", "x", 1)])
+    assert r.ttl(events_key("seq-1")) > RESULT_TTL   # still the pending TTL while running
+    store.finish("seq-1", FinishReason.STOP, text="x", completion_tokens=1)
+    assert 0 < r.ttl(record_key("seq-1")) <= RESULT_TTL
+    assert 0 < r.ttl(events_key("seq-1")) <= RESULT_TTL
+
+
+def test_finish_with_error_fails_the_job(store):
+    new(store)
+    store.start("seq-1", "w1")
+    assert store.finish("seq-1", FinishReason.ERROR, error="CUDA out of memory", text="")
+    job = store.get_job("seq-1")
+    assert job["status"] == "failed" and job["error"] == {"message": "CUDA out of memory"}
+
+
+def test_finish_only_if_running_skips_queued(store):
+    new(store)
+    assert not store.finish("seq-1", FinishReason.STOP, only_if=(SequenceStatus.RUNNING,))
+    assert store.get_job("seq-1")["status"] == "queued"
+    assert store.read_events("seq-1") == []
+
+
+def test_finish_missing_returns_false(store):
+    assert store.finish("nope", FinishReason.STOP) is False
+
+
+# --- cancel ----------------------------------------------------------------------------------
+def test_cancel_queued_finishes_it(store, r):
+    new(store)
+    sub = Subscriber(r, "seq-1")
+    store.request_cancel("seq-1")
+    job = store.get_job("seq-1")
+    assert job["status"] == "cancelled" and job["finish_reason"] == "cancelled"
+    assert kinds(store.read_events("seq-1")) == [EVENT_DONE]
+    assert sub.messages()[0]["job"]["status"] == "cancelled"
+    assert store.cancelled_among(["seq-1"]) == set()   # nobody has to act on it any more
+    assert not r.sismember(CANCELLED_KEY, "seq-1")
+
+
+def test_cancel_running_only_flags_it(store):
+    new(store, "a")
+    new(store, "b")
+    store.start("a", "w1")
+    store.start("b", "w1")
+    store.request_cancel("a")
+    assert store.get_job("a")["status"] == "running"
+    assert store.read_events("a") == []
+    assert store.cancelled_among(["a", "b"]) == {"a"}
+    assert store.cancelled_among([]) == set()
+    # The engine finishes it, which also clears the flag.
+    assert store.finish("a", FinishReason.CANCELLED, text="", completion_tokens=0,
+                        only_if=(SequenceStatus.RUNNING,))
+    assert store.get_job("a")["status"] == "cancelled"
+    assert store.cancelled_among(["a", "b"]) == set()
+
+
+def test_cancel_finished_leaves_it_alone_and_no_flag_behind(store, r):
+    new(store)
+    store.start("seq-1", "w1")
+    store.finish("seq-1", FinishReason.STOP, text="ok")
+    store.request_cancel("seq-1")
+    assert store.get_job("seq-1")["status"] == "succeeded"
+    assert kinds(store.read_events("seq-1")) == [EVENT_DONE]
+    # Nothing will ever finish it again, so a flag left here would never be removed.
+    assert not r.sismember(CANCELLED_KEY, "seq-1")
+
+
+# --- events ----------------------------------------------------------------------------------
+def test_publish_deltas_appends_tokens_and_updates_text(store, r):
+    new(store, "a")
+    new(store, "b")
+    store.start("a", "w")
+    store.start("b", "w")
+    sub = Subscriber(r, "a")
+    store.publish_deltas([TokenDelta("a", "Hel", "Hel", 1), TokenDelta("b", "", "", 1)])
+    store.publish_deltas([TokenDelta("a", "lo 🎉", "Hello 🎉", 3)])
+    assert [(k, d) for _, k, d in store.read_events("a")] == [
+        (EVENT_TOKEN, {"text": "Hel"}), (EVENT_TOKEN, {"text": "lo 🎉"})]
+    assert store.read_events("b") == []              # empty text: no event, but counters move
+    assert store.get_record("b")["completion_tokens"] == "1"
+    job = store.get_job("a")
+    assert job["text"] == "Hello 🎉" and job["usage"]["completion_tokens"] == 3
+    assert sub.messages() == [{"text": "Hel"}, {"text": "lo 🎉"}]
+    assert 0 < r.ttl(events_key("a")) <= PENDING_TTL
+
+
+def test_publish_nothing_is_a_no_op(store, r):
+    store.publish_deltas([])
+    assert r.keys("*") == []
+
+
+def test_read_events_after_an_id_returns_exactly_the_later_ones(store):
+    new(store)
+    store.start("seq-1", "w")
+    for i in range(5):
+        store.publish_deltas([TokenDelta("seq-1", f"t{i}", "", i + 1)])
+    store.finish("seq-1", FinishReason.STOP, text="t0t1t2t3t4")
+    events = store.read_events("seq-1")
+    assert kinds(events) == [EVENT_TOKEN] * 5 + [EVENT_DONE]
+    ids = [e for e, _, _ in events]
+    assert len(set(ids)) == 6
+    for i, entry_id in enumerate(ids):
+        assert store.read_events("seq-1", after=entry_id) == events[i + 1:]
+    assert store.read_events("seq-1", after="0-0", count=2) == events[:2]
+    assert store.read_events("seq-1", after=ids[-1], block_ms=None) == []
+
+
+def test_read_events_of_unknown_sequence_is_empty(store):
+    assert store.read_events("nope") == []
+
+
+# --- job_from_record -------------------------------------------------------------------------
+def test_job_from_record_tolerates_missing_fields():
+    job = job_from_record({"id": "x"})
+    assert job["id"] == "x" and job["status"] is None and job["text"] == ""
+    assert job["usage"]["total_tokens"] == 0 and job["created_at"] is None
+
+
+# --- workers ---------------------------------------------------------------------------------
+def test_heartbeat_and_live_workers(store, r):
+    assert store.live_workers(10) == []
+    store.heartbeat("w1@h", {"model_loaded": 1, "device": "cpu"}, 10)
+    store.heartbeat("w2@h", {"model_loaded": 0}, 10)
+    live = sorted(store.live_workers(10), key=lambda w: w["name"])
+    assert live == [{"model_loaded": "1", "device": "cpu", "name": "w1@h"},
+                    {"model_loaded": "0", "name": "w2@h"}]
+    assert 0 < r.ttl(worker_key("w1@h")) <= 10
+
+
+def test_stale_and_removed_workers_are_not_live(store, r):
+    store.heartbeat("old", {"model_loaded": 1}, 10)
+    r.zadd(WORKERS_KEY, {"old": time.time() - 100})    # its last heartbeat was long ago
+    store.heartbeat("new", {"model_loaded": 1}, 10)
+    assert [w["name"] for w in store.live_workers(15)] == ["new"]
+    store.remove_worker("new")
+    assert store.live_workers(15) == []
+    assert not r.exists(worker_key("new"))
+
+
+def test_worker_whose_info_expired_is_not_live(store, r):
+    store.heartbeat("w", {"model_loaded": 1}, 10)
+    r.delete(worker_key("w"))                          # what the TTL does
+    assert store.live_workers(15) == []
+
+
+def test_from_settings_uses_the_settings_ttls(r):
+    from common.settings import Settings
+
+    s = SequenceStore.from_settings(Settings(result_ttl_s=11, pending_ttl_s=22,
+                                             stream_maxlen=33), client=r)
+    assert (s.result_ttl_s, s.pending_ttl_s, s.stream_maxlen, s.r) == (11, 22, 33, r)
+
+
+def test_cancel_unknown_sequence_leaves_no_flag(store, r):
+    store.request_cancel("nope")
+    assert store.get_record("nope") is None
+    assert not r.sismember(CANCELLED_KEY, "nope")

@@ -1,0 +1,367 @@
+"""The scheduler driven by hand: schedule() -> (model step) -> update(), with hand-made tokens."""
+from __future__ import annotations
+
+import pytest
+
+from common.protocol import FinishReason
+from worker.sequence import SequenceState
+from worker.workload_manager import (POLICIES, ContinuousBatching, SchedulerOutput,
+                                     StaticBatching, WorkloadManager)
+
+from .factories import EOS, ids, make_manager, make_seq, tokens_for
+
+
+def step(wm: WorkloadManager, token: int = 7, **overrides: int):
+    """One full engine step: schedule, sample `token` for everyone, update."""
+    out = wm.schedule()
+    finished = wm.update(out, tokens_for(out, token, **overrides))
+    return out, finished
+
+
+# --- admission -------------------------------------------------------------------------------
+def test_admission_is_bounded_by_max_num_seqs_and_fifo():
+    wm = make_manager(max_num_seqs=3)
+    seqs = [make_seq(4) for _ in range(5)]
+    for s in seqs:
+        wm.add(s)
+    out, _ = step(wm)
+    assert ids(out.prefill) == ids(seqs[:3])
+    assert out.decode == []
+    assert ids(wm.waiting) == ids(seqs[3:])
+    assert all(s.state is SequenceState.RUNNING for s in seqs[:3])
+    assert all(s.state is SequenceState.WAITING for s in seqs[3:])
+    # Full: the next step only decodes, nobody joins.
+    out, _ = step(wm)
+    assert out.prefill == [] and ids(out.decode) == ids(seqs[:3])
+    assert wm.stats.max_running == 3
+
+
+def test_token_budget_limits_prefill_per_step():
+    wm = make_manager(max_num_batched_tokens=10)
+    a, b, c = make_seq(4), make_seq(4), make_seq(4)
+    for s in (a, b, c):
+        wm.add(s)
+    out = wm.schedule()
+    assert ids(out.prefill) == ids([a, b])          # 4 + 4 fits, + 4 would be 12 > 10
+    assert out.num_batched_tokens == 8
+    wm.update(out, tokens_for(out))
+    out = wm.schedule()
+    # Two decodes use 2 tokens of the budget; c (4 prompt tokens + 0 output) fits in 8.
+    assert ids(out.prefill) == [c.seq_id] and ids(out.decode) == ids([a, b])
+    assert out.num_batched_tokens <= 10
+
+
+def test_decodes_count_against_the_budget():
+    wm = make_manager(max_num_batched_tokens=6)
+    running = [make_seq(1) for _ in range(3)]
+    for s in running:
+        wm.add(s)
+    step(wm)                                        # 3 tokens of prefill
+    newcomer = make_seq(4)                          # 3 decodes + 4 = 7 > 6: must wait
+    wm.add(newcomer)
+    out, _ = step(wm)
+    assert out.prefill == [] and len(out.decode) == 3
+    assert list(wm.waiting) == [newcomer]
+
+
+def test_prompt_bigger_than_whole_budget_runs_alone():
+    wm = make_manager(max_num_batched_tokens=8)
+    big, small = make_seq(50), make_seq(2)
+    wm.add(big)
+    wm.add(small)
+    out = wm.schedule()
+    assert ids(out.prefill) == [big.seq_id]          # alone, despite 50 > 8
+    assert ids(wm.waiting) == [small.seq_id]
+    wm.update(out, tokens_for(out))
+    out = wm.schedule()
+    assert ids(out.prefill) == [small.seq_id] and ids(out.decode) == [big.seq_id]
+
+
+def test_big_prompt_waits_for_the_batch_to_drain_then_runs():
+    wm = make_manager(max_num_batched_tokens=8)
+    short = make_seq(2, max_tokens=2)
+    wm.add(short)
+    step(wm)
+    big = make_seq(50)
+    wm.add(big)
+    out, finished = step(wm)                         # short decodes its last token
+    assert big not in out.prefill and finished == [short]
+    out = wm.schedule()                              # batch empty: big runs alone, no starvation
+    assert ids(out.prefill) == [big.seq_id] and out.decode == []
+
+
+def test_fifo_is_kept_even_when_a_later_prompt_would_fit():
+    wm = make_manager(max_num_batched_tokens=10)
+    a, big, small = make_seq(6), make_seq(8), make_seq(1)
+    for s in (a, big, small):
+        wm.add(s)
+    out = wm.schedule()
+    # big does not fit after a; small would, but it must not overtake big.
+    assert ids(out.prefill) == [a.seq_id]
+    assert ids(wm.waiting) == ids([big, small])
+
+
+def test_requeued_sequence_prefill_counts_its_output_tokens():
+    wm = make_manager(max_num_batched_tokens=10)
+    a = make_seq(4)
+    wm.add(a)
+    out, _ = step(wm)
+    for _ in range(4):
+        step(wm)
+    assert a.num_output_tokens == 5
+    wm.requeue(wm.schedule())
+    b = make_seq(2)
+    wm.add(b)
+    out = wm.schedule()
+    assert ids(out.prefill) == [a.seq_id] and out.num_batched_tokens == 9   # 4 prompt + 5 out
+    assert list(wm.waiting) == [b]                                          # 9 + 2 > 10
+
+
+# --- joining and leaving the batch -----------------------------------------------------------
+def test_newcomer_joins_running_batch_at_next_step():
+    wm = make_manager()
+    a = make_seq(3, max_tokens=100)
+    wm.add(a)
+    step(wm)
+    assert wm.stats.num_joined_running_batch == 0
+    b = make_seq(3)
+    wm.add(b)
+    out, _ = step(wm)
+    assert ids(out.prefill) == [b.seq_id] and ids(out.decode) == [a.seq_id]
+    assert wm.stats.num_joined_running_batch == 1
+    assert wm.stats.num_prefilled == 2
+    out, _ = step(wm)
+    assert ids(out.decode) == ids([a, b])            # both decode together now
+    assert wm.stats.max_running == 2
+    assert wm.stats.num_steps == 3
+
+
+def test_finished_sequence_leaves_at_once_and_frees_its_slot():
+    wm = make_manager(max_num_seqs=1)
+    a, b = make_seq(2), make_seq(2)
+    wm.add(a)
+    wm.add(b)
+    out, finished = step(wm, token=EOS)              # a's first token is EOS
+    assert finished == [a] and a.finish_reason is FinishReason.STOP
+    assert a not in wm.running and a.is_finished
+    out = wm.schedule()
+    assert out.freed_seq_ids == [a.seq_id]           # the model frees a's cache
+    assert ids(out.prefill) == [b.seq_id]            # and b takes the slot this very step
+    wm.update(out, tokens_for(out))
+    assert wm.schedule().freed_seq_ids == []         # reported once
+
+
+def test_finish_on_max_tokens_inside_update():
+    wm = make_manager()
+    a = make_seq(2, max_tokens=3)
+    wm.add(a)
+    results = [step(wm)[1] for _ in range(3)]
+    assert results[:2] == [[], []] and results[2] == [a]
+    assert a.output_token_ids == [7, 7, 7] and a.finish_reason is FinishReason.LENGTH
+    assert wm.num_unfinished == 0
+
+
+def test_only_sequences_with_a_token_advance():
+    wm = make_manager()
+    a, b = make_seq(2), make_seq(2)
+    wm.add(a)
+    wm.add(b)
+    out = wm.schedule()
+    wm.update(out, {a.seq_id: 5})                    # b errored / got no token this step
+    assert a.output_token_ids == [5] and b.output_token_ids == []
+    assert ids(wm.running) == ids([a, b])
+
+
+# --- abort -----------------------------------------------------------------------------------
+def test_abort_waiting_sequence():
+    wm = make_manager(max_num_seqs=1)
+    a, b = make_seq(2), make_seq(2)
+    wm.add(a)
+    wm.add(b)
+    step(wm)
+    wm.abort(b, FinishReason.CANCELLED)
+    assert b.is_finished and b.finish_reason is FinishReason.CANCELLED
+    assert list(wm.waiting) == []
+    out = wm.schedule()
+    assert out.freed_seq_ids == []                   # never reached the model: nothing to free
+    assert b not in out.prefill
+
+
+def test_abort_running_sequence_frees_it_next_step():
+    wm = make_manager()
+    a, b = make_seq(2), make_seq(2)
+    wm.add(a)
+    wm.add(b)
+    step(wm)
+    wm.abort(a, FinishReason.CANCELLED)
+    assert ids(wm.running) == [b.seq_id]
+    out = wm.schedule()
+    assert out.freed_seq_ids == [a.seq_id] and ids(out.decode) == [b.seq_id]
+
+
+def test_abort_while_decode_in_flight_ignores_its_token():
+    wm = make_manager()
+    a = make_seq(2)
+    wm.add(a)
+    step(wm)
+    out = wm.schedule()                              # a decodes in this step...
+    wm.abort(a, FinishReason.CANCELLED)              # ...and is cancelled meanwhile
+    finished = wm.update(out, tokens_for(out, 9))
+    assert finished == [] and a.output_token_ids == [7]
+    assert a.finish_reason is FinishReason.CANCELLED
+    assert wm.schedule().freed_seq_ids == [a.seq_id]
+
+
+def test_abort_while_prefill_in_flight_is_freed_after_update():
+    wm = make_manager()
+    a, b = make_seq(2), make_seq(2)
+    wm.add(a)
+    wm.add(b)
+    out = wm.schedule()
+    wm.abort(a, FinishReason.CANCELLED)              # in neither queue: its prefill is running
+    assert a.is_finished
+    finished = wm.update(out, tokens_for(out))
+    assert finished == [] and a.output_token_ids == []
+    assert a not in wm.running and ids(wm.running) == [b.seq_id]
+    assert wm.num_unfinished == 1
+    nxt = wm.schedule()
+    assert nxt.freed_seq_ids == [a.seq_id]           # the model holds its cache: free it
+    assert ids(nxt.decode) == [b.seq_id]
+
+
+def test_abort_twice_frees_once():
+    wm = make_manager()
+    a = make_seq(2)
+    wm.add(a)
+    step(wm)
+    wm.abort(a, FinishReason.CANCELLED)
+    wm.abort(a, FinishReason.ERROR, "late")
+    assert a.finish_reason is FinishReason.CANCELLED and a.error is None
+    assert wm.schedule().freed_seq_ids == [a.seq_id]
+
+
+def test_abort_with_error_records_it():
+    wm = make_manager()
+    a = make_seq(2)
+    wm.add(a)
+    wm.abort(a, FinishReason.ERROR, "boom")
+    assert (a.finish_reason, a.error) == (FinishReason.ERROR, "boom")
+    assert wm.num_unfinished == 0
+
+
+# --- no starvation ---------------------------------------------------------------------------
+def test_long_running_sequence_does_not_block_waiting_ones():
+    wm = make_manager(max_num_seqs=2)
+    long = make_seq(2, max_tokens=1000)
+    wm.add(long)
+    step(wm)
+    shorts = [make_seq(2, max_tokens=2) for _ in range(3)]
+    for s in shorts:
+        wm.add(s)
+    done = []
+    for _ in range(20):
+        before = list(wm.running)
+        out, finished = step(wm)
+        assert ids(out.decode) == ids(before)        # everyone running decodes every step
+        assert long in out.decode
+        done += finished
+        if len(done) == 3:
+            break
+    assert done == shorts                            # all served, in order, while long runs
+    assert not long.is_finished
+
+
+def test_every_running_sequence_decodes_every_step():
+    wm = make_manager(max_num_seqs=4)
+    seqs = [make_seq(2, max_tokens=50) for _ in range(4)]
+    for s in seqs:
+        wm.add(s)
+    for n in range(1, 11):
+        step(wm)
+        assert [s.num_output_tokens for s in seqs] == [n] * 4
+
+
+# --- policies --------------------------------------------------------------------------------
+def test_static_batching_admits_only_when_batch_is_empty():
+    wm = make_manager(policy=StaticBatching())
+    a = make_seq(2, max_tokens=2)
+    b = make_seq(2, max_tokens=3)
+    wm.add(a)
+    wm.add(b)
+    out, _ = step(wm)
+    assert ids(out.prefill) == ids([a, b])
+    c = make_seq(2, max_tokens=1)
+    wm.add(c)
+    out, finished = step(wm)                         # a finishes, but b still runs
+    assert out.prefill == [] and finished == [a]
+    out, finished = step(wm)                         # c still waits for b
+    assert out.prefill == [] and finished == [b]
+    out, _ = step(wm)
+    assert ids(out.prefill) == [c.seq_id]
+    assert wm.stats.num_joined_running_batch == 0
+
+
+def test_continuous_batching_is_the_default_and_policies_are_registered():
+    assert isinstance(make_manager().policy, ContinuousBatching)
+    assert POLICIES == {"continuous": ContinuousBatching, "static": StaticBatching}
+    assert StaticBatching().may_admit(0) and not StaticBatching().may_admit(1)
+    assert ContinuousBatching().may_admit(63)
+
+
+# --- requeue after a model crash -------------------------------------------------------------
+def test_requeue_keeps_outputs_and_puts_sequences_at_front():
+    wm = make_manager()
+    a, b = make_seq(2), make_seq(2)
+    wm.add(a)
+    wm.add(b)
+    step(wm, 11)
+    step(wm, 12)
+    c = make_seq(2)
+    d = make_seq(2)
+    wm.add(c)
+    out = wm.schedule()                              # c joins; the model dies in this step
+    wm.add(d)
+    wm.abort(b, FinishReason.CANCELLED)              # its cache is gone anyway
+    seqs = wm.requeue(out)
+    assert ids(seqs) == ids([a, c])
+    assert ids(wm.waiting) == ids([a, c, d])         # at the front, d stays behind them
+    assert wm.running == []
+    assert a.output_token_ids == [11, 12] and a.state is SequenceState.WAITING
+    out = wm.schedule()
+    assert out.freed_seq_ids == []                   # the new model process holds nothing
+    assert ids(out.prefill) == ids([a, c, d])
+    wm.update(out, tokens_for(out, 13))
+    assert a.output_token_ids == [11, 12, 13]
+
+
+def test_requeue_of_empty_output_is_harmless():
+    wm = make_manager()
+    out = wm.requeue(SchedulerOutput())
+    assert out == [] and wm.num_unfinished == 0
+    assert wm.schedule().is_empty
+
+
+def test_scheduler_output_accounting():
+    a, b = make_seq(5), make_seq(3)
+    a.output_token_ids = [1, 2]
+    out = SchedulerOutput(prefill=[a], decode=[b])
+    assert out.num_batched_tokens == 7 + 1 and not out.is_empty
+    assert SchedulerOutput().is_empty
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 5])
+def test_running_never_exceeds_max_num_seqs(max_num_seqs):
+    wm = make_manager(max_num_seqs=max_num_seqs, max_num_batched_tokens=64)
+    seqs = [make_seq(1 + i % 4, max_tokens=1 + i % 3) for i in range(12)]
+    for s in seqs:
+        wm.add(s)
+    finished = []
+    for _ in range(100):
+        if not wm.num_unfinished:
+            break
+        out, f = step(wm)
+        assert len(out.prefill) + len(out.decode) <= max_num_seqs
+        assert len(wm.running) <= max_num_seqs
+        finished += f
+    assert sorted(ids(finished)) == sorted(ids(seqs))
+    assert all(s.finish_reason is FinishReason.LENGTH for s in seqs)
