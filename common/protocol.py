@@ -73,6 +73,9 @@ class SequenceRequest:
     messages: list[dict[str, str]] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     owner: str = ""
+    created_at: float | None = None   # unix time the API accepted it
+    deadline: float | None = None     # unix time after which it ends with finish_reason timeout
+    priority: int | None = None       # 0 (first) .. 9, Celery's Redis priority steps
 
 
 # --- Stream events (Redis Stream entries and pub/sub messages) -------------------------------

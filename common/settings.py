@@ -49,6 +49,10 @@ class Settings:
     visibility_timeout_s: int = 4 * 3600
     worker_heartbeat_s: float = 2.0
     worker_stale_s: float = 15.0
+    shutdown_grace_s: float = 30.0
+    max_queued: int = 1024
+    rate_limit_rpm: int = 0          # requests per minute per API key (0 = off)
+    rate_limit_tpm: int = 0          # max_tokens per minute per API key (0 = off)
     # API.
     host: str = "127.0.0.1"
     port: int = 8000
@@ -75,6 +79,10 @@ class Settings:
             pending_ttl_s=_int("LLMQ_PENDING_TTL", d.pending_ttl_s),
             worker_stale_s=_float("LLMQ_WORKER_STALE", d.worker_stale_s),
             sse_keepalive_s=_float("LLMQ_SSE_KEEPALIVE", d.sse_keepalive_s),
+            shutdown_grace_s=_float("LLMQ_SHUTDOWN_GRACE", d.shutdown_grace_s),
+            max_queued=_int("LLMQ_MAX_QUEUED", d.max_queued),
+            rate_limit_rpm=_int("LLMQ_RATE_LIMIT_RPM", d.rate_limit_rpm),
+            rate_limit_tpm=_int("LLMQ_RATE_LIMIT_TPM", d.rate_limit_tpm),
             max_num_seqs=_int("LLMQ_MAX_NUM_SEQS", d.max_num_seqs),
             max_num_batched_tokens=_int("LLMQ_MAX_NUM_BATCHED_TOKENS", d.max_num_batched_tokens),
             batch_policy=_env("LLMQ_BATCH_POLICY", d.batch_policy),

@@ -51,16 +51,53 @@ def worker_key(name: str) -> str:
     return f"{PREFIX}:worker:{name}"
 
 
-# Moves a record to "running" unless it already finished. Returns the status it had and the
-# attempt number; a sequence found "running" was redelivered after a crash and restarts.
+def running_key(name: str) -> str:
+    """The ids a worker has started and not finished (what to take back if it dies)."""
+    return f"{PREFIX}:running:{name}"
+
+
+# Moves a record to "running" unless it already finished, or another live worker runs it (a
+# late redelivery). Returns the status it had and the attempt number (0 = do not run); a
+# sequence found "running" under this worker's own name was lost by its previous life.
 _START = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {'missing', 0} end
 if st ~= 'queued' and st ~= 'running' then return {st, 0} end
+if st == 'running' then
+  local w = redis.call('HGET', KEYS[1], 'worker')
+  if w and w ~= '' and w ~= ARGV[2] then
+    local beat = redis.call('ZSCORE', KEYS[2], w)
+    if beat and tonumber(beat) > tonumber(ARGV[3]) then return {'running-elsewhere', 0} end
+  end
+end
 local n = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'worker', ARGV[2],
            'text', '', 'completion_tokens', 0)
+redis.call('SADD', KEYS[3], ARGV[4])
 return {st, n}
+"""
+
+# Takes back the sequences a dead worker was running (once: the ZREM decides who reclaims):
+# each goes back to "queued" with a reset event, and the caller queues it again.
+_RECLAIM = """
+if ARGV[2] ~= 'force' then
+  local beat = redis.call('ZSCORE', KEYS[2], ARGV[1])
+  if not beat or tonumber(beat) > tonumber(ARGV[2]) then return {} end
+  if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return {} end
+end
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local rec = ARGV[5] .. id
+  if redis.call('HGET', rec, 'status') == 'running' and redis.call('HGET', rec, 'worker') == ARGV[1] then
+    redis.call('HSET', rec, 'status', 'queued', 'text', '', 'completion_tokens', 0, 'worker', '')
+    redis.call('XADD', rec .. ':events', 'MAXLEN', '~', ARGV[4], '*', 'event', 'reset',
+               'data', ARGV[3])
+    redis.call('PUBLISH', ARGV[6] .. id, '{"reset": true}')
+    table.insert(out, id)
+  end
+end
+redis.call('DEL', KEYS[1])
+return out
 """
 
 # Finishes a record if its status is one of ARGV[1] (comma separated): writes the fields, appends
@@ -76,6 +113,8 @@ redis.call('PUBLISH', KEYS[3], ARGV[4])
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('EXPIRE', KEYS[2], ARGV[6])
 redis.call('SREM', KEYS[4], ARGV[7])
+local w = redis.call('HGET', KEYS[1], 'worker')
+if w and w ~= '' then redis.call('SREM', ARGV[8] .. w, ARGV[7]) end
 return 1
 """
 
@@ -135,6 +174,7 @@ class SequenceStore:
         self.pending_ttl_s = pending_ttl_s
         self.stream_maxlen = stream_maxlen
         self._start = client.register_script(_START)
+        self._reclaim = client.register_script(_RECLAIM)
         self._finish = client.register_script(_FINISH)
 
     @classmethod
@@ -160,6 +200,7 @@ class SequenceStore:
                 "model": model,
                 "text": "",
                 "created_at": now,
+                "deadline": "" if req.deadline is None else str(req.deadline),
                 "attempts": 0,
             }
             pipe.hset(record_key(req.seq_id), mapping=rec)
@@ -207,15 +248,31 @@ class SequenceStore:
             messages=json.loads(rec["messages"]) if rec.get("messages") else None,
             params=SamplingParams.from_dict(json.loads(rec.get("params") or "{}")),
             owner=rec.get("owner", ""),
+            created_at=_num(rec.get("created_at")),
+            deadline=_num(rec.get("deadline")),
         )
 
-    def start(self, seq_id: str, worker: str) -> tuple[str, int]:
+    def start(self, seq_id: str, worker: str, stale_s: float = 15.0) -> tuple[str, int]:
         """Marks a sequence running. Returns (previous status, attempt); attempt 0 = do not run."""
-        prev, attempt = self._start(keys=[record_key(seq_id)], args=[_now(), worker])
+        prev, attempt = self._start(
+            keys=[record_key(seq_id), WORKERS_KEY, running_key(worker)],
+            args=[_now(), worker, time.time() - stale_s, seq_id])
         if prev == SequenceStatus.RUNNING.value and attempt:
             # A redelivered sequence restarts from scratch: readers drop what they have.
             self._append(self.r, seq_id, EVENT_RESET, {"attempt": int(attempt)})
         return prev, int(attempt)
+
+    def reclaim(self, worker: str, stale_s: float | None = None) -> list[str]:
+        """Sequences of a dead worker (or, with stale_s None, of this worker's previous life),
+        put back to queued with a reset event. The caller queues them again."""
+        cutoff = "force" if stale_s is None else str(time.time() - stale_s)
+        return list(self._reclaim(
+            keys=[running_key(worker), WORKERS_KEY],
+            args=[worker, cutoff, json.dumps({"reason": "worker lost"}), self.stream_maxlen,
+                  record_key(""), channel("")]))
+
+    def stale_workers(self, stale_s: float) -> list[str]:
+        return self.r.zrangebyscore(WORKERS_KEY, "-inf", time.time() - stale_s)
 
     def set_prompt_tokens(self, seq_id: str, n: int) -> None:
         self.r.hset(record_key(seq_id), "prompt_tokens", n)
@@ -260,7 +317,8 @@ class SequenceStore:
         ok = self._finish(
             keys=[record_key(seq_id), events_key(seq_id), channel(seq_id), CANCELLED_KEY],
             args=[",".join(s.value for s in only_if), json.dumps(fields), done,
-                  encode_pubsub(EVENT_DONE, job), self.stream_maxlen, self.result_ttl_s, seq_id])
+                  encode_pubsub(EVENT_DONE, job), self.stream_maxlen, self.result_ttl_s, seq_id,
+                  running_key("")])
         return bool(ok)
 
     def _append(self, pipe, seq_id: str, kind: str, data: dict[str, Any]) -> None:

@@ -147,7 +147,8 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
              "--pool", "threads", "--concurrency", self.env()["LLMQ_MAX_NUM_SEQS"],
-             "--queues", "llmq", "--prefetch-multiplier", "1", "--task-events",
+             "--queues", self.env().get("LLMQ_QUEUE", "llmq"), "--prefetch-multiplier", "1",
+             "--task-events",
              "--hostname", self.hostname, "--loglevel", "INFO", "--without-mingle",
              "--without-gossip"],
             cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT)

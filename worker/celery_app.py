@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 
 from celery import Celery, signals
 
 from common import logs
 from common.celery_config import celery_config
+from common.protocol import GENERATE_TASK
 from common.settings import Settings
 
 log = logging.getLogger("llmq.worker")
@@ -40,7 +42,12 @@ def build_engine(settings: Settings, name: str):
     manager.resolve()
     tokenizer = manager.load_tokenizer()
     store = SequenceStore.from_settings(settings)
-    engine = EngineCore(name, settings, store, ModelExecutor(settings), tokenizer)
+
+    def requeue(seq_id: str) -> None:
+        celery.send_task(GENERATE_TASK, args=[seq_id], task_id=seq_id, queue=settings.queue)
+
+    engine = EngineCore(name, settings, store, ModelExecutor(settings), tokenizer,
+                        requeue=requeue)
     engine.start()
     return engine
 
@@ -65,6 +72,16 @@ def _start_engine(sender=None, **_kw):
     except Exception:  # noqa: BLE001 - a worker without an engine must not take tasks
         log.critical("engine failed to start; exiting", exc_info=True)
         os._exit(3)
+
+
+@signals.worker_shutting_down.connect
+def _drain_engine(sig=None, how=None, **_kw):
+    """SIGTERM (warm shutdown): Celery stops taking messages and waits for running tasks; the
+    engine lets its batch finish within the grace period, then hands the rest back."""
+    engine = celery.llmq_engine
+    if engine is not None and how != "Cold":
+        threading.Thread(target=engine.drain, args=(celery.llmq_settings.shutdown_grace_s,),
+                         name="llmq-drain", daemon=True).start()
 
 
 @signals.worker_shutdown.connect

@@ -9,10 +9,12 @@ import logging
 import queue
 import threading
 import time
+from typing import Callable
 
 from redis.exceptions import RedisError
 
 from common.protocol import FinishReason, SamplingParams, SequenceStatus
+from common import metrics
 from common.store import SequenceStore, TokenDelta
 
 from .detokenizer import IncrementalDetokenizer
@@ -30,7 +32,8 @@ class EngineCore:
     """Runs the continuous-batching loop of one worker over its model executor."""
 
     def __init__(self, name: str, settings, store: SequenceStore, executor: ModelExecutor,
-                 tokenizer, scheduler: WorkloadManager | None = None):
+                 tokenizer, scheduler: WorkloadManager | None = None,
+                 requeue: Callable[[str], None] | None = None):
         self.name = name
         self.settings = settings
         self.store = store
@@ -41,15 +44,25 @@ class EngineCore:
             POLICIES[settings.batch_policy]())
         self.inbox: queue.Queue[Sequence] = queue.Queue()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._all_admitted: dict[str, Sequence] = {}   # admitted, not finished: task threads wait
         self.num_finished = 0
         self.last_step_time = time.time()
+        self.requeue = requeue or (lambda seq_id: None)
         self._stop = threading.Event()
+        self._draining = threading.Event()
+        self._handback = threading.Event()
+        self._idle = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_heartbeat = 0.0
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         self.executor.start()   # loads the model in its own process (blocks until ready)
+        # Whatever this worker name was running before a crash is ours to run again.
+        for seq_id in self.store.reclaim(self.name):
+            log.warning("re-queueing a sequence lost by this worker's previous run",
+                        extra={"seq_id": seq_id})
+            self.requeue(seq_id)
         self._thread = threading.Thread(target=self._loop, name="llmq-engine", daemon=True)
         self._thread.start()
         self._heartbeat(force=True)
@@ -60,6 +73,17 @@ class EngineCore:
             self._thread.join(10)
         self.executor.stop()
         self.store.remove_worker(self.name)
+
+    def drain(self, grace_s: float) -> None:
+        """Graceful shutdown: take nothing new, let the batch finish for up to grace_s, then
+        hand every unfinished sequence back to the queue (another worker restarts it)."""
+        self._draining.set()
+        log.info("draining: up to %.0f s for %d sequences", grace_s,
+                 self.scheduler.num_unfinished + self.inbox.qsize())
+        self._idle.clear()
+        if self.scheduler.num_unfinished or not self.inbox.empty():
+            self._idle.wait(grace_s)
+        self._handback.set()
 
     # --- the door Celery tasks use -------------------------------------------------------------
     def run_sequence(self, seq_id: str, timeout_s: float | None = None) -> dict:
@@ -81,7 +105,10 @@ class EngineCore:
 
     def admit(self, seq_id: str) -> Sequence | None:
         """Marks the record running, tokenizes (in the caller's thread) and queues the sequence."""
-        _prev, attempt = self.store.start(seq_id, self.name)
+        if self._draining.is_set():
+            self.requeue(seq_id)   # shutting down: another worker takes it
+            return None
+        _prev, attempt = self.store.start(seq_id, self.name, self.settings.worker_stale_s)
         if not attempt:
             return None   # finished, cancelled while queued, or expired: nothing to do twice
         req = self.store.load_request(seq_id)
@@ -101,8 +128,10 @@ class EngineCore:
         log.info("sequence admitted", extra={"seq_id": seq_id, "attempt": attempt,
                                              "prompt_tokens": len(ids)})
         seq = Sequence(seq_id, ids, self._resolve(req.params, len(ids)),
-                       eos_token_ids=self.executor.info.eos_token_ids)
+                       eos_token_ids=self.executor.info.eos_token_ids,
+                       created_at=req.created_at, admitted_at=time.time(), deadline=req.deadline)
         self.detokenizers[seq_id] = IncrementalDetokenizer(self.tokenizer, ids)
+        self._all_admitted[seq_id] = seq
         self.inbox.put(seq)
         return seq
 
@@ -110,6 +139,8 @@ class EngineCore:
     def _loop(self) -> None:
         pending: list[tuple[Sequence, str]] = []
         while not self._stop.is_set():
+            if self._handback.is_set():
+                pending = self._hand_back(pending)
             self._take_inbox(block=not (self.scheduler.num_unfinished or pending))
             out = self.scheduler.schedule()                      # 1. schedule
             if out.is_empty:
@@ -134,6 +165,7 @@ class EngineCore:
         except queue.Empty:
             pass
         if block:
+            self._idle.set()
             self._heartbeat()
 
     def _request(self, out: SchedulerOutput) -> StepRequest:
@@ -200,7 +232,12 @@ class EngineCore:
                           completion_tokens=seq.num_output_tokens, error=seq.error,
                           only_if=(SequenceStatus.RUNNING,))
         del self.detokenizers[seq.seq_id]
+        self._all_admitted.pop(seq.seq_id, None)
         self.num_finished += 1
+        try:
+            self._record_metrics(seq)
+        except RedisError:
+            log.warning("metrics not recorded", extra={"seq_id": seq.seq_id})
         log.info("sequence finished", extra={
             "seq_id": seq.seq_id, "finish_reason": seq.finish_reason.value,
             "prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens,
@@ -210,10 +247,57 @@ class EngineCore:
     def _expire_deadlines(self) -> None:
         now = time.time()
         for seq in self.scheduler.running + list(self.scheduler.waiting):
-            deadline = getattr(seq.params, "deadline", None)
-            if deadline and now > deadline:
+            if seq.deadline and now > seq.deadline:
                 self.scheduler.abort(seq, FinishReason.TIMEOUT)
                 self._finish(seq)
+
+    def _hand_back(self, pending):
+        """Drain ran out of time: unfinished sequences go back to the queue, from scratch."""
+        pending = self._publish(pending)
+        for seq in self.scheduler.running + list(self.scheduler.waiting):
+            self.scheduler.abort(seq, FinishReason.CANCELLED)
+        self._take_inbox(block=False)
+        for seq in list(self.scheduler.waiting):
+            self.scheduler.abort(seq, FinishReason.CANCELLED)
+        for seq_id in self.store.reclaim(self.name):
+            log.info("handed back at shutdown", extra={"seq_id": seq_id})
+            self.requeue(seq_id)
+        for seq_id in list(self.detokenizers):
+            self.detokenizers.pop(seq_id)
+        self._release_all()
+        self._handback.clear()
+        return pending
+
+    def _release_all(self) -> None:
+        for seq in list(self._all_admitted.values()):
+            seq.done.set()
+        self._all_admitted.clear()
+
+    def _reap_dead_workers(self) -> None:
+        """Takes back what workers that stopped heart-beating were running."""
+        for name in self.store.stale_workers(self.settings.worker_stale_s):
+            if name == self.name:
+                continue
+            for seq_id in self.store.reclaim(name, self.settings.worker_stale_s):
+                log.warning("re-queueing a sequence of dead worker %s", name,
+                            extra={"seq_id": seq_id})
+                self.requeue(seq_id)
+
+    def _record_metrics(self, seq: Sequence) -> None:
+        now = time.time()
+        created = seq.created_at or seq.admitted_at or now
+        queue_s = (seq.admitted_at or now) - created
+        ttft = tpot = None
+        if seq.first_token_time is not None:
+            ttft = queue_s + (seq.first_token_time - seq.arrival_time)
+            if seq.num_output_tokens > 1:
+                tpot = (time.monotonic() - seq.first_token_time) / (seq.num_output_tokens - 1)
+        pipe = self.store.r.pipeline(transaction=False)
+        metrics.record_finished(pipe, finish_reason=seq.finish_reason.value,
+                                prompt_tokens=seq.num_prompt_tokens,
+                                generation_tokens=seq.num_output_tokens, queue_s=queue_s,
+                                ttft_s=ttft, tpot_s=tpot, e2e_s=now - created)
+        pipe.execute()
 
     def _recover(self, out: SchedulerOutput, exc: Exception) -> None:
         """The model process died: restart it and re-run the batch from the tokens we have."""
@@ -273,6 +357,7 @@ class EngineCore:
             self._last_heartbeat = now
             try:
                 self.store.heartbeat(self.name, self.stats(), ttl_s=self.settings.worker_stale_s * 4)
+                self._reap_dead_workers()
             except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again next beat
                 log.warning("heartbeat failed: %s", exc)
 

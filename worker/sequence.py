@@ -32,6 +32,9 @@ class Sequence:
     pending_text: str = ""            # decoded but held back while it may begin a stop string
     first_token_time: float | None = None
     num_restarts: int = 0             # model-process crashes survived
+    created_at: float | None = None   # wall clock: when the API accepted it
+    admitted_at: float | None = None  # wall clock: when this worker started it
+    deadline: float | None = None     # wall clock: past it, the sequence ends with "timeout"
     done: threading.Event = field(default_factory=threading.Event)
 
     @property

@@ -1,11 +1,12 @@
 """Helpers for the model-worker tests: build an in-process ModelWorker and drive its steps by hand.
 
-No engine, no Redis: the tests speak StepRequests to ModelWorker.step directly, the way the
-model executor does over its pipe, so they see exactly what the batch (KV cache, masks,
-positions, sampler) does.
+No engine, no Redis, no second process: the tests hand StepRequests to ModelWorker.step directly,
+the way the model executor does over its pipe, so they see exactly what the batch (KV cache,
+masks, positions, sampler) does.
 """
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ def load_model(model_dir: str):
 
 
 def make_worker(model_dir: str, max_num_seqs: int = 32) -> ModelWorker:
-    """A fresh ModelWorker (empty KV cache and sampler state) over the shared model."""
+    """A fresh ModelWorker (empty KV cache, no sequences) over the session's loaded model."""
     model, info = load_model(model_dir)
     return ModelWorker(model, info, max_num_seqs)
 
@@ -39,12 +40,11 @@ def sharpened(model, scale: float = 8.0):
     """A copy of a random model whose next token depends on the whole context.
 
     A freshly initialised tiny Llama with tied embeddings mostly predicts its *last input
-    token* again (the residual stream is dominated by the token's own embedding), so its greedy
-    tokens barely depend on attention, and a padding or masking bug could leave them unchanged.
-    Scaling up the attention and MLP weights lets the layers dominate the residual stream.
+    token* again (the token's own embedding dominates the residual stream), so its greedy
+    tokens barely depend on attention: a padding or masking bug could leave them unchanged.
+    Scaling up the attention and MLP weights lets the layers dominate the residual stream, and
+    greedy decoding then walks through many different tokens.
     """
-    import copy
-
     m = copy.deepcopy(model)
     with torch.no_grad():
         for name, p in m.named_parameters():
@@ -54,87 +54,68 @@ def sharpened(model, scale: float = 8.0):
     return m
 
 
-class RecordingSampler(Sampler):
-    """The worker's sampler, also recording each sequence's next-token logits, step by step.
-
-    Keeps the top-2 (ids and values) and every STRIDE-th logit (a fingerprint of the whole
-    distribution, small enough to keep for hundreds of steps).
-    """
-
-    STRIDE = 64
-
-    def __init__(self, worker: ModelWorker):
-        self.worker = worker
-        self.steps: dict[str, list[dict]] = {}
-
-    def __call__(self, logits, states):
-        by_state = {id(st): sid for sid, st in self.worker.states.items()}
-        rec = logits.detach().float().clone()   # before sampling: the sampler edits in place
-        top = torch.topk(rec, 2, dim=-1)
-        for i, st in enumerate(states):
-            self.steps.setdefault(by_state[id(st)], []).append({
-                "top2_ids": top.indices[i].tolist(), "top2": top.values[i].tolist(),
-                "fingerprint": rec[i, ::self.STRIDE].clone()})
-        return super().__call__(logits, states)
-
-
-def recording(worker: ModelWorker) -> RecordingSampler:
-    worker.sampler = RecordingSampler(worker)
-    return worker.sampler
-
-
 def make_prompts(n: int, lengths=None, vocab: int = 49152, seed: int = 1234) -> list[list[int]]:
-    """n prompts of distinct lengths (default: spread from 3 to 120), random ids avoiding the
-    special tokens at the start of the vocabulary."""
+    """n prompts of distinct lengths (default: spread over 3..120, shuffled), random ids that
+    avoid the special tokens at the start of the vocabulary."""
     rng = random.Random(seed)
     if lengths is None:
-        lengths = sorted(rng.sample(range(4, 120), n - 2) + [3, 120])
+        lengths = rng.sample(range(4, 120), n - 2) + [3, 120]
         rng.shuffle(lengths)
     return [[rng.randrange(100, vocab) for _ in range(length)] for length in lengths]
-
-
-@dataclass
-class Driver:
-    """Drives a ModelWorker by hand: joins, decodes and frees sequences step by step.
-
-    Every step decodes all running sequences (what the worker requires), after freeing the
-    ones asked and before prefilling the newcomers, exactly as ModelWorker.step orders them.
-    """
-
-    worker: ModelWorker
-    outputs: dict[str, list[int]] = field(default_factory=dict)
-    running: list[str] = field(default_factory=list)
-    num_steps: int = 0
-
-    def step(self, prefill: list[NewSequence] = (), free: list[str] = ()) -> dict[str, int]:
-        free = list(free)
-        decode = [s for s in self.running if s not in free]
-        res = self.worker.step(StepRequest(prefill=list(prefill), decode_seq_ids=decode,
-                                           free_seq_ids=free))
-        assert not res.errors, res.errors
-        expected = set(decode) | {s.seq_id for s in prefill}
-        assert set(res.token_ids) == expected
-        self.running = decode + [s.seq_id for s in prefill]
-        for seq in prefill:
-            self.outputs[seq.seq_id] = []
-        for sid, tok in res.token_ids.items():
-            self.outputs[sid].append(tok)
-        self.num_steps += 1
-        # The worker's cache holds exactly the running sequences, each once.
-        assert sorted(self.worker.cache.seq_ids) == sorted(self.running)
-        return res.token_ids
-
-    def finish(self) -> None:
-        """Frees everything still running (a step with no decode left)."""
-        if self.running:
-            self.worker.step(StepRequest(free_seq_ids=list(self.running)))
-            self.running = []
-        assert self.worker.cache.num_rows == 0
 
 
 def new_seq(seq_id: str, token_ids: list[int], params: SamplingParams = GREEDY,
             stop_token_ids=()) -> NewSequence:
     return NewSequence(seq_id, list(token_ids), params, stop_token_ids=tuple(stop_token_ids))
+
+
+# --- driving the worker -------------------------------------------------------------------------
+@dataclass
+class Driver:
+    """Drives a ModelWorker by hand: joins, decodes and frees sequences step by step.
+
+    Every step decodes all running sequences but the ones being freed (what the worker
+    requires), then prefills the newcomers, as ModelWorker.step orders them. `history` keeps,
+    per step, who was decoded / prefilled / freed and the cache's row order afterwards.
+    """
+
+    worker: ModelWorker
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    running: list[str] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)
+
+    def step(self, prefill=(), free=()) -> dict[str, int]:
+        prefill, free = list(prefill), list(free)
+        decode = [s for s in self.running if s not in free]
+        res = self.worker.step(StepRequest(prefill=prefill, decode_seq_ids=decode,
+                                           free_seq_ids=free))
+        assert not res.errors, res.errors
+        assert set(res.token_ids) == set(decode) | {s.seq_id for s in prefill}
+        self.running = decode + [s.seq_id for s in prefill]
+        for seq in prefill:
+            self.outputs[seq.seq_id] = []
+        for sid, tok in res.token_ids.items():
+            self.outputs[sid].append(tok)
+        # The worker's cache holds exactly the running sequences, each once.
+        assert sorted(self.worker.cache.seq_ids) == sorted(self.running)
+        self.history.append({"decode": decode, "prefill": [s.seq_id for s in prefill],
+                             "free": free, "rows": list(self.worker.cache.seq_ids)})
+        return res.token_ids
+
+    def finish(self) -> None:
+        """Frees everything still running (a step with nothing left to decode)."""
+        if self.running:
+            self.step(free=list(self.running))
+        assert self.worker.cache.num_rows == 0
+
+    def row_moves(self) -> int:
+        """How many times a running sequence changed rows (a freed row refilled by the last)."""
+        moves, last = 0, {}
+        for h in self.history:
+            rows = {sid: i for i, sid in enumerate(h["rows"])}
+            moves += sum(1 for sid, i in rows.items() if sid in last and last[sid] != i)
+            last = rows
+        return moves
 
 
 def run_batch(worker: ModelWorker, prompts: dict[str, list[int]], n_tokens: int,
@@ -157,32 +138,106 @@ def run_greedy(worker: ModelWorker, prompts_ids: list[list[int]], n_tokens: int)
 
 def run_solo(worker: ModelWorker, prompt_ids: list[int], n_tokens: int,
              params: SamplingParams = GREEDY) -> list[int]:
-    """One prompt alone in the batch (the reference every batched run must match)."""
+    """One prompt alone in the batch."""
     return run_batch(worker, {"solo": prompt_ids}, n_tokens, {"solo": params})["solo"]
 
 
-@torch.inference_mode()
-def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """Next-token logits of one unpadded sequence, by a plain forward pass (no cache at all)."""
-    ids = torch.tensor([token_ids])
-    return model(input_ids=ids, use_cache=False).logits[0, -1].float()
+def run_continuous(worker: ModelWorker, prompts: dict[str, list[int]], targets: dict[str, int],
+                   seed: int = 7, max_joins: int = 4) -> Driver:
+    """Continuous batching: sequences join (in groups of 0..max_joins, while others decode)
+    as rows free up, and each leaves once it has its target number of tokens, so rows are freed
+    in the middle of the batch and refilled by the last one."""
+    rng = random.Random(seed)
+    queue = list(prompts)
+    rng.shuffle(queue)
+    d = Driver(worker)
+    while queue or d.running:
+        free = [s for s in d.running if len(d.outputs[s]) >= targets[s]]
+        room = worker.cache.max_rows - (len(d.running) - len(free))
+        k = min(room, rng.randint(0, max_joins), len(queue))
+        if k == 0 and queue and len(d.running) == len(free):
+            k = 1   # never an empty batch while work waits
+        d.step(prefill=[new_seq(s, prompts[s]) for s in queue[:k]], free=free)
+        queue = queue[k:]
+    return d
 
 
-def check_same_or_near_tie(model, prompt: list[int], solo: list[int], batched: list[int],
-                           tol: float) -> dict | None:
-    """None when batched == solo. Otherwise the first divergence must be a near tie:
-    the solo run's top-2 next-token logits there are within `tol` and the batch picked the
-    other one of those two. Returns what was measured at the divergence (for the report);
-    raises AssertionError when the difference is not explained by a near tie."""
-    assert len(solo) == len(batched), (len(solo), len(batched))
-    if solo == batched:
+# --- logits, for telling float noise from real differences ----------------------------------------
+class RecordingSampler(Sampler):
+    """The worker's sampler, also recording each sequence's next-token logits, step by step.
+
+    Keeps the top-2 (ids and values) and every STRIDE-th logit, a fingerprint of the whole
+    distribution small enough to keep for hundreds of steps.
+    """
+
+    STRIDE = 64
+
+    def __init__(self, worker: ModelWorker):
+        self.worker = worker
+        self.steps: dict[str, list[dict]] = {}
+
+    def __call__(self, logits, states):
+        by_state = {id(st): sid for sid, st in self.worker.states.items()}
+        rec = logits.detach().float().clone()   # before sampling: penalties edit logits in place
+        top = torch.topk(rec, 2, dim=-1)
+        for i, st in enumerate(states):
+            self.steps.setdefault(by_state[id(st)], []).append({
+                "top2_ids": top.indices[i].tolist(), "top2": top.values[i].tolist(),
+                "fingerprint": rec[i, ::self.STRIDE].clone()})
+        return super().__call__(logits, states)
+
+
+def recording(worker: ModelWorker) -> RecordingSampler:
+    """Makes the worker record its logits; returns the recorder."""
+    worker.sampler = RecordingSampler(worker)
+    return worker.sampler
+
+
+@dataclass
+class SoloRun:
+    tokens: list[int]
+    steps: list[dict]   # RecordingSampler records, one per token
+
+
+def solo_references(model, info, prompts: dict[str, list[int]], n_tokens: int) -> dict[str, SoloRun]:
+    """Each prompt run alone (greedy) in a fresh worker, with its logits recorded."""
+    worker = ModelWorker(model, info, 1)
+    rec = recording(worker)
+    out = {}
+    for sid, ids in prompts.items():
+        rec.steps = {}
+        tokens = run_solo(worker, ids, n_tokens)
+        out[sid] = SoloRun(tokens, rec.steps["solo"])
+    return out
+
+
+def compare_to_solo(sid: str, solo: SoloRun, tokens: list[int], steps: list[dict],
+                    tol: float) -> dict | None:
+    """Checks one batched sequence against its solo run.
+
+    Returns None when its tokens equal the solo run's (and its logits stayed within `tol` of
+    the solo logits at every step). If the tokens differ, the first divergence must be a near
+    tie: the solo run's top-2 logits there within `tol` of each other, and the batch took the
+    other one of the two; the measurements there are returned. Anything else fails.
+    """
+    ref = solo.tokens[:len(tokens)]
+    assert len(ref) == len(tokens) == len(steps), (sid, len(ref), len(tokens), len(steps))
+    j = next((i for i, (a, b) in enumerate(zip(ref, tokens)) if a != b), None)
+    # Logits are comparable up to (and including) the first divergence: same context there.
+    for k in range(len(tokens) if j is None else j + 1):
+        diff = float((steps[k]["fingerprint"] - solo.steps[k]["fingerprint"]).abs().max())
+        assert diff <= tol, f"{sid}: logits at token {k} differ from the solo run's by {diff}"
+    if j is None:
         return None
-    j = next(i for i, (a, b) in enumerate(zip(solo, batched)) if a != b)
-    logits = reference_logits(model, prompt + solo[:j])
-    top = torch.topk(logits, 2)
-    gap = float(top.values[0] - top.values[1])
-    info = {"step": j, "solo": solo[j], "batched": batched[j], "top2_ids": top.indices.tolist(),
-            "top2_gap": gap}
-    assert gap <= tol and {solo[j], batched[j]} == set(top.indices.tolist()), (
-        f"outputs diverge at token {j} without a near tie: {info}")
-    return info
+    s = solo.steps[j]
+    tie = {"seq": sid, "token_index": j, "solo_token": ref[j], "batch_token": tokens[j],
+           "solo_top2_ids": s["top2_ids"], "solo_top2_gap": s["top2"][0] - s["top2"][1]}
+    assert tie["solo_top2_gap"] <= tol and {ref[j], tokens[j]} == set(s["top2_ids"]), (
+        f"{sid}: tokens diverge from the solo run at token {j} without a near tie: {tie}")
+    return tie
+
+
+@torch.inference_mode()
+def plain_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """Next-token logits of one unpadded sequence by a plain forward pass, no cache at all."""
+    return model(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0, -1].float()

@@ -1,0 +1,31 @@
+"""Fixtures of the model-worker tests: the tiny random model, loaded in this process."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from factories import load_model, sharpened
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """In-process models run on one thread here: on a small machine shared with other work,
+    two threads fighting for two busy cores were measured 5-7x slower than one."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    """(model, info) of the tiny random model (cpu, float32)."""
+    return load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def sharp_model(tiny_model):
+    """(model, info): the tiny model with its layers scaled up so that its greedy tokens depend
+    on the whole context (see factories.sharpened)."""
+    model, info = tiny_model
+    return sharpened(model), info
