@@ -14,6 +14,7 @@ from werkzeug.exceptions import HTTPException
 
 from common.protocol import EVENT_DONE, SamplingParams
 
+from .llm_engine import Overloaded
 from .schemas import JobRequest
 
 bp = Blueprint("api", __name__)
@@ -132,7 +133,8 @@ def find_job(seq_id: str) -> dict:
 @bp.post("/v1/jobs")
 def create_jobs():
     req = parse_job_request()
-    jobs = engine().submit(inputs_of(req), sampling_params(req), g.owner)
+    jobs = engine().submit(inputs_of(req), sampling_params(req), g.owner,
+                           req.timeout, req.priority)
     if req.prompts is not None:
         return jsonify({"object": "list", "jobs": jobs}), 202
     return jsonify(jobs[0]), 202, {"Location": f"/v1/jobs/{jobs[0]['id']}"}
@@ -163,7 +165,8 @@ def generate():
     req = parse_job_request()
     if req.stream and req.prompts is not None:
         raise APIError(400, "'stream' works with one prompt; use /v1/jobs for a batch")
-    jobs = engine().submit(inputs_of(req), sampling_params(req), g.owner)
+    jobs = engine().submit(inputs_of(req), sampling_params(req), g.owner,
+                           req.timeout, req.priority)
     if req.stream:
         return sse_response(jobs[0]["id"], "0-0")
     results = [engine().wait(j["id"]) or engine().get(j["id"], g.owner) for j in jobs]
@@ -226,6 +229,11 @@ def register_error_handlers(app: Flask) -> None:
         kind = {404: "not_found_error", 405: "invalid_request_error",
                 413: "invalid_request_error"}.get(exc.code, "invalid_request_error")
         return error_response(exc.code or 400, exc.description or exc.name, kind)
+
+    @app.errorhandler(Overloaded)
+    def _overloaded(exc: Overloaded):
+        return error_response(429, str(exc), "rate_limit_error",
+                              {"Retry-After": str(exc.retry_after_s)})
 
     @app.errorhandler(redis.RedisError)
     def _redis_down(exc):

@@ -49,16 +49,7 @@ class ServiceCollector:
                                 value=float(len(workers)))
         yield GaugeMetricFamily(PREFIX + "queue_depth",
                                 "Sequences in the broker queue, not yet taken by a worker.",
-                                value=float(queue_depth(r, self.settings.queue)))
-
-
-def queue_depth(client, queue: str) -> int:
-    """Celery's Redis transport keeps one list per queue (plus one per priority step)."""
-    pipe = client.pipeline(transaction=False)
-    pipe.llen(queue)
-    for p in range(1, 10):
-        pipe.llen(f"{queue}\x06\x16{p}")
-    return sum(pipe.execute())
+                                value=float(self.store.queue_depth(self.settings.queue)))
 
 
 @bp.get("/metrics")

@@ -57,6 +57,7 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     request_id: str | None = None
     priority: int | None = Field(None, ge=0, le=9)
+    timeout: float | None = Field(None, gt=0, le=24 * 3600)
     # accepted only with their neutral values (see _UNSUPPORTED_OFF)
     n: int | None = None
     logprobs: Any = None
@@ -201,7 +202,8 @@ def completions():
         raise _error(f"at most {settings().max_prompts} prompts", param="prompt")
     if req.stream and len(prompts) > 1:
         raise _error("streaming takes a single prompt", param="prompt")
-    jobs = engine().submit([{"prompt": p} for p in prompts], _params(req, 16), g.owner)
+    jobs = engine().submit([{"prompt": p} for p in prompts], _params(req, 16), g.owner,
+                           req.timeout, req.priority)
     return _respond(req, jobs, chat=False)
 
 
@@ -211,7 +213,7 @@ def chat_completions():
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": _text_content(m.content)} for m in req.messages]
     jobs = engine().submit([{"messages": messages}], _params(req, settings().default_max_tokens),
-                           g.owner)
+                           g.owner, req.timeout, req.priority)
     return _respond(req, jobs, chat=True)
 
 

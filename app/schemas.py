@@ -48,6 +48,8 @@ class JobRequest(SamplingFields):
     messages: list[Message] | None = None
     prompts: list[str] | None = None
     stream: bool = False
+    timeout: float | None = Field(None, gt=0, le=24 * 3600)   # seconds; then finish "timeout"
+    priority: int | None = Field(None, ge=0, le=9)           # 0 runs first; Celery's steps
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -7,7 +7,12 @@ def celery_config(settings) -> dict:
         broker_url=settings.redis_url,
         broker_connection_retry_on_startup=True,
         # Above the longest job, or Redis redelivers a running sequence (celery#5935).
-        broker_transport_options={"visibility_timeout": settings.visibility_timeout_s},
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_s,
+            # Ten priority levels, 0 first (kombu's default is four coarse steps).
+            "priority_steps": list(range(10)),
+            "queue_order_strategy": "priority",
+        },
         task_default_queue=settings.queue,
         task_acks_late=True,
         task_reject_on_worker_lost=True,

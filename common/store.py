@@ -33,6 +33,7 @@ from .protocol import (
 PREFIX = "llmq"
 CANCELLED_KEY = f"{PREFIX}:cancelled"
 WORKERS_KEY = f"{PREFIX}:workers"
+PRIORITY_SEP = "\x06\x16"   # kombu's Redis priority-queue separator
 
 
 def record_key(seq_id: str) -> str:
@@ -326,6 +327,29 @@ class SequenceStore:
                   maxlen=self.stream_maxlen, approximate=True)
         pipe.expire(events_key(seq_id), self.pending_ttl_s)
         pipe.publish(channel(seq_id), encode_pubsub(kind, data))
+
+    # --- admission ---------------------------------------------------------------------------
+    def queue_depth(self, queue: str) -> int:
+        """Messages in the broker queue. Celery's Redis transport keeps one list per queue and
+        priority step (name, name + sep + step)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.llen(queue)
+        for p in range(1, 10):
+            pipe.llen(f"{queue}{PRIORITY_SEP}{p}")
+        return sum(pipe.execute())
+
+    def count_usage(self, owner: str, requests: int, tokens: int) -> tuple[int, int, int]:
+        """Adds to the caller's fixed one-minute window (shared by every API replica) and
+        returns (requests, tokens, seconds until the window ends)."""
+        now = time.time()
+        window = int(now // 60)
+        key = f"{PREFIX}:rate:{owner}:{window}"
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hincrby(key, "requests", requests)
+        pipe.hincrby(key, "tokens", tokens)
+        pipe.expire(key, 120)
+        used_requests, used_tokens, _ = pipe.execute()
+        return used_requests, used_tokens, max(1, int((window + 1) * 60 - now) + 1)
 
     # --- workers -----------------------------------------------------------------------------
     def heartbeat(self, name: str, info: dict[str, Any], ttl_s: float) -> None:
