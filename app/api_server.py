@@ -70,14 +70,22 @@ def _authenticate():
 
 
 # --- parsing ----------------------------------------------------------------------------------
-def parse_job_request() -> JobRequest:
+def parse_json_body() -> dict:
+    """The request body as a JSON object, or a 400 that says why not."""
     raw = request.get_data(cache=False)
     try:
         body = json.loads(raw or b"null")
-    except (ValueError, UnicodeDecodeError):
-        raise APIError(400, "request body is not valid JSON") from None
+        # Lone surrogates (\ud800) parse but cannot be stored or tokenized.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except (ValueError, UnicodeError, RecursionError):
+        raise APIError(400, "request body is not valid JSON (UTF-8)") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    return body
+
+
+def parse_job_request() -> JobRequest:
+    body = parse_json_body()
     try:
         req = JobRequest.model_validate(body)
     except ValidationError as exc:
@@ -92,6 +100,8 @@ def parse_job_request() -> JobRequest:
         raise APIError(400, f"prompt too long (at most {s.max_prompt_chars} characters each)")
     if len(req.stop) > s.max_stop:
         raise APIError(400, f"at most {s.max_stop} stop strings")
+    if req.min_tokens > (req.max_tokens or s.default_max_tokens):
+        raise APIError(400, "'min_tokens' must not exceed 'max_tokens'")
     return req
 
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Iterator, Literal
+from typing import Annotated, Any, Iterator, Literal
 
 from flask import Blueprint, Response, g, jsonify, request, stream_with_context
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from common.protocol import EVENT_DONE, EVENT_TOKEN, SamplingParams
 
-from .api_server import APIError, engine, settings
+from .api_server import APIError, engine, parse_json_body, settings
 from .client_connection import client_gone
 
 bp = Blueprint("openai", __name__)
@@ -49,12 +49,12 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = None
     request_id: str | None = None
     priority: int | None = Field(None, ge=0, le=9)
     timeout: float | None = Field(None, gt=0, le=24 * 3600)
@@ -104,12 +104,7 @@ def _error(message: str, param: str | None = None, code: str | None = None,
 
 
 def _parse(model_cls):
-    try:
-        body = json.loads(request.get_data(cache=False) or b"null")
-    except (ValueError, UnicodeDecodeError):
-        raise _error("request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise _error("request body must be a JSON object")
+    body = parse_json_body()
     unknown = sorted(set(body) - set(model_cls.model_fields))
     if unknown:
         raise _error(f"unsupported parameter(s): {', '.join(unknown)}", param=unknown[0],

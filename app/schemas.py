@@ -1,7 +1,7 @@
 """Request bodies, validated by pydantic. Limits come from Settings through the context."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -21,12 +21,12 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)   # ints past 2**63 overflow the sampler
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = Field(None, validate_default=True)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
 

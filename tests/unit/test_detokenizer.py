@@ -120,3 +120,24 @@ def test_random_token_ids_always_add_up(tok, seed):
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 25))]
         deltas = stream(tok, ids, prompt or None)
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True), (prompt, ids)
+
+
+class SentencePieceLike:
+    """A tokenizer whose decode depends on context, like SentencePiece (Llama, Mistral): pieces
+    mark a leading space with U+2581, and the first space of a decoded text is dropped."""
+
+    PIECES = ["<s>", "\u2581Hello", "\u2581world", ",", "\u2581caf", "é", "!"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        text = "".join(self.PIECES[i] for i in ids if not (skip_special_tokens and i == 0))
+        return text.replace("\u2581", " ").removeprefix(" ")
+
+
+def test_context_dependent_decoding_keeps_the_spaces():
+    """Decoding each token alone would lose its leading space; the window keeps it."""
+    tok = SentencePieceLike()
+    ids = [1, 3, 2, 0, 4, 5, 6]
+    deltas = stream(tok, ids)
+    assert "".join(deltas) == tok.decode(ids) == "Hello, world café!"
+    deltas = stream(tok, [4, 5], prompt_ids=[0, 1, 2])
+    assert "".join(deltas) == " café"                  # the space belongs to the output

@@ -64,10 +64,17 @@ def test_messages_and_prompts():
     {"prompt": "x", "stop": ["ok", ""]},
     {"prompt": "x", "stop": [1]},
     {"prompt": "x", "stop_token_ids": ["a"]},
+    {"prompt": "x", "stop_token_ids": [-5]},                 # would mask vocab[-5] silently
+    {"prompt": "x", "stop_token_ids": [10**30]},             # overflows torch.tensor
+    {"prompt": "x", "top_k": 10**30},                        # overflows torch.tensor
     {"prompt": "x", "min_tokens": -1},
     {"prompt": "x", "min_tokens": 5, "max_tokens": 4},
     {"prompt": "x", "unknown_field": 1},
     {"prompt": "x", "model": "gpt-4"},
+    {"prompt": "x", "priority": 10},
+    {"prompt": "x", "priority": -1},
+    {"prompt": "x", "timeout": 0},
+    {"prompt": "x", "timeout": 24 * 3600 + 1},
 ])
 def test_invalid_bodies(body):
     with pytest.raises(ValidationError):
@@ -78,6 +85,7 @@ def test_invalid_bodies(body):
     ("max_tokens", 1), ("temperature", 0.0), ("temperature", 2.0), ("top_p", 1.0),
     ("top_k", -1), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 2.0), ("seed", 0),
     ("seed", 2**63 - 1), ("stop_token_ids", [0, 1]), ("ignore_eos", True), ("min_tokens", 3),
+    ("top_k", 2**31 - 1), ("stop_token_ids", [2**31 - 1]), ("priority", 0), ("priority", 9), ("timeout", 0.5), ("timeout", 24 * 3600),
 ])
 def test_boundary_values_are_accepted(field, value):
     req = JobRequest.model_validate({"prompt": "x", field: value})

@@ -227,6 +227,7 @@ def test_publish_deltas_appends_tokens_and_updates_text(store, r):
     job = store.get_job("a")
     assert job["text"] == "Hello 🎉" and job["usage"]["completion_tokens"] == 3
     assert sub.messages() == [{"text": "Hel"}, {"text": "lo 🎉"}]
+    assert sub.p_channel == "llmq:tokens:a"
     assert 0 < r.ttl(events_key("a")) <= PENDING_TTL
 
 
@@ -301,3 +302,81 @@ def test_cancel_unknown_sequence_leaves_no_flag(store, r):
     store.request_cancel("nope")
     assert store.get_record("nope") is None
     assert not r.sismember(CANCELLED_KEY, "nope")
+
+
+# --- worker ownership: late redelivery and reclaiming a dead worker's sequences ------------------
+def test_start_while_another_live_worker_runs_it_does_not_run(store):
+    new(store)
+    store.heartbeat("w1", {"model_loaded": 1}, 10)
+    assert store.start("seq-1", "w1") == ("queued", 1)
+    # A late redelivery to w2 while w1 is alive: w2 must not run it twice.
+    assert store.start("seq-1", "w2", stale_s=15) == ("running-elsewhere", 0)
+    rec = store.get_record("seq-1")
+    assert (rec["worker"], rec["attempts"]) == ("w1", "1")
+    assert store.read_events("seq-1") == []
+    # Once w1 is stale, w2 may take it over.
+    store.r.zadd(WORKERS_KEY, {"w1": time.time() - 100})
+    assert store.start("seq-1", "w2", stale_s=15) == ("running", 2)
+
+
+def test_reclaim_dead_worker_puts_its_sequences_back_once(store, r):
+    from common.store import running_key
+
+    new(store, "a")
+    new(store, "b")
+    new(store, "c")
+    store.heartbeat("w1", {"model_loaded": 1}, 10)
+    for s in ("a", "b", "c"):
+        store.start(s, "w1")
+    store.publish_deltas([TokenDelta("a", "partial", "partial", 1)])
+    store.finish("c", FinishReason.STOP, text="done")      # finished: not reclaimed
+    assert r.smembers(running_key("w1")) == {"a", "b"}
+    assert store.reclaim("w1", stale_s=15) == []           # alive: nothing taken
+    r.zadd(WORKERS_KEY, {"w1": time.time() - 100})
+    assert store.stale_workers(15) == ["w1"]
+    sub = Subscriber(r, "a")
+    assert sorted(store.reclaim("w1", stale_s=15)) == ["a", "b"]
+    assert store.reclaim("w1", stale_s=15) == []           # only one reclaimer wins
+    job = store.get_job("a")
+    assert job["status"] == "queued" and job["text"] == ""
+    assert job["usage"]["completion_tokens"] == 0
+    assert kinds(store.read_events("a")) == [EVENT_TOKEN, EVENT_RESET]
+    assert sub.messages() == [{"reset": True}]
+    assert store.get_job("c")["status"] == "succeeded"
+    assert not r.exists(running_key("w1"))
+    assert store.start("a", "w2") == ("queued", 2)          # runs again elsewhere
+
+
+def test_reclaim_own_previous_life_is_forced(store):
+    new(store)
+    store.heartbeat("w1", {"model_loaded": 1}, 10)
+    store.start("seq-1", "w1")
+    assert store.reclaim("w1") == ["seq-1"]                 # no staleness check
+    assert store.get_job("seq-1")["status"] == "queued"
+
+
+def test_finish_removes_from_the_workers_running_set(store, r):
+    from common.store import running_key
+
+    new(store)
+    store.start("seq-1", "w1")
+    assert r.sismember(running_key("w1"), "seq-1")
+    store.finish("seq-1", FinishReason.STOP, text="")
+    assert not r.sismember(running_key("w1"), "seq-1")
+
+
+def test_queue_depth_counts_every_priority_list(store, r):
+    from common.store import PRIORITY_SEP
+
+    assert store.queue_depth("llmq") == 0
+    r.rpush("llmq", "m1", "m2")
+    r.rpush(f"llmq{PRIORITY_SEP}3", "m3")
+    r.rpush("other", "x")
+    assert store.queue_depth("llmq") == 3
+
+
+def test_count_usage_accumulates_in_the_window(store):
+    assert store.count_usage("o", 1, 100)[:2] == (1, 100)
+    used_requests, used_tokens, retry_after = store.count_usage("o", 1, 50)
+    assert (used_requests, used_tokens) == (2, 150) and 1 <= retry_after <= 61
+    assert store.count_usage("other", 1, 1)[:2] == (1, 1)
