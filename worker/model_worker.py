@@ -97,13 +97,24 @@ class ModelWorker:
                          use_cache=True, logits_to_keep=1)
         cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
         self.cache.add([s.seq_id for s in seqs], cache.layers, mask, mask.sum(-1))
-        states = []
-        for s in seqs:
-            st = SamplingState.create(s.params, s.token_ids, s.num_output_tokens,
-                                      s.stop_token_ids, self.device)
-            self.states[s.seq_id] = st
-            states.append(st)
-        self._sample([s.seq_id for s in seqs], states, out.logits[:, -1, :], res)
+        try:
+            states = []
+            for s in seqs:
+                st = SamplingState.create(s.params, s.token_ids, s.num_output_tokens,
+                                          s.stop_token_ids, self.device)
+                self.states[s.seq_id] = st
+                states.append(st)
+            self._sample([s.seq_id for s in seqs], states, out.logits[:, -1, :], res)
+        except Exception:
+            # Undo this group's rows (e.g. a stop token id outside the vocabulary makes the
+            # sampler raise): _prefill retries the members one by one or reports the error, and
+            # rows left behind would be cached twice or never decoded, so the next decode step
+            # would fail for the whole batch.
+            ids = [s.seq_id for s in seqs]
+            self.cache.remove(ids)
+            for sid in ids:
+                self.states.pop(sid, None)
+            raise
 
     def _sample(self, seq_ids, states, logits, res: StepResult) -> None:
         for sid, st, tok in zip(seq_ids, states, self.sampler(logits, states)):

@@ -193,20 +193,25 @@ def recording(worker: ModelWorker) -> RecordingSampler:
     return worker.sampler
 
 
+MEASURED = {"max_logit_diff": 0.0, "compared_steps": 0}   # over every compare_to_solo call
+
+
 @dataclass
 class SoloRun:
     tokens: list[int]
     steps: list[dict]   # RecordingSampler records, one per token
 
 
-def solo_references(model, info, prompts: dict[str, list[int]], n_tokens: int) -> dict[str, SoloRun]:
-    """Each prompt run alone (greedy) in a fresh worker, with its logits recorded."""
+def solo_references(model, info, prompts: dict[str, list[int]],
+                    n_tokens: int | dict[str, int]) -> dict[str, SoloRun]:
+    """Each prompt run alone (greedy) in a fresh worker, with its logits recorded (n_tokens:
+    for all, or per prompt)."""
     worker = ModelWorker(model, info, 1)
     rec = recording(worker)
     out = {}
     for sid, ids in prompts.items():
         rec.steps = {}
-        tokens = run_solo(worker, ids, n_tokens)
+        tokens = run_solo(worker, ids, n_tokens if isinstance(n_tokens, int) else n_tokens[sid])
         out[sid] = SoloRun(tokens, rec.steps["solo"])
     return out
 
@@ -226,6 +231,8 @@ def compare_to_solo(sid: str, solo: SoloRun, tokens: list[int], steps: list[dict
     # Logits are comparable up to (and including) the first divergence: same context there.
     for k in range(len(tokens) if j is None else j + 1):
         diff = float((steps[k]["fingerprint"] - solo.steps[k]["fingerprint"]).abs().max())
+        MEASURED["max_logit_diff"] = max(MEASURED["max_logit_diff"], diff)
+        MEASURED["compared_steps"] += 1
         assert diff <= tol, f"{sid}: logits at token {k} differ from the solo run's by {diff}"
     if j is None:
         return None

@@ -11,9 +11,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from factories import (compare_to_solo, make_prompts, plain_logits, recording, run_batch,
-                       run_continuous, solo_references)
+from factories import (SoloRun, compare_to_solo, load_model, make_prompts, plain_logits,
+                       recording, run_batch, run_continuous, solo_references)
+from worker.model_manager import ModelManager
 from worker.model_worker import ModelWorker
 
 N_TOKENS = 8
@@ -39,6 +41,24 @@ def check_all(outputs, steps, solo, tol=LOGIT_TOL):
     if ties:
         print("near ties:", ties)
     return ties
+
+
+def test_divergence_is_accepted_only_at_a_near_tie():
+    """The check itself: different tokens pass only where the solo top-2 were a near tie."""
+    def step(top2, ids=(5, 6)):
+        return {"top2_ids": list(ids), "top2": list(top2), "fingerprint": torch.zeros(3)}
+
+    solo = SoloRun([5, 5], [step((1.0, 0.5)), step((1.00002, 1.0))])
+    assert compare_to_solo("s", solo, [5, 5], solo.steps, LOGIT_TOL) is None
+    tie = compare_to_solo("s", solo, [5, 6], solo.steps, LOGIT_TOL)
+    assert tie["token_index"] == 1 and tie["batch_token"] == 6
+    with pytest.raises(AssertionError, match="without a near tie"):
+        compare_to_solo("s", solo, [6, 6], solo.steps, LOGIT_TOL)      # a clear winner
+    with pytest.raises(AssertionError, match="without a near tie"):
+        compare_to_solo("s", solo, [5, 7], solo.steps, LOGIT_TOL)      # not the runner-up
+    off = [solo.steps[0], {**solo.steps[1], "fingerprint": torch.full((3,), 0.01)}]
+    with pytest.raises(AssertionError, match="logits at token 1"):
+        compare_to_solo("s", solo, [5, 6], off, LOGIT_TOL)             # logits drifted
 
 
 def test_solo_run_matches_a_plain_forward_pass(case):
@@ -113,11 +133,7 @@ TEXTS = [
 def test_default_model_batch_matches_solo(default_model_dir):
     """SmolLM2 (fp32, CPU): 8 prompts of different lengths, 16 greedy tokens, alone vs batched
     together vs joining a running batch."""
-    from factories import load_model
-
     model, info = load_model(default_model_dir)
-    from worker.model_manager import ModelManager
-
     tok = ModelManager(default_model_dir).load_tokenizer()
     prompts = {f"t{i}": tok(t)["input_ids"] for i, t in enumerate(TEXTS)}
     assert len({len(p) for p in prompts.values()}) == len(prompts)

@@ -1,0 +1,220 @@
+"""Sampling: seeds, top-k/top-p/min-p, min_tokens, repetition penalty, greedy.
+
+Unit tests run the Sampler on hand-made logits; the others run a real ModelWorker on the tiny
+random model, whose temperature-1 distribution is close to uniform over ~49k tokens (so two
+different seeds practically never agree by chance), and on its sharpened variant, whose greedy
+tokens change from step to step.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.protocol import SamplingParams
+from factories import GREEDY, Driver, make_prompts, new_seq, run_batch, run_solo
+from worker.messages import StepRequest
+from worker.model_worker import ModelWorker
+from worker.sampler import Sampler, SamplingState
+
+N = 20
+
+
+def sampled(seed=None, **kw) -> SamplingParams:
+    return SamplingParams(temperature=kw.pop("temperature", 1.0), seed=seed, **kw)
+
+
+def state(params: SamplingParams, token_ids=(), num_output_tokens=0, stop=()) -> SamplingState:
+    return SamplingState.create(params, list(token_ids), num_output_tokens, stop, "cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts(8, lengths=[17, 5, 40, 9, 63, 3, 28, 11], seed=5)
+
+
+# --- seeds, through the worker ------------------------------------------------------------------
+def test_same_seed_same_tokens_whatever_shares_the_batch(tiny_model, prompts):
+    model, info = tiny_model
+    me, seeded = prompts[0], sampled(seed=42)
+    alone = run_solo(ModelWorker(model, info, 8), me, N, seeded)
+    assert len(set(alone)) >= N - 2, "temperature 1 on a random model: mostly distinct tokens"
+    assert run_solo(ModelWorker(model, info, 8), me, N, seeded) == alone
+
+    # First row, among greedy, unseeded and otherwise seeded neighbours.
+    out = run_batch(ModelWorker(model, info, 8),
+                    {"me": me, "g": prompts[1], "u": prompts[2], "o": prompts[3]}, N,
+                    {"me": seeded, "g": GREEDY, "u": sampled(), "o": sampled(seed=7, top_k=50)})
+    assert out["me"] == alone
+    # Last row, other neighbours, other lengths.
+    out = run_batch(ModelWorker(model, info, 8),
+                    {"a": prompts[4], "b": prompts[5], "c": prompts[6], "me": me}, N,
+                    {"a": sampled(seed=42), "b": sampled(top_p=0.9), "c": GREEDY, "me": seeded})
+    assert out["me"] == alone
+
+    # Joining a running batch, then moving rows when a neighbour leaves before it.
+    d = Driver(ModelWorker(model, info, 8))
+    d.step(prefill=[new_seq("x", prompts[4], sampled(seed=1)), new_seq("y", prompts[5])])
+    for _ in range(3):
+        d.step()
+    d.step(prefill=[new_seq("me", me, seeded), new_seq("z", prompts[6], sampled())])
+    for i in range(N - 1):
+        d.step(free=["x"] if i == 5 else ())
+    assert d.row_moves() >= 1
+    assert d.outputs["me"] == alone
+
+
+def test_different_seeds_give_different_tokens(tiny_model, prompts):
+    model, info = tiny_model
+    worker = ModelWorker(model, info, 8)
+    out = run_batch(worker, {"s1": prompts[0], "s2": prompts[0], "n1": prompts[0],
+                             "n2": prompts[0]}, N,
+                    {"s1": sampled(seed=1), "s2": sampled(seed=2), "n1": sampled(),
+                     "n2": sampled()})
+    for a, b in [("s1", "s2"), ("n1", "n2"), ("s1", "n1")]:
+        same = sum(x == y for x, y in zip(out[a], out[b]))
+        assert same <= 2, (a, b, out[a], out[b])
+
+
+# --- top-k / top-p reduce to greedy, through the worker -------------------------------------------
+def test_top_k_1_and_tiny_top_p_equal_greedy(sharp_model, prompts):
+    model, info = sharp_model
+    greedy = {f"p{i}": run_solo(ModelWorker(model, info, 1), prompts[i], N) for i in (0, 1, 2)}
+    assert all(len(set(g)) > 5 for g in greedy.values()), "greedy must not be one token repeated"
+    out = run_batch(ModelWorker(model, info, 8),
+                    {"k1": prompts[0], "p0": prompts[1], "k1p": prompts[2], "free": prompts[3],
+                     "k50": prompts[4]}, N,
+                    {"k1": sampled(seed=3, top_k=1, temperature=1.5),
+                     "p0": sampled(seed=4, top_p=1e-6),
+                     "k1p": sampled(seed=5, top_k=1, top_p=0.9, min_p=0.05),
+                     "free": sampled(seed=6), "k50": sampled(seed=7, top_k=50)})
+    assert out["k1"] == greedy["p0"]
+    assert out["p0"] == greedy["p1"]
+    assert out["k1p"] == greedy["p2"]
+
+
+# --- min_tokens ---------------------------------------------------------------------------------
+def test_min_tokens_suppresses_stop_tokens_in_the_worker(tiny_model):
+    """The tiny random model's greedy next token is its last input token: make that a stop
+    token, and min_tokens must keep it out of the first tokens."""
+    model, info = tiny_model
+    prompt = make_prompts(1, lengths=[12], seed=8)[0]
+    stop = prompt[-1]
+    worker = ModelWorker(model, info, 4)
+    free = run_batch(worker, {"s": prompt}, 6)["s"]
+    assert free[0] == stop, "the premise: unconstrained, the model says the stop token first"
+    d = Driver(worker)
+    d.step(prefill=[new_seq("s", prompt, SamplingParams(temperature=0.0, min_tokens=4),
+                            stop_token_ids=(stop, 1)),
+                    new_seq("t", prompt, sampled(seed=0, min_tokens=4, top_k=1),
+                            stop_token_ids=(stop,))])
+    for _ in range(5):
+        d.step()
+    for sid in ("s", "t"):
+        assert stop not in d.outputs[sid][:4], d.outputs[sid]
+
+
+def test_min_tokens_unit():
+    logits = torch.full((2, 10), -50.0)
+    logits[:, 3] = 10.0     # stop token, by far the likeliest
+    logits[:, 6] = 1.0
+    for num_out, want in ((0, 6), (1, 6), (2, 3)):
+        for params in (SamplingParams(temperature=0.0, min_tokens=2),
+                       sampled(seed=11, min_tokens=2)):
+            st = state(params, [1, 2], num_output_tokens=num_out, stop=(3, 9))
+            tok = Sampler()(logits.clone(), [st, state(GREEDY)])
+            assert tok == [want, 3]   # the second row has no min_tokens: stop allowed
+
+
+# --- repetition penalty -------------------------------------------------------------------------
+@pytest.mark.parametrize("penalty,seen_logit,unseen_logit,want", [
+    (1.5, 2.0, 1.5, "unseen"),    # positive seen logit divided: 2.0 -> 1.33 < 1.5
+    (1.5, -1.0, -1.2, "unseen"),  # negative seen logit multiplied: -1.0 -> -1.5 < -1.2
+    (1.5, 2.0, 1.2, "seen"),      # 1.33 still above 1.2: penalised, not banned
+    (0.5, 1.0, 1.5, "seen"),      # a penalty below 1 favours seen tokens: 1.0 -> 2.0
+    (1.0, 2.0, 1.5, "seen"),      # 1.0 is no penalty
+])
+def test_repetition_penalty_direction(penalty, seen_logit, unseen_logit, want):
+    seen, unseen = 4, 7
+    logits = torch.full((1, 10), -10.0)
+    logits[0, seen], logits[0, unseen] = seen_logit, unseen_logit
+    params = SamplingParams(temperature=0.0, repetition_penalty=penalty)
+    tok = Sampler()(logits, [state(params, [1, seen, 2])])   # the prompt counts as seen
+    assert tok == [seen if want == "seen" else unseen]
+
+
+def test_repetition_penalty_applies_per_row():
+    """Each row is penalised by its own tokens only."""
+    logits = torch.tensor([[0.0, 2.0, 1.5, -9.0], [0.0, 2.0, 1.5, -9.0]])
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert Sampler()(logits, [state(p, [1]), state(p, [2])]) == [2, 1]
+
+
+# --- greedy and the filters, unit ---------------------------------------------------------------
+def test_temperature_zero_is_argmax_even_next_to_sampled_rows():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=gen) * 3
+    states = [state(GREEDY), state(sampled(seed=1)), state(GREEDY),
+              state(SamplingParams(temperature=0.0, top_k=5, top_p=0.1)),
+              state(sampled(seed=2, top_k=3)), state(GREEDY)]
+    out = Sampler()(logits.clone(), states)
+    want = logits.argmax(-1).tolist()
+    for i in (0, 2, 3, 5):
+        assert out[i] == want[i]
+
+
+def draws(params_for_seed, logits, n=300) -> set[int]:
+    """The tokens sampled from one row of logits under n seeds."""
+    return {Sampler()(logits.clone(), [state(params_for_seed(s))])[0] for s in range(n)}
+
+
+def test_top_k_keeps_the_k_likeliest():
+    logits = torch.tensor([[0.0, 5.0, 4.9, 4.8, 4.7, 0.0]])
+    assert draws(lambda s: sampled(seed=s, top_k=2), logits) == {1, 2}
+    assert draws(lambda s: sampled(seed=s, top_k=1, temperature=2.0), logits) == {1}
+    assert draws(lambda s: sampled(seed=s), logits) >= {1, 2, 3, 4}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    assert draws(lambda s: sampled(seed=s, top_p=0.5), logits) == {0, 1}
+    assert draws(lambda s: sampled(seed=s, top_p=0.65), logits) == {0, 1}
+    assert draws(lambda s: sampled(seed=s, top_p=0.75), logits) == {0, 1, 2}
+    assert draws(lambda s: sampled(seed=s, top_p=1e-6), logits) == {0}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    assert draws(lambda s: sampled(seed=s, min_p=0.6), logits) == {0, 1}
+
+
+def test_mixed_top_k_rows_in_one_batch():
+    """Per-row k: a row without top_k is not cut by its neighbour's."""
+    logits = torch.tensor([[0.0, 5.0, 4.9, 4.8, 4.7, 0.0]]).repeat(2, 1)
+    seen_k1, seen_all = set(), set()
+    for s in range(200):
+        a, b = Sampler()(logits.clone(), [state(sampled(seed=s, top_k=1)), state(sampled(seed=s))])
+        seen_k1.add(a)
+        seen_all.add(b)
+    assert seen_k1 == {1} and seen_all >= {1, 2, 3, 4}
+
+
+# --- a sequence whose sampling fails does not take the batch down -------------------------------
+def test_failing_prefill_sampling_fails_that_sequence_alone(tiny_model):
+    """A stop token id outside the vocabulary with min_tokens makes the sampler raise after the
+    group's KV rows were added: the poisoned sequence must get an error, its group and the
+    running batch must go on, and no row may be left behind (or cached twice)."""
+    model, info = tiny_model
+    worker = ModelWorker(model, info, 8)
+    d = Driver(worker)
+    d.step(prefill=[new_seq("running", [5, 6, 7])])
+    res = worker.step(StepRequest(
+        decode_seq_ids=["running"],
+        prefill=[new_seq("good", [8, 9, 10, 11]),
+                 new_seq("bad", [12, 13], SamplingParams(temperature=0.0, min_tokens=2),
+                         stop_token_ids=(10**9,))]))
+    assert set(res.errors) == {"bad"}
+    assert set(res.token_ids) == {"running", "good"}
+    assert sorted(worker.cache.seq_ids) == ["good", "running"]
+    assert set(worker.states) == {"good", "running"}
+    res = worker.step(StepRequest(decode_seq_ids=["running", "good"]))
+    assert set(res.token_ids) == {"running", "good"} and not res.errors
