@@ -139,8 +139,15 @@ def main(conn, settings) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = settings.device.split(":", 1)[1]
         settings = settings.replace(device="cuda:0")
     logs.configure("model_worker")
-    worker = ModelWorker.load(settings)
-    worker.warm_up()
+    from .backends import load_backend
+
+    try:
+        worker = load_backend(settings)   # transformers (default) or another engine
+        worker.warm_up()
+    except Exception as exc:  # noqa: BLE001 - tell the executor why, in words, then exit
+        log.exception("model worker failed to load")
+        conn.send_bytes(messages.encode(RuntimeError(f"{type(exc).__name__}: {exc}")))
+        return
     conn.send_bytes(messages.encode(Ready(worker.info)))
     while True:
         try:

@@ -1,0 +1,40 @@
+"""Inference backends behind the model worker, chosen by LLMQ_BACKEND.
+
+A backend turns StepRequests into StepResults (one token per sequence per step) and exposes
+`info` (a ModelInfo) and `warm_up()`; the engine, the API and the wire types never change.
+
+  transformers  (default) worker.model_worker.ModelWorker: our batched decode over HF models
+  vllm          worker.backends.vllm_backend.VllmBackend: vLLM's engine, for GPU hosts
+
+A backend's own package is imported only when it is selected.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from ..messages import StepRequest, StepResult
+
+
+class ModelBackend(Protocol):
+    info: object
+
+    def step(self, req: StepRequest) -> StepResult: ...
+
+    def warm_up(self) -> None: ...
+
+
+class BackendUnavailable(RuntimeError):
+    """The selected backend's package is not installed (a clear error at start-up)."""
+
+
+def load_backend(settings) -> ModelBackend:
+    name = settings.backend
+    if name == "transformers":
+        from ..model_worker import ModelWorker
+
+        return ModelWorker.load(settings)
+    if name == "vllm":
+        from .vllm_backend import VllmBackend
+
+        return VllmBackend.load(settings)
+    raise BackendUnavailable(f"unknown LLMQ_BACKEND {name!r}; choose transformers or vllm")
