@@ -50,6 +50,7 @@ class Settings:
     worker_heartbeat_s: float = 2.0
     worker_stale_s: float = 15.0
     shutdown_grace_s: float = 30.0
+    max_step_s: float = 60.0         # a step longer than this counts as a stuck engine
     max_queued: int = 1024
     rate_limit_rpm: int = 0          # requests per minute per API key (0 = off)
     rate_limit_tpm: int = 0          # max_tokens per minute per API key (0 = off)
@@ -80,6 +81,7 @@ class Settings:
             worker_stale_s=_float("LLMQ_WORKER_STALE", d.worker_stale_s),
             sse_keepalive_s=_float("LLMQ_SSE_KEEPALIVE", d.sse_keepalive_s),
             shutdown_grace_s=_float("LLMQ_SHUTDOWN_GRACE", d.shutdown_grace_s),
+            max_step_s=_float("LLMQ_MAX_STEP", d.max_step_s),
             max_queued=_int("LLMQ_MAX_QUEUED", d.max_queued),
             rate_limit_rpm=_int("LLMQ_RATE_LIMIT_RPM", d.rate_limit_rpm),
             rate_limit_tpm=_int("LLMQ_RATE_LIMIT_TPM", d.rate_limit_tpm),

@@ -53,7 +53,8 @@ class EngineCore:
         self._handback = threading.Event()
         self._idle = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_heartbeat = 0.0
+        self._progress = time.monotonic()
+        self._step_started: float | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -64,6 +65,7 @@ class EngineCore:
                         extra={"seq_id": seq_id})
             self.requeue(seq_id)
         self._thread = threading.Thread(target=self._loop, name="llmq-engine", daemon=True)
+        threading.Thread(target=self._beat_loop, name="llmq-heartbeat", daemon=True).start()
         self._thread.start()
         self._heartbeat(force=True)
 
@@ -147,12 +149,15 @@ class EngineCore:
                 pending = self._publish(pending)
                 continue
             try:
+                self._step_started = time.monotonic()
                 self.executor.submit(self._request(out))         # 2. execute (async) ...
                 pending = self._publish(pending)                 # ... publishing meanwhile
                 result = self.executor.wait()
             except ModelWorkerDied as exc:
                 self._recover(out, exc)
                 continue
+            finally:
+                self._step_started = None
             pending += self._update(out, result)                 # 3. update
         self._publish(pending)                                   # 4. publish (the last one)
 
@@ -310,6 +315,7 @@ class EngineCore:
                                      f"model worker crashed {seq.num_restarts} times running it")
                 self._finish(seq)
         while not self._stop.is_set():
+            self._step_started = time.monotonic()   # a restart is progress, for a while
             try:
                 self.executor.restart()
                 return
@@ -352,12 +358,25 @@ class EngineCore:
                 "model_starts": self.executor.num_starts, "last_step": self.last_step_time}
 
     def _heartbeat(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - self._last_heartbeat >= self.settings.worker_heartbeat_s:
-            self._last_heartbeat = now
-            try:
-                self.store.heartbeat(self.name, self.stats(), ttl_s=self.settings.worker_stale_s * 4)
-                self._reap_dead_workers()
-            except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again next beat
-                log.warning("heartbeat failed: %s", exc)
+        """Marks progress of the loop; the beat thread turns progress into heartbeats."""
+        self._progress = time.monotonic()
+        if force:
+            self._beat()
 
+    def _beat_loop(self) -> None:
+        """Heart-beats while the engine advances: its loop turned recently, or a step is in
+        flight for less than LLMQ_MAX_STEP (a long prefill is progress; a hang is not). A
+        stuck engine goes silent, /readyz turns red and other workers reclaim its sequences."""
+        while not self._stop.wait(self.settings.worker_heartbeat_s):
+            now = time.monotonic()
+            in_step = self._step_started is not None and (
+                now - self._step_started < self.settings.max_step_s)
+            if in_step or now - self._progress < self.settings.worker_stale_s / 2:
+                self._beat()
+
+    def _beat(self) -> None:
+        try:
+            self.store.heartbeat(self.name, self.stats(), ttl_s=self.settings.worker_stale_s * 4)
+            self._reap_dead_workers()
+        except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again next beat
+            log.warning("heartbeat failed: %s", exc)
