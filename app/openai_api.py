@@ -236,13 +236,20 @@ def _wait_or_cancel(seq_id: str) -> dict:
     """Waits for the sequence; if the client hangs up meanwhile, cancels it."""
     eng = engine()
     deadline = time.monotonic() + settings().wait_timeout_s
+    next_check = time.monotonic() + 0.5
     for ev in eng.events(seq_id, keepalive_s=0.5):
         if ev is not None and ev[1] == EVENT_DONE:
             return ev[2]
-        if ev is None and (client_gone() or time.monotonic() > deadline):
-            eng.cancel(seq_id, g.owner)
-            raise APIError(408 if time.monotonic() > deadline else 499,
-                           "request ended before the sequence finished", "timeout_error")
+        # Checked every half second whether or not tokens are flowing: a sequence that is
+        # generating never leaves the event stream idle, so checking only on idle (as before)
+        # missed hang-ups and the deadline for as long as it ran.
+        now = time.monotonic()
+        if ev is None or now >= next_check:
+            next_check = now + 0.5
+            if client_gone() or now > deadline:
+                eng.cancel(seq_id, g.owner)
+                raise APIError(408 if now > deadline else 499,
+                               "request ended before the sequence finished", "timeout_error")
     job = eng.get(seq_id, g.owner)
     if job is None:
         raise APIError(404, "the sequence expired", "not_found_error")

@@ -2,7 +2,8 @@
 from the same pydantic models that validate requests; response models are declared here."""
 from __future__ import annotations
 
-from typing import Any, Literal
+import functools
+from typing import Any, Callable, Literal
 
 from flask import jsonify, redirect
 from pydantic import BaseModel
@@ -138,6 +139,23 @@ ROUTES: dict[str, tuple[type | None, dict, str]] = {
 }
 
 
+def _serve_plain(view: Callable, documented: Callable) -> Callable:
+    """The view as Flask should call it, carrying spectree's documentation.
+
+    spectree's own wrapper calls `Response.get_data()` on whatever the view returns, even with
+    skip_validation: that drains a streaming response into one block before the first byte is
+    sent (no token reaches the client until the sequence has ended, and a client that hangs up
+    is never noticed). So the route calls the view itself; spectree finds the metadata it
+    documents from along the `__wrapped__` chain (spectree.metadata.iter_wrapped_functions).
+    """
+    @functools.wraps(view)
+    def plain(*args, **kwargs):
+        return view(*args, **kwargs)
+
+    plain.__wrapped__ = documented
+    return plain
+
+
 def init_app(app) -> SpecTree:
     spec = SpecTree("flask", app=None, title="llmq", version="0.1.0", path="docs",
                     description="Job-style LLM text generation over a Redis queue and GPU "
@@ -147,8 +165,9 @@ def init_app(app) -> SpecTree:
                     security={"bearer": []})
     for endpoint, (body, resp, tag) in ROUTES.items():
         view = app.view_functions[endpoint]
-        app.view_functions[endpoint] = spec.validate(
-            json=body, resp=Response(**resp), tags=[tag], skip_validation=True)(view)
+        documented = spec.validate(json=body, resp=Response(**resp), tags=[tag],
+                                   skip_validation=True)(view)
+        app.view_functions[endpoint] = _serve_plain(view, documented)
     spec.register(app)
 
     @app.get("/openapi.json")

@@ -145,7 +145,7 @@ class EngineCore:
                 pending = self._hand_back(pending)
             self._take_inbox(block=not (self.scheduler.num_unfinished or pending))
             out = self.scheduler.schedule()                      # 1. schedule
-            if out.is_empty:
+            if out.is_empty and not out.freed_seq_ids:
                 pending = self._publish(pending)
                 continue
             try:

@@ -61,7 +61,13 @@ class Sampler:
             rows = torch.tensor(sampled, device=logits.device)
             probs = self._probs(logits[rows], [states[i].params for i in sampled])
             for j, i in enumerate(sampled):
-                out[i] = torch.multinomial(probs[j], 1, generator=states[i].generator)[0]
+                st = states[i]
+                if st.params.seed is not None:
+                    # The draw for output token n depends only on (seed, n): the same text
+                    # whatever the batch, and also after a restart from the tokens so far.
+                    st.generator.manual_seed((int(st.params.seed) * 1_000_003
+                                              + st.num_output_tokens) % (2**63 - 1))
+                out[i] = torch.multinomial(probs[j], 1, generator=st.generator)[0]
         return out.tolist()
 
     @staticmethod

@@ -88,7 +88,7 @@ def iter_events(resp: requests.Response, stream: Stream | None = None) -> Iterat
             stream.retry = int(value)
 
 
-def open_stream(url: str, last_event_id: str | None = None, timeout: float = 60.0,
+def open_stream(url: str, last_event_id: str | None = None, timeout: float = 120.0,
                 **kw) -> requests.Response:
     headers = dict(kw.pop("headers", {}) or {})
     if last_event_id is not None:
@@ -98,7 +98,7 @@ def open_stream(url: str, last_event_id: str | None = None, timeout: float = 60.
     return resp
 
 
-def read_stream(url: str, last_event_id: str | None = None, timeout: float = 60.0,
+def read_stream(url: str, last_event_id: str | None = None, timeout: float = 120.0,
                 **kw) -> Stream:
     """Reads a whole SSE stream until its `done` event (or until the server closes it)."""
     resp = open_stream(url, last_event_id, timeout, **kw)

@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import redis
 
+from common.store import SequenceStore
 from conftest import wait_until
 from llmq_client import cancel, generate, get_job, submit, wait_job
-from sse import iter_events, open_stream, read_stream
+from sse import read_stream
 
 pytestmark = pytest.mark.integration
 
@@ -21,37 +22,38 @@ def _done_events(r: redis.Redis, seq_id: str) -> int:
     return sum(1 for _id, f in r.xrange(f"llmq:seq:{seq_id}:events") if f["event"] == "done")
 
 
+def _worker_info(tiny_stack) -> dict:
+    return _redis(tiny_stack).hgetall(f"llmq:worker:{tiny_stack['worker'].hostname}")
+
+
 def _worker_idle(tiny_stack) -> bool:
-    info = _redis(tiny_stack).hgetall(f"llmq:worker:{tiny_stack['worker'].hostname}")
+    info = _worker_info(tiny_stack)
     return info.get("running") == "0" and info.get("waiting") == "0"
+
+
+def _tokens_so_far(url: str, seq_id: str, n: int):
+    job = get_job(url, seq_id)
+    return job if job["usage"]["completion_tokens"] >= n or job["status"] != "running" else None
 
 
 def test_cancel_a_running_job_keeps_its_text(tiny_stack):
     url = tiny_stack["url"]
     job = submit(url, prompt="Hello there", **LONG)
-    resp = open_stream(f"{url}/v1/jobs/{job['id']}/stream")
-    events, at_cancel = [], None
-    for ev in iter_events(resp):
-        events.append(ev)
-        if ev.event == "done":
-            break
-        if at_cancel is None and len(events) == 3:
-            at_cancel = cancel(url, job["id"])
-            assert at_cancel["id"] == job["id"]
-            assert at_cancel["status"] in ("running", "cancelled")
-    resp.close()
-    assert at_cancel is not None, "the job ended before three tokens were streamed"
+    seen = wait_until(lambda: _tokens_so_far(url, job["id"], 3), 90, "a few tokens")
+    assert seen["status"] == "running", seen
+    at_cancel = cancel(url, job["id"])
+    assert at_cancel["id"] == job["id"]
+    assert at_cancel["status"] in ("running", "cancelled")
 
-    final = events[-1].json
-    assert events[-1].event == "done"
+    stream = read_stream(f"{url}/v1/jobs/{job['id']}/stream")
+    final = stream.done.json
     assert final["status"] == "cancelled" and final["finish_reason"] == "cancelled"
     assert final["error"] is None and final["finished_at"] is not None
     # It stopped within a few steps of the DELETE, far from its 400 tokens ...
     n = final["usage"]["completion_tokens"]
     assert 3 <= n <= at_cancel["usage"]["completion_tokens"] + 8, (n, at_cancel["usage"])
     # ... and kept exactly the text it had streamed.
-    streamed = "".join(e.json["text"] for e in events if e.event == "token")
-    assert final["text"] == streamed and streamed
+    assert final["text"] == "".join(stream.texts) and final["text"]
     assert get_job(url, job["id"]) == final
 
     # The engine dropped it; nothing more is written, and a second DELETE changes nothing.
@@ -61,12 +63,26 @@ def test_cancel_a_running_job_keeps_its_text(tiny_stack):
     assert _done_events(_redis(tiny_stack), job["id"]) == 1
 
 
+def test_cancel_right_after_submit_never_runs_to_completion(tiny_stack):
+    url = tiny_stack["url"]
+    job = submit(url, prompt="Hello there", **LONG)
+    at_cancel = cancel(url, job["id"])
+    assert at_cancel["status"] in ("queued", "running", "cancelled")
+    final = wait_job(url, job["id"])
+    assert final["status"] == "cancelled" and final["finish_reason"] == "cancelled"
+    assert final["usage"]["completion_tokens"] < 50
+    stream = read_stream(f"{url}/v1/jobs/{job['id']}/stream")
+    assert stream.done.json == final and "".join(stream.texts) == final["text"]
+
+
 def test_cancel_a_queued_job_means_it_never_runs(tiny_stack):
     url = tiny_stack["url"]
     r = _redis(tiny_stack)
     # The worker holds 64 sequences (64 task threads, prefetch 1): fill them all, so the next
-    # job waits in the Celery queue.
-    fillers = [j["id"] for j in submit(url, prompts=["Hello there"] * 64, **LONG)["jobs"]]
+    # job waits in the Celery queue. One filler first, decoding before the others join.
+    first = submit(url, prompt="Hello there", **LONG)["id"]
+    wait_until(lambda: _tokens_so_far(url, first, 2), 90, "the first filler to decode")
+    fillers = [first] + [j["id"] for j in submit(url, prompts=["Hello there"] * 63, **LONG)["jobs"]]
     try:
         wait_until(lambda: all(s == "running" for s in
                                (r.hget(f"llmq:seq:{i}", "status") for i in fillers)),
@@ -83,13 +99,18 @@ def test_cancel_a_queued_job_means_it_never_runs(tiny_stack):
         assert [e.event for e in stream.events] == ["done"]
         assert stream.done.json == cancelled
     finally:
-        for seq_id in fillers:
+        # All but one first, so the batch never empties with 64 rows to free at once.
+        for seq_id in fillers[1:]:
             cancel(url, seq_id)
+        wait_until(lambda: all(get_job(url, s)["status"] == "cancelled" for s in fillers[1:]),
+                   60, "63 fillers to be cancelled")
+        cancel(url, fillers[0])
     for seq_id in fillers:
         assert wait_job(url, seq_id)["status"] == "cancelled"
 
     # Its task is delivered once the fillers leave, and skipped: the record never ran.
-    wait_until(lambda: r.llen("llmq") == 0 and r.hlen("unacked") == 0, 60,
+    depth = SequenceStore(r).queue_depth
+    wait_until(lambda: depth("llmq") == 0 and r.hlen("unacked") == 0, 60,
                "the Celery queue to drain")
     wait_until(lambda: _worker_idle(tiny_stack), 30, "the worker to go idle")
     assert get_job(url, job["id"]) == cancelled
@@ -100,7 +121,7 @@ def test_cancel_a_queued_job_means_it_never_runs(tiny_stack):
 def test_cancel_a_finished_job_leaves_it_succeeded(tiny_stack):
     url = tiny_stack["url"]
     job = generate(url, prompt="Hello there", max_tokens=5, temperature=0)
-    assert job["status"] == "succeeded"
+    assert job["status"] == "succeeded", job
     after = cancel(url, job["id"])
     assert after == job
     assert get_job(url, job["id"]) == job

@@ -7,6 +7,7 @@ import pytest
 import redis
 import requests
 
+from conftest import wait_until
 from llmq_client import assert_error, generate, get_job, submit, wait_job
 
 pytestmark = pytest.mark.integration
@@ -114,7 +115,7 @@ def test_stop_string_cuts_the_text_and_ends_with_stop(tiny_stack):
 
 def test_seed_reproduces_sampling_through_the_stack(tiny_stack):
     url = tiny_stack["url"]
-    common = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+    common = {"max_tokens": 16, "temperature": 1.0, "ignore_eos": True}
     batch = submit(url, prompts=["Hello", "Hello"], seed=1234, **common)["jobs"]
     alone = submit(url, prompt="Hello", seed=1234, **common)
     other = submit(url, prompt="Hello", seed=4321, **common)
@@ -126,6 +127,29 @@ def test_seed_reproduces_sampling_through_the_stack(tiny_stack):
     assert other_seed != same_seed[0]
     # Without a seed every sequence draws its own randomness.
     assert free[0] != free[1]
+
+
+def _worker_info(tiny_stack) -> dict:
+    client = redis.Redis.from_url(tiny_stack["redis"].url, decode_responses=True)
+    return client.hgetall(f"llmq:worker:{tiny_stack['worker'].hostname}")
+
+
+def test_sequential_jobs_do_not_restart_the_model_process(tiny_stack):
+    url = tiny_stack["url"]
+
+    def idle_after(num_finished: int):
+        info = _worker_info(tiny_stack)
+        done = int(info.get("num_finished", 0)) >= num_finished and info.get("running") == "0"
+        return info if done else None
+
+    generate(url, prompt="Hello there", max_tokens=3, temperature=0)
+    first = wait_until(lambda: idle_after(0), 30, "a heartbeat after the first job")
+    # The batch is empty again; a new job starts a new batch on the same model process.
+    job = generate(url, prompt="Hello there", max_tokens=3, temperature=0)
+    assert job["status"] == "succeeded"
+    second = wait_until(lambda: idle_after(int(first["num_finished"]) + 1), 30,
+                        "a heartbeat after the second job")
+    assert second["model_starts"] == first["model_starts"], (first, second)
 
 
 def test_greedy_is_deterministic(tiny_stack):
@@ -242,3 +266,19 @@ def test_health_and_readiness(tiny_stack):
     body = r.json()
     assert body["status"] == "ready"
     assert tiny_stack["worker"].hostname in [w["name"] for w in body["workers"]]
+
+
+def test_readiness_is_503_without_a_worker(redis_server):
+    from common.settings import Settings
+    from conftest import ApiServer
+
+    # Same Redis server, another database: no worker has ever beaten there.
+    url = redis_server.url.rsplit("/", 1)[0] + "/3"
+    api = ApiServer(Settings.from_env(redis_url=url, model="none")).start()
+    try:
+        r = requests.get(api.url + "/readyz", timeout=30)
+        assert r.status_code == 503, r.text
+        assert r.json()["status"] == "unavailable"
+        assert requests.get(api.url + "/healthz", timeout=30).status_code == 200
+    finally:
+        api.stop()
