@@ -180,8 +180,13 @@ class SequenceStore:
 
     @classmethod
     def from_settings(cls, settings, client: redis.Redis | None = None) -> "SequenceStore":
-        client = client or redis.Redis.from_url(settings.redis_url, decode_responses=True,
-                                                health_check_interval=30)
+        # redis-py's default 5 s socket timeout would cut every XREAD BLOCK that waits longer
+        # (an SSE stream whose next token is slow): allow the longest block plus a margin, and
+        # still notice a dead server.
+        client = client or redis.Redis.from_url(
+            settings.redis_url, decode_responses=True, health_check_interval=30,
+            socket_timeout=max(settings.sse_keepalive_s, settings.wait_timeout_s / 60) + 15,
+            socket_connect_timeout=5, retry_on_timeout=False)
         return cls(client, result_ttl_s=settings.result_ttl_s,
                    pending_ttl_s=settings.pending_ttl_s, stream_maxlen=settings.stream_maxlen)
 

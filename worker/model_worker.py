@@ -139,6 +139,8 @@ def main(conn, settings) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = settings.device.split(":", 1)[1]
         settings = settings.replace(device="cuda:0")
     logs.configure("model_worker")
+    if settings.torch_threads > 0:
+        torch.set_num_threads(settings.torch_threads)
     from .backends import load_backend
 
     try:

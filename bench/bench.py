@@ -1,0 +1,315 @@
+"""`make bench` / `python -m bench.bench [--quick]`: one run, results in bench/results/.
+
+Phases, all on the default model, greedy, with the output length forced:
+  1. raw      model.generate in this process (before the stack starts, then freed)
+  2. served   own redis-server + one worker + gunicorn API; closed-loop SSE clients per level
+  3. mixed    prompts 10-400 tokens, outputs 8-256, Poisson arrivals near saturation:
+              continuous batching, then the worker restarted with LLMQ_BATCH_POLICY=static
+Writes <out>/<timestamp>.json and .png and prints a summary table with the targets.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+from . import report
+from .loadgen import closed_loop, open_loop
+from .raw import run_raw, short_prompts
+from .stack import ROOT, Stack
+from .workload import mixed_requests, poisson_offsets
+
+T0 = time.monotonic()
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+class Budget:
+    """The whole run's time budget; phases ask how much is left."""
+
+    def __init__(self, seconds: float):
+        self.deadline = T0 + seconds
+        self.skipped: list[str] = []
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def allows(self, what: str, need_s: float) -> bool:
+        if self.left() >= need_s:
+            return True
+        self.skipped.append(what)
+        progress(f"SKIPPED {what}: {max(0.0, self.left()):.0f} s of the time budget left, "
+                 f"{need_s:.0f} s needed")
+        return False
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="smaller run (raw batch 1,8; served 1,8,32; 32 tokens; 12 mixed requests)")
+    p.add_argument("--concurrency", help="served concurrency levels, e.g. 1,8,32,64")
+    p.add_argument("--raw-batches", help="raw generate batch sizes (default: the levels, "
+                                         "quick: those <= 8)")
+    p.add_argument("--tokens", type=int, help="new tokens per request (default 64, quick 32)")
+    p.add_argument("--requests-per-level", type=int,
+                   help="closed-loop requests per level (default max(2c, 4); quick max(c, 2))")
+    p.add_argument("--level-time-limit", type=float,
+                   help="stop sending new requests in a level after this many seconds, cancel "
+                        "the running ones after twice that (default 120, quick 20)")
+    p.add_argument("--raw-time-limit", type=float,
+                   help="seconds for the whole raw phase; a batch out of time stops early "
+                        "(default: a fifth of the budget)")
+    p.add_argument("--mixed-requests", type=int, help="mixed workload size (default 60, quick 12)")
+    p.add_argument("--mixed-time-limit", type=float,
+                   help="cancel what still runs after this many seconds of one mixed run "
+                        "(default 180, quick 35)")
+    p.add_argument("--budget", type=float,
+                   help="whole-run time budget in seconds: later levels/phases are cut or "
+                        "skipped to stay within it (default 850, quick 165)")
+    p.add_argument("--seed", type=int, default=1234, help="mixed workload seed")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results folder")
+    p.add_argument("--skip-raw", action="store_true", help="skip the raw model.generate phase")
+    p.add_argument("--skip-mixed", action="store_true", help="skip the mixed workload phase")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda, for raw and served")
+    p.add_argument("--api-app", default="app.wsgi:application",
+                   help="the WSGI app gunicorn serves (module:variable, importable from the repo)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="LLMQ_MAX_NUM_SEQS of the worker")
+    args = p.parse_args(argv)
+    q = args.quick
+    args.levels = _ints(args.concurrency) if args.concurrency else ([1, 8, 32] if q else [1, 8, 32, 64])
+    if args.raw_batches:
+        args.raw = _ints(args.raw_batches)
+    else:
+        args.raw = [b for b in args.levels if b <= 8] if q else list(args.levels)
+    args.tokens = args.tokens or (32 if q else 64)
+    args.level_time_limit = args.level_time_limit or (20.0 if q else 120.0)
+    args.mixed_requests = args.mixed_requests or (12 if q else 60)
+    args.mixed_time_limit = args.mixed_time_limit or (35.0 if q else 180.0)
+    args.budget = args.budget or (165.0 if q else 850.0)
+    args.raw_time_limit = args.raw_time_limit or args.budget / 5
+    args.output_range = (8, 64) if q else (8, 256)
+    args.prompt_range = (10, 400)
+    return args
+
+
+def _ints(s: str) -> list[int]:
+    vals = [int(x) for x in s.replace(" ", "").split(",") if x]
+    if not vals or any(v < 1 for v in vals):
+        raise SystemExit(f"bad list of positive integers: {s!r}")
+    return vals
+
+
+def requests_for(level: int, args) -> int:
+    if args.requests_per_level:
+        return args.requests_per_level
+    return max(level, 2) if args.quick else max(2 * level, 4)
+
+
+def payload(prompt: str, n: int) -> dict:
+    return {"prompt": prompt, "stream": True, "max_tokens": n, "min_tokens": n,
+            "ignore_eos": True, "temperature": 0}
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# --- phases -------------------------------------------------------------------------------------
+def served_phase(stack: Stack, args, budget: Budget, reserve_s: float) -> list[dict]:
+    """reserve_s: time kept back for the phases after this one."""
+    levels = []
+    # One warm-up round (not measured) before the levels: connections, kernels, allocator.
+    warm = min(8, max(args.levels))
+    results, wall, _ = closed_loop(stack.url, warm, [payload(p, 8) for p in short_prompts(warm, 500)],
+                                   hard_limit_s=max(10.0, (budget.left() - reserve_s) / 5))
+    bad = [r for r in results if not r.ok]
+    progress(f"served: warm-up {warm} requests x 8 tokens in {wall:.1f} s"
+             f"{f' ({len(bad)} failed: {bad[0].describe_failure()})' if bad else ''}")
+    offset = 0
+    for i, c in enumerate(args.levels):
+        n = requests_for(c, args)
+        left = budget.left() - reserve_s
+        # What is left is shared by this level and the ones after it.
+        share = left / (len(args.levels) - i)
+        if not budget.allows(f"served concurrency {c}", reserve_s + min(10.0, args.level_time_limit)):
+            continue
+        hard = min(2 * args.level_time_limit, max(share, 10.0))
+        soft = min(args.level_time_limit, hard / 2)
+        payloads = [payload(p, args.tokens) for p in short_prompts(n, offset)]
+        offset += n
+        results, wall, truncated = closed_loop(stack.url, c, payloads, soft, hard)
+        s = report.summarize(results, wall)
+        s.update(concurrency=c, max_tokens=args.tokens, truncated=truncated)
+        levels.append(s)
+        _warn_buffered(s)
+        fail = f", {s['failures']} FAILED ({'; '.join(s['failure_examples'])})" if s["failures"] else ""
+        progress(f"served: concurrency {c:>3}: {s['requests']} requests, {s['completion_tokens']} "
+                 f"tokens in {wall:.1f} s -> {s['tokens_per_s']} tok/s, TTFT p50 "
+                 f"{_fmt_s(s['ttft_p50_s'])}, ITL p50 {_fmt_s(s['itl_p50_s'])}, "
+                 f"latency p99 {_fmt_s(s['latency_p99_s'])}{fail}"
+                 f"{' (cut by the time limit)' if truncated else ''}")
+    return levels
+
+
+def _warn_buffered(s: dict) -> None:
+    if s["ok"] and s["buffered_streams"] > s["ok"] // 2:
+        progress(f"WARNING: {s['buffered_streams']} of {s['ok']} streams delivered every token "
+                 "event at once: the API buffers the SSE response, so TTFT ~ request latency")
+
+
+def _fmt_s(v) -> str:
+    return "-" if v is None else f"{v:.3f} s"
+
+
+def mixed_phase(stack: Stack, args, served: list[dict], budget: Budget) -> dict:
+    from transformers import AutoTokenizer
+
+    from common.settings import Settings
+    from worker.model_manager import ModelManager
+
+    ref = [lv for lv in served if lv["concurrency"] in (32, 64) and lv["tokens_per_s"]]
+    ref = ref or [lv for lv in served if lv["tokens_per_s"]]
+    if not ref:
+        budget.skipped.append("mixed workload")
+        progress("SKIPPED mixed workload: no served throughput to derive the arrival rate from")
+        return None
+    ref_tps = max(lv["tokens_per_s"] for lv in ref)
+    tok = AutoTokenizer.from_pretrained(ModelManager(cache_dir=Settings.from_env().model_cache_dir).resolve())
+    reqs = mixed_requests(tok, args.mixed_requests, args.seed, args.prompt_range, args.output_range)
+    mean_out = sum(r["max_tokens"] for r in reqs) / len(reqs)
+    rate = 0.9 * ref_tps / mean_out
+    offsets = poisson_offsets(len(reqs), rate, args.seed)
+    arrivals = [(off, payload(r["prompt"], r["max_tokens"])) for off, r in zip(offsets, reqs)]
+    out = {"num_requests": len(reqs), "seed": args.seed, "rate_per_s": round(rate, 4),
+           "reference_tokens_per_s": ref_tps, "mean_output_tokens": round(mean_out, 1),
+           "prompt_tokens_range": list(args.prompt_range),
+           "output_tokens_range": list(args.output_range),
+           "arrival_span_s": round(offsets[-1], 2)}
+    progress(f"mixed: {len(reqs)} requests, mean output {mean_out:.0f} tokens, Poisson rate "
+             f"{rate:.3f}/s (0.9 x {ref_tps:.0f} tok/s), arrivals over {offsets[-1]:.0f} s")
+    restart_s = 30.0   # a worker restart (model load and warm-up), about
+    for policy in ("continuous", "static"):
+        runs_left = 2 if policy == "continuous" else 1
+        need = (restart_s + 10.0) * runs_left   # (a restart) and at least 10 s of running
+        if not budget.allows(f"mixed {policy}", need):
+            if policy == "continuous":
+                budget.skipped.append("mixed static")
+                break
+            continue
+        limit = min(args.mixed_time_limit, (budget.left() - restart_s) / runs_left)
+        if policy == "static":
+            t = time.monotonic()
+            stack.restart_worker("static", timeout_s=max(60.0, budget.left()))
+            closed_loop(stack.url, 1, [payload("Warm up.", 4)], hard_limit_s=20)
+            progress(f"mixed: worker restarted with LLMQ_BATCH_POLICY=static in "
+                     f"{time.monotonic() - t:.1f} s")
+            limit = min(args.mixed_time_limit, budget.left() - 5.0)
+        results, wall, cut = open_loop(stack.url, arrivals, limit)
+        s = report.summarize(results, wall)
+        s["cut"] = cut
+        out[policy] = s
+        _warn_buffered(s)
+        fail = f", {s['failures']} FAILED ({'; '.join(s['failure_examples'])})" if s["failures"] else ""
+        progress(f"mixed: {policy:>10}: {s['completion_tokens']} tokens in {wall:.1f} s -> "
+                 f"{s['tokens_per_s']} tok/s, latency p50 {_fmt_s(s['latency_p50_s'])} p99 "
+                 f"{_fmt_s(s['latency_p99_s'])}{fail}{' (cut by the time limit)' if cut else ''}")
+    return out
+
+
+# --- main ---------------------------------------------------------------------------------------
+def _on_term(signum, _frame):
+    raise SystemExit(128 + signum)   # unwinds through the finally that stops the stack
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGHUP, _on_term)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"meta": {
+        "timestamp": stamp, "quick": args.quick, "git": git_commit(), "python": sys.version.split()[0],
+        "platform": platform.platform(), "cpus": os.cpu_count(),
+        "load_avg_start": list(os.getloadavg()),
+        "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))},
+    }}
+    budget = Budget(args.budget)
+    progress(f"llmq bench{' (quick)' if args.quick else ''}: levels {args.levels}, "
+             f"{args.tokens} tokens/request, raw batches {[] if args.skip_raw else args.raw}, "
+             f"{0 if args.skip_mixed else args.mixed_requests} mixed requests, budget "
+             f"{args.budget:.0f} s; load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
+    if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
+        progress("WARNING: the machine is already busy; the numbers will be noisy and low")
+    if not args.skip_raw:
+        progress("phase 1/3: raw model.generate (in-process, before the stack starts)")
+        result["raw"] = run_raw(args.raw, args.tokens, device=args.device, progress=progress,
+                                time_limit_s=args.raw_time_limit)
+    workdir = Path(tempfile.mkdtemp(prefix=f"llmq-bench-{stamp}-"))
+    stack = Stack(workdir, max_num_seqs=args.max_num_seqs, device=args.device,
+                  dtype="float32" if args.device == "cpu" else "auto", api_app=args.api_app)
+    error = None
+    try:
+        progress(f"phase 2/3: starting redis-server :{stack.redis_port}, a worker and the API "
+                 f"{stack.url} (logs in {workdir})")
+        t = time.monotonic()
+        stack.start("continuous")
+        progress(f"stack ready in {time.monotonic() - t:.1f} s")
+        mixed_reserve = 0.0 if args.skip_mixed else max(0.0, min(budget.left() * 0.4,
+                                                                 30.0 + 2 * args.mixed_time_limit))
+        result["served"] = served_phase(stack, args, budget, mixed_reserve)
+        if not args.skip_mixed:
+            progress("phase 3/3: mixed workload, continuous vs static batching")
+            mixed = mixed_phase(stack, args, result["served"], budget)
+            if mixed:
+                result["mixed"] = mixed
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - write what we have
+        error = f"{type(exc).__name__}: {exc}"
+        progress(f"ERROR: {error}")
+    finally:
+        progress("stopping the stack")
+        stack.stop()
+    result.setdefault("served", [])
+    result["meta"]["load_avg_end"] = list(os.getloadavg())
+    result["meta"]["elapsed_s"] = round(time.monotonic() - T0, 1)
+    result["meta"]["logs"] = str(workdir)
+    result["meta"]["skipped"] = budget.skipped
+    if error:
+        result["error"] = error
+    result["ratios"] = report.compute_ratios(result.get("raw"), result["served"], result.get("mixed"))
+    result["targets"] = report.targets(result["served"], result["ratios"], result.get("mixed"))
+    json_path = out_dir / f"{stamp}.json"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    png_path = out_dir / f"{stamp}.png"
+    try:
+        report.plot(result, png_path)
+    except Exception as exc:  # noqa: BLE001 - the numbers matter more than the picture
+        progress(f"plot failed: {type(exc).__name__}: {exc}")
+        png_path = None
+    print()
+    print(report.format_table(result))
+    print()
+    progress(f"results: {json_path}" + (f" and {png_path}" if png_path else ""))
+    return 1 if error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

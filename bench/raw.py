@@ -1,0 +1,80 @@
+"""The raw limit: `model.generate` in this process on the same weights, no serving stack."""
+from __future__ import annotations
+
+import gc
+import time
+
+
+def short_prompts(n: int, offset: int = 0) -> list[str]:
+    """Short, distinct raw prompts (the served phase uses the same ones)."""
+    topics = ["a lighthouse", "the moon", "a small robot", "an old library", "a river",
+              "a mountain village", "the ocean", "a clockmaker", "a desert", "a garden",
+              "a train station", "a snowstorm", "a market", "a violin", "a comet", "a forest"]
+    return [f"Write a short story about {topics[(offset + i) % len(topics)]} (number {offset + i})."
+            for i in range(n)]
+
+
+def run_raw(batches: list[int], new_tokens: int, device: str = "cpu", dtype: str = "float32",
+            progress=print, time_limit_s: float | None = None) -> dict:
+    """Greedy generate of exactly `new_tokens` tokens at each batch size; output tokens/s.
+    time_limit_s bounds the whole phase: a batch that runs out of time stops early
+    (generate's max_time) and its tokens/s counts the tokens it made."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.settings import Settings
+    from worker.model_manager import ModelManager, pick_device, pick_dtype
+
+    path = ModelManager(cache_dir=Settings.from_env().model_cache_dir).resolve()
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dtype, dev)
+    t = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(dev).eval()
+    progress(f"raw: loaded {path} on {dev} ({str(torch_dtype).replace('torch.', '')}, "
+             f"{torch.get_num_threads()} threads) in {time.perf_counter() - t:.1f} s")
+
+    def generate(batch: int, n: int, offset: int = 0, max_time: float | None = None):
+        enc = tok(short_prompts(batch, offset), return_tensors="pt", padding=True).to(dev)
+        if dev.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(**enc, do_sample=False, min_new_tokens=n, max_new_tokens=n,
+                                 pad_token_id=pad_id, max_time=max_time)
+        if dev.startswith("cuda"):
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        got = out.shape[1] - enc["input_ids"].shape[1]
+        if got != n and (max_time is None or got > n):
+            raise RuntimeError(f"generate made {got} tokens, not {n}")
+        return dt, got
+
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+    results = []
+    try:
+        warm = min(8, new_tokens)
+        dt, _ = generate(1, warm, offset=1000, max_time=time_limit_s and time_limit_s / 4)
+        progress(f"raw: warm-up (batch 1, {warm} tokens) {dt:.1f} s")
+        for i, b in enumerate(batches):
+            limit = None
+            if deadline is not None:
+                # What is left, shared by this batch and the larger ones after it.
+                limit = max(1.0, (deadline - time.monotonic()) / (len(batches) - i))
+            dt, got = generate(b, new_tokens, max_time=limit)
+            tps = b * got / dt
+            cut = got < new_tokens
+            results.append({"batch": b, "new_tokens": new_tokens, "generated_tokens": got,
+                            "elapsed_s": round(dt, 3), "tokens_per_s": round(tps, 2), "cut": cut})
+            progress(f"raw: batch {b:>3}: {b * got} tokens in {dt:.1f} s -> {tps:.1f} tok/s"
+                     f"{f' (cut by the time limit after {got} of {new_tokens} steps)' if cut else ''}")
+    finally:
+        info = {"model_path": path, "device": dev, "dtype": str(torch_dtype).replace("torch.", ""),
+                "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__}
+        model = None   # free the weights before the stack starts
+        gc.collect()
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return {"info": info, "new_tokens": new_tokens, "results": results}

@@ -1,0 +1,234 @@
+"""Summaries of request results, the targets, the printed table and the PNG plot."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .loadgen import RequestResult
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    import numpy as np
+
+    return round(float(np.percentile(values, q)), 4)
+
+
+def summarize(results: list[RequestResult], wall_s: float) -> dict:
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    tokens = sum(r.completion_tokens for r in ok)
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    itl = [g for r in ok for g in r.gaps()]
+    lat = [r.latency for r in ok if r.latency is not None]
+    cancelled_only = bool(failed) and all(r.status == "cancelled" for r in failed)
+    multi = [r for r in ok if len(r.token_times) >= 2]
+    # Streams whose token events all arrived at once: the server buffered the SSE response.
+    buffered = sum(1 for r in multi if r.token_times[-1] - r.token_times[0] < 1e-3)
+    return {
+        "requests": len(results), "ok": len(ok), "failures": len(failed),
+        "failure_examples": sorted({r.describe_failure() for r in failed})[:3],
+        "wall_s": round(wall_s, 3), "completion_tokens": tokens,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        # None, not 0, when nothing finished because the time limit cancelled it all.
+        "tokens_per_s": (round(tokens / wall_s, 2) if wall_s > 0 and (ok or not cancelled_only)
+                         else None),
+        "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95), "ttft_p99_s": pct(ttft, 99),
+        "itl_p50_s": pct(itl, 50), "itl_p95_s": pct(itl, 95),
+        "latency_p50_s": pct(lat, 50), "latency_p95_s": pct(lat, 95), "latency_p99_s": pct(lat, 99),
+        "buffered_streams": buffered,
+        "mean_token_events": round(sum(len(r.token_times) for r in ok) / len(ok), 1) if ok else None,
+    }
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def compute_ratios(raw: dict | None, served: list[dict], mixed: dict | None) -> dict:
+    raw_by_batch = {}
+    if raw:
+        raw_by_batch = {r["batch"]: r for r in raw["results"]}
+    per_level = {}
+    for level in served:
+        c = level["concurrency"]
+        r = raw_by_batch.get(c)
+        same = r is not None and r["new_tokens"] == level["max_tokens"]
+        per_level[str(c)] = _ratio(level["tokens_per_s"], r["tokens_per_s"]) if same else None
+    out = {"served_over_raw": per_level}
+    if mixed and "continuous" in mixed and "static" in mixed:
+        out["continuous_over_static_throughput"] = _ratio(mixed["continuous"]["tokens_per_s"],
+                                                          mixed["static"]["tokens_per_s"])
+        out["continuous_over_static_p99_latency"] = _ratio(mixed["continuous"]["latency_p99_s"],
+                                                           mixed["static"]["latency_p99_s"])
+    return out
+
+
+def targets(served: list[dict], ratios: dict, mixed: dict | None) -> list[dict]:
+    by_c = {lv["concurrency"]: lv for lv in served}
+    out = []
+    for c in (64, 1):
+        v = ratios["served_over_raw"].get(str(c))
+        out.append({"name": f"served@{c} >= 0.9 x raw@{c}", "value": v,
+                    "met": None if v is None else v >= 0.9})
+    v = ratios.get("continuous_over_static_throughput")
+    met = None
+    if v is not None:
+        c99, s99 = mixed["continuous"]["latency_p99_s"], mixed["static"]["latency_p99_s"]
+        met = v >= 1.5 and c99 is not None and s99 is not None and c99 < s99
+    out.append({"name": "mixed: continuous >= 1.5 x static throughput, lower p99", "value": v,
+                "met": met})
+    lv = by_c.get(64)
+    v = lv["ttft_p50_s"] if lv else None
+    out.append({"name": "TTFT p50 @64 < 1 s", "value": v, "met": None if v is None else v < 1.0})
+    return out
+
+
+# --- the table ----------------------------------------------------------------------------------
+def _f(v, fmt="{:.1f}", none="-"):
+    return none if v is None else fmt.format(v)
+
+
+def _ms(v):
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def format_table(result: dict) -> str:
+    lines = []
+    raw = result.get("raw")
+    if raw:
+        lines.append(f"Raw model.generate ({raw['new_tokens']} new tokens, greedy, batch = prompts)")
+        lines.append(f"  {'batch':>5}  {'tok/s':>8}  {'time s':>7}")
+        for r in raw["results"]:
+            cut = f"  (cut: {r['generated_tokens']} of {r['new_tokens']} steps)" if r.get("cut") else ""
+            lines.append(f"  {r['batch']:>5}  {r['tokens_per_s']:>8.1f}  {r['elapsed_s']:>7.1f}{cut}")
+        lines.append("")
+    served = result.get("served") or []
+    if served:
+        ratios = result["ratios"]["served_over_raw"]
+        raw_by = {r["batch"]: r for r in (raw or {}).get("results", [])}
+        lines.append(f"Served, closed loop ({served[0]['max_tokens']} tokens per request, "
+                     "SSE through gunicorn; times in ms)")
+        lines.append(f"  {'conc':>4} {'reqs':>4} {'fail':>4} {'tok/s':>7} {'raw':>7} {'ratio':>5}"
+                     f" {'TTFT50':>7} {'TTFT95':>7} {'ITL50':>6} {'ITL95':>6} {'lat50':>7}"
+                     f" {'lat99':>7}")
+        for lv in served:
+            c = lv["concurrency"]
+            r = raw_by.get(c)
+            lines.append(
+                f"  {c:>4} {lv['requests']:>4} {lv['failures']:>4} {_f(lv['tokens_per_s']):>7}"
+                f" {_f(r['tokens_per_s'] if r else None):>7} {_f(ratios.get(str(c)), '{:.2f}'):>5}"
+                f" {_ms(lv['ttft_p50_s']):>7} {_ms(lv['ttft_p95_s']):>7} {_ms(lv['itl_p50_s']):>6}"
+                f" {_ms(lv['itl_p95_s']):>6} {_ms(lv['latency_p50_s']):>7}"
+                f" {_ms(lv['latency_p99_s']):>7}{'  (cut by time limit)' if lv.get('truncated') else ''}")
+        lines.append("")
+    mixed = result.get("mixed")
+    if mixed:
+        lines.append(f"Mixed workload: {mixed['num_requests']} requests, prompts "
+                     f"{mixed['prompt_tokens_range'][0]}-{mixed['prompt_tokens_range'][1]} tokens, "
+                     f"outputs {mixed['output_tokens_range'][0]}-{mixed['output_tokens_range'][1]}, "
+                     f"Poisson {mixed['rate_per_s']:.3f} req/s, seed {mixed['seed']}")
+        lines.append(f"  {'policy':>10} {'reqs':>4} {'fail':>4} {'tok/s':>7} {'wall s':>7}"
+                     f" {'lat50 s':>8} {'lat99 s':>8} {'TTFT50 s':>8} {'TTFT99 s':>8}")
+        for name in ("continuous", "static"):
+            m = mixed.get(name)
+            if not m:
+                continue
+            lines.append(f"  {name:>10} {m['requests']:>4} {m['failures']:>4}"
+                         f" {_f(m['tokens_per_s']):>7} {_f(m['wall_s']):>7}"
+                         f" {_f(m['latency_p50_s'], '{:.2f}'):>8} {_f(m['latency_p99_s'], '{:.2f}'):>8}"
+                         f" {_f(m['ttft_p50_s'], '{:.2f}'):>8} {_f(m['ttft_p99_s'], '{:.2f}'):>8}")
+        r = result["ratios"].get("continuous_over_static_throughput")
+        lines.append(f"  continuous/static throughput: {_f(r, '{:.2f}x')}")
+        lines.append("")
+    skipped = result.get("meta", {}).get("skipped")
+    if skipped:
+        lines.append(f"Skipped to stay within the time budget: {', '.join(skipped)}")
+        lines.append("")
+    if result.get("error"):
+        lines.append(f"Run error: {result['error']}")
+        lines.append("")
+    lines.append("Targets")
+    for t in result.get("targets", []):
+        mark = {True: "MET   ", False: "MISSED", None: "n/a   "}[t["met"]]
+        v = t["value"]
+        lines.append(f"  [{mark}] {t['name']}: {_f(v, '{:.3f}', 'not measured')}")
+    return "\n".join(lines)
+
+
+# --- the plot -----------------------------------------------------------------------------------
+def _ticks(ax, values) -> None:
+    vals = sorted(set(values))
+    if vals:
+        ax.set_xticks(vals)
+        ax.set_xticklabels([str(v) for v in vals])
+        from matplotlib.ticker import NullLocator
+
+        ax.xaxis.set_minor_locator(NullLocator())
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    served = result.get("served") or []
+    raw = (result.get("raw") or {}).get("results", [])
+    mixed = result.get("mixed")
+    ncols = 3 if mixed and mixed.get("static") else 2
+    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.6))
+    ax = axes[0]
+    if served:
+        ax.plot([lv["concurrency"] for lv in served], [lv["tokens_per_s"] or 0 for lv in served],
+                "o-", label=f"served ({served[0]['max_tokens']} tok/request)")
+    if raw:
+        ax.plot([r["batch"] for r in raw], [r["tokens_per_s"] for r in raw], "s--",
+                label=f"raw generate (batch, {raw[0]['new_tokens']} tok)")
+    ax.set_xscale("log", base=2)
+    _ticks(ax, [lv["concurrency"] for lv in served] + [r["batch"] for r in raw])
+    ax.set_xlabel("concurrency / batch size")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Throughput")
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+
+    ax = axes[1]
+    xs = [lv["concurrency"] for lv in served]
+    for key, label, style in (("ttft_p50_s", "TTFT p50", "o-"), ("ttft_p95_s", "TTFT p95", "o--"),
+                              ("itl_p50_s", "ITL p50", "^-"), ("itl_p95_s", "ITL p95", "^--"),
+                              ("latency_p50_s", "request p50", "s-"),
+                              ("latency_p99_s", "request p99", "s--")):
+        ys = [lv[key] for lv in served]
+        if any(y is not None for y in ys):
+            ax.plot(xs, [y if y is not None else float("nan") for y in ys], style, label=label)
+    ax.set_xscale("log", base=2)
+    _ticks(ax, xs)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("seconds")
+    ax.set_title("Latency (served, closed loop)")
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+    if ncols == 3:
+        ax = axes[2]
+        names = ["continuous", "static"]
+        tps = [mixed[n]["tokens_per_s"] or 0 for n in names]
+        p99 = [mixed[n]["latency_p99_s"] or 0 for n in names]
+        p50 = [mixed[n]["latency_p50_s"] or 0 for n in names]
+        bars = ax.bar(names, tps, color=["tab:blue", "tab:gray"])
+        ax.bar_label(bars, fmt="%.0f tok/s")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"Mixed workload ({mixed['num_requests']} req, Poisson)")
+        ax2 = ax.twinx()
+        ax2.plot(names, p99, "rD", label="latency p99 (s)")
+        ax2.plot(names, p50, "r.", label="latency p50 (s)")
+        ax2.set_ylabel("seconds")
+        ax2.set_ylim(bottom=0)
+        ax2.legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"llmq benchmark {result['meta']['timestamp']}"
+                 f"{' (quick)' if result['meta']['quick'] else ''}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
