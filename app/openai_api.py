@@ -9,7 +9,7 @@ import json
 import time
 from typing import Annotated, Any, Iterator, Literal
 
-from flask import Blueprint, Response, g, jsonify, request, stream_with_context
+from flask import Blueprint, Response, g, jsonify, stream_with_context
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from common.protocol import EVENT_DONE, EVENT_TOKEN, SamplingParams

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import requests
 
-from conftest import wait_until
+from support import wait_until
 
 FINISHED = ("succeeded", "failed", "cancelled")
 TIMEOUT = 60

@@ -5,7 +5,7 @@ import pytest
 import redis
 
 from common.store import SequenceStore
-from conftest import wait_until
+from support import wait_until
 from llmq_client import cancel, generate, get_job, submit, wait_job
 from sse import read_stream
 

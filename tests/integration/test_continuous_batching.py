@@ -3,7 +3,7 @@ import redis
 import requests
 
 from common.store import worker_key
-from conftest import wait_until
+from support import wait_until
 
 
 def _worker_stats(stack) -> dict:

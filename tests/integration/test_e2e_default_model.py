@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ApiServer, WorkerProcess
+from support import ApiServer, WorkerProcess
 from llmq_client import generate, get_job
 from sse import read_stream
 

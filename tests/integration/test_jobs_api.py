@@ -7,7 +7,8 @@ import pytest
 import redis
 import requests
 
-from conftest import wait_until
+
+from support import ApiServer, wait_until
 from llmq_client import assert_error, generate, get_job, submit, wait_job
 
 pytestmark = pytest.mark.integration
@@ -270,7 +271,6 @@ def test_health_and_readiness(tiny_stack):
 
 def test_readiness_is_503_without_a_worker(redis_server):
     from common.settings import Settings
-    from conftest import ApiServer
 
     # Same Redis server, another database: no worker has ever beaten there.
     url = redis_server.url.rsplit("/", 1)[0] + "/3"

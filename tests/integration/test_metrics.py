@@ -13,7 +13,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import wait_until
+from support import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,7 @@ import requests
 
 from common.settings import Settings
 from common.store import record_key
-from conftest import ApiServer, RedisServer, WorkerProcess, wait_until
+from support import ApiServer, RedisServer, WorkerProcess, wait_until
 
 
 @pytest.fixture

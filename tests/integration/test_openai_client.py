@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import wait_until
+from support import wait_until
 from sse import iter_events
 
 openai = pytest.importorskip("openai", reason="the openai client is in requirements-dev.txt")

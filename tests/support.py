@@ -1,0 +1,194 @@
+"""Test helpers shared by every folder: a real redis-server, the tiny random model, a real Celery
+worker process, the real HTTP app, and wait_until. Imported as `support` (the name `conftest`
+is ambiguous: tests/worker has a conftest of its own)."""
+
+
+from __future__ import annotations
+
+
+import os
+
+
+import shutil
+
+
+import socket
+
+
+import subprocess
+
+
+import sys
+
+
+import threading
+
+
+import time
+
+
+from pathlib import Path
+
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout_s: float = 30.0, what: str = "condition", interval: float = 0.05):
+    """Polls an observable condition (not a sleep-and-hope): fails with a message on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+# --- Redis ------------------------------------------------------------------------------------
+class RedisServer:
+    """A real redis-server on a free loopback port, in a temp dir."""
+
+    def __init__(self, workdir: Path, appendonly: bool = False):
+        self.port = free_port()
+        self.workdir = workdir
+        self.appendonly = appendonly
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        exe = shutil.which("redis-server")
+        if not exe:
+            pytest.skip("redis-server is not installed (make test installs it)")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes" if self.appendonly else "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis(port=self.port)
+        wait_until(lambda: _ping(client), 10, "redis-server to answer")
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def _ping(client) -> bool:
+    try:
+        return client.ping()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def build_tiny_model(target: Path, tokenizer_dir: str, seed: int = 0) -> str:
+    """A tiny random Llama with the default model's tokenizer, built from a config."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(target)
+    tok.save_pretrained(target)
+    return str(target)
+
+
+# --- processes --------------------------------------------------------------------------------
+class WorkerProcess:
+    """A real Celery worker (threads pool, its own model process) as `make worker` starts it."""
+
+    def __init__(self, redis_url: str, model: str, log_path: Path, name: str = "w1",
+                 extra_env: dict | None = None):
+        self.redis_url, self.model, self.log_path, self.name = redis_url, model, log_path, name
+        self.extra_env = extra_env or {}
+        self.proc = None
+
+    @property
+    def hostname(self) -> str:
+        return f"{self.name}@test"
+
+    def env(self) -> dict:
+        env = dict(os.environ, LLMQ_REDIS_URL=self.redis_url, LLMQ_MODEL=self.model,
+                   LLMQ_MAX_NUM_SEQS="64", LLMQ_WORKER_HEARTBEAT="0.2", PYTHONUNBUFFERED="1")
+        env.update(self.extra_env)
+        return env
+
+    def start(self, wait_ready: bool = True) -> "WorkerProcess":
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
+             "--pool", "threads", "--concurrency", self.env()["LLMQ_MAX_NUM_SEQS"],
+             "--queues", self.env().get("LLMQ_QUEUE", "llmq"), "--prefetch-multiplier", "1",
+             "--task-events",
+             "--hostname", self.hostname, "--loglevel", "INFO", "--without-mingle",
+             "--without-gossip"],
+            cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        if wait_ready:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        import redis
+
+        from common.store import SequenceStore
+
+        store = SequenceStore(redis.Redis.from_url(self.redis_url, decode_responses=True))
+
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker exited: {self.log_path.read_text()[-3000:]}")
+            return any(w["name"] == self.hostname and w.get("model_loaded") == "1"
+                       for w in store.live_workers(30))
+
+        wait_until(ready, timeout_s, "the worker to load its model")
+
+    def stop(self, sig=None) -> None:
+        import signal as _s
+
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig or _s.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+class ApiServer:
+    """The real Flask app behind a real threaded HTTP server on a loopback port."""
+
+    def __init__(self, settings):
+        from werkzeug.serving import make_server
+
+        from app import create_app
+
+        self.app = create_app(settings)
+        self.server = make_server("127.0.0.1", 0, self.app, threaded=True)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def start(self) -> "ApiServer":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
