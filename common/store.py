@@ -107,6 +107,7 @@ _FINISH = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return 0 end
 if not string.find(',' .. ARGV[1] .. ',', ',' .. st .. ',', 1, true) then return 0 end
+if ARGV[9] ~= '' and redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[9] then return 0 end
 local fields = cjson.decode(ARGV[2])
 for k, v in pairs(fields) do redis.call('HSET', KEYS[1], k, v) end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'event', 'done', 'data', ARGV[3])
@@ -119,6 +120,38 @@ if w and w ~= '' then redis.call('SREM', ARGV[8] .. w, ARGV[7]) end
 return 1
 """
 
+
+# One engine step's deltas, fenced: each is written only while its record is still running the
+# attempt that produced it. A worker that was taken for dead (its engine hung past
+# LLMQ_WORKER_STALE) and moves again must not write into a record that was handed back or
+# restarted meanwhile. And idempotent: a delta whose token count the record already has was
+# written before (a retry after the reply was lost with the connection) and is skipped.
+# ARGV: maxlen, ttl, record prefix, channel prefix, then per delta (id, attempt, token event
+# data or '', pub/sub message, full text, completion tokens).
+# Returns the 1-based positions of the deltas that were refused.
+_PUBLISH = """
+local refused = {}
+local pos = 0
+for i = 5, #ARGV, 6 do
+  pos = pos + 1
+  local rec = ARGV[3] .. ARGV[i]
+  local cur = redis.call('HMGET', rec, 'status', 'attempts', 'completion_tokens')
+  if ARGV[i + 1] ~= '' and (cur[1] ~= 'running' or cur[2] ~= ARGV[i + 1]) then
+    table.insert(refused, pos)
+  elseif ARGV[i + 1] ~= '' and tonumber(cur[3] or '0') >= tonumber(ARGV[i + 5]) then
+    -- already written
+  else
+    if ARGV[i + 2] ~= '' then
+      redis.call('XADD', rec .. ':events', 'MAXLEN', '~', ARGV[1], '*', 'event', 'token',
+                 'data', ARGV[i + 2])
+      redis.call('EXPIRE', rec .. ':events', ARGV[2])
+      redis.call('PUBLISH', ARGV[4] .. ARGV[i], ARGV[i + 3])
+    end
+    redis.call('HSET', rec, 'text', ARGV[i + 4], 'completion_tokens', ARGV[i + 5])
+  end
+end
+return refused
+"""
 
 def _now() -> float:
     return round(time.time(), 6)
@@ -163,6 +196,7 @@ class TokenDelta:
     text: str            # the new piece of text (may be empty)
     full_text: str       # all the text so far
     completion_tokens: int
+    attempt: int | None = None   # the start that produced it; set, the write is fenced on it
 
 
 class SequenceStore:
@@ -177,6 +211,7 @@ class SequenceStore:
         self._start = client.register_script(_START)
         self._reclaim = client.register_script(_RECLAIM)
         self._finish = client.register_script(_FINISH)
+        self._publish = client.register_script(_PUBLISH)
 
     @classmethod
     def from_settings(cls, settings, client: redis.Redis | None = None) -> "SequenceStore":
@@ -283,18 +318,29 @@ class SequenceStore:
     def set_prompt_tokens(self, seq_id: str, n: int) -> None:
         self.r.hset(record_key(seq_id), "prompt_tokens", n)
 
-    def publish_deltas(self, deltas: Iterable[TokenDelta]) -> None:
-        """One engine step's tokens for all its sequences, in one round trip."""
+    def publish_deltas(self, deltas: Iterable[TokenDelta]) -> list[int]:
+        """One engine step's tokens for all its sequences, in one round trip. Deltas that carry
+        their attempt are fenced on it (see _PUBLISH); returns the positions (0-based) of those
+        refused because their record is no longer running that attempt."""
+        deltas = list(deltas)
+        if not deltas:
+            return []
+        if any(d.attempt is not None for d in deltas):
+            args: list[Any] = [self.stream_maxlen, self.pending_ttl_s, record_key(""), channel("")]
+            for d in deltas:
+                data = {"text": d.text}
+                args += [d.seq_id, "" if d.attempt is None else int(d.attempt),
+                         encode_event(EVENT_TOKEN, data)["data"] if d.text else "",
+                         encode_pubsub(EVENT_TOKEN, data), d.full_text, d.completion_tokens]
+            return [int(p) - 1 for p in self._publish(args=args)]
         pipe = self.r.pipeline(transaction=False)
-        n = 0
         for d in deltas:
             if d.text:
                 self._append(pipe, d.seq_id, EVENT_TOKEN, {"text": d.text})
             pipe.hset(record_key(d.seq_id), mapping={"text": d.full_text,
                                                       "completion_tokens": d.completion_tokens})
-            n += 1
-        if n:
-            pipe.execute()
+        pipe.execute()
+        return []
 
     def cancelled_among(self, seq_ids: list[str]) -> set[str]:
         if not seq_ids:
@@ -305,8 +351,11 @@ class SequenceStore:
     def finish(self, seq_id: str, reason: FinishReason, *, text: str | None = None,
                completion_tokens: int | None = None, error: str | None = None,
                only_if: tuple[SequenceStatus, ...] = (SequenceStatus.QUEUED,
-                                                      SequenceStatus.RUNNING)) -> bool:
-        """Ends a sequence once: fields, done event, publish and TTLs in one atomic script."""
+                                                      SequenceStatus.RUNNING),
+               attempt: int | None = None) -> bool:
+        """Ends a sequence once: fields, done event, publish and TTLs in one atomic script.
+        With `attempt`, only if the record is still running that start (a worker's late
+        result for a sequence taken over elsewhere is refused)."""
         rec = self.get_record(seq_id)
         if not rec:
             return False
@@ -324,7 +373,7 @@ class SequenceStore:
             keys=[record_key(seq_id), events_key(seq_id), channel(seq_id), CANCELLED_KEY],
             args=[",".join(s.value for s in only_if), json.dumps(fields), done,
                   encode_pubsub(EVENT_DONE, job), self.stream_maxlen, self.result_ttl_s, seq_id,
-                  running_key("")])
+                  running_key(""), "" if attempt is None else str(int(attempt))])
         return bool(ok)
 
     def _append(self, pipe, seq_id: str, kind: str, data: dict[str, Any]) -> None:
@@ -363,6 +412,10 @@ class SequenceStore:
         pipe.hset(worker_key(name), mapping={k: str(v) for k, v in info.items()})
         pipe.expire(worker_key(name), max(1, int(ttl_s)))
         pipe.execute()
+
+    def running_ids(self, name: str) -> set[str]:
+        """What a worker has started and not finished (its reclaimable sequences)."""
+        return self.r.smembers(running_key(name))
 
     def remove_worker(self, name: str) -> None:
         self.r.zrem(WORKERS_KEY, name)

@@ -43,7 +43,10 @@ class EngineCore:
             settings.max_num_seqs, settings.max_num_batched_tokens,
             POLICIES[settings.batch_policy]())
         self.inbox: queue.Queue[Sequence] = queue.Queue()
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Keyed by the Sequence object, not its id: after this worker was taken for dead, a
+        # newer start of the same record can arrive while the stale copy is still here.
+        self.detokenizers: dict[Sequence, IncrementalDetokenizer] = {}
+        self._attempts: dict[Sequence, int] = {}   # the record's start each copy belongs to
         self._all_admitted: dict[str, Sequence] = {}   # admitted, not finished: task threads wait
         self.num_finished = 0
         self.last_step_time = time.time()
@@ -55,6 +58,7 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._progress = time.monotonic()
         self._step_started: float | None = None
+        self._beating_since: float | None = None   # start of the current run of good beats
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -74,7 +78,12 @@ class EngineCore:
         if self._thread:
             self._thread.join(10)
         self.executor.stop()
-        self.store.remove_worker(self.name)
+        # Leave the registry only with nothing left running under this name. A stop without
+        # a hand-back (a cold shutdown: SIGQUIT, a second SIGTERM) leaves sequences marked
+        # running here; staying registered lets the silence be noticed, so another worker (or
+        # this name's next start) takes them back instead of nobody, ever.
+        if not self.store.running_ids(self.name):
+            self.store.remove_worker(self.name)
 
     def drain(self, grace_s: float) -> None:
         """Graceful shutdown: take nothing new, let the batch finish for up to grace_s, then
@@ -110,6 +119,15 @@ class EngineCore:
         if self._draining.is_set():
             self.requeue(seq_id)   # shutting down: another worker takes it
             return None
+        if not self._advancing():
+            # The engine is stuck mid-step and its heartbeat has gone quiet, so other workers
+            # take back what it runs; starting more here would only hold sequences hostage.
+            # Hand the message back (at most once a second per task thread, in case this is
+            # the only worker).
+            log.warning("engine stuck: handing a sequence back", extra={"seq_id": seq_id})
+            self._stop.wait(1.0)
+            self.requeue(seq_id)
+            return None
         _prev, attempt = self.store.start(seq_id, self.name, self.settings.worker_stale_s)
         if not attempt:
             return None   # finished, cancelled while queued, or expired: nothing to do twice
@@ -124,7 +142,8 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - bad input fails this sequence alone
             log.warning("sequence rejected: %s", exc, extra={"seq_id": seq_id})
             self.store.finish(seq_id, FinishReason.ERROR, error=str(exc), text="",
-                              completion_tokens=0, only_if=(SequenceStatus.RUNNING,))
+                              completion_tokens=0, only_if=(SequenceStatus.RUNNING,),
+                              attempt=attempt)
             return None
         self.store.set_prompt_tokens(seq_id, len(ids))
         log.info("sequence admitted", extra={"seq_id": seq_id, "attempt": attempt,
@@ -132,14 +151,16 @@ class EngineCore:
         seq = Sequence(seq_id, ids, self._resolve(req.params, len(ids)),
                        eos_token_ids=self.executor.info.eos_token_ids,
                        created_at=req.created_at, admitted_at=time.time(), deadline=req.deadline)
-        self.detokenizers[seq_id] = IncrementalDetokenizer(self.tokenizer, ids)
+        self.detokenizers[seq] = IncrementalDetokenizer(self.tokenizer, ids)
+        self._attempts[seq] = attempt
         self._all_admitted[seq_id] = seq
         self.inbox.put(seq)
         return seq
 
     # --- the loop -----------------------------------------------------------------------------
     def _loop(self) -> None:
-        pending: list[tuple[Sequence, str]] = []
+        # (sequence, new text, its token count at that step): what is still to be published
+        pending: list[tuple[Sequence, str, int]] = []
         while not self._stop.is_set():
             if self._handback.is_set():
                 pending = self._hand_back(pending)
@@ -165,6 +186,12 @@ class EngineCore:
         try:
             seq = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
             while True:
+                # A newer start of a record this engine still runs (it was taken for dead and
+                # the record restarted, here): the old copy goes first, so the model process
+                # never holds two sequences under one id.
+                for old in self.scheduler.running + list(self.scheduler.waiting):
+                    if old.seq_id == seq.seq_id:
+                        self._drop(old)
                 self.scheduler.add(seq)
                 seq = self.inbox.get_nowait()
         except queue.Empty:
@@ -189,27 +216,34 @@ class EngineCore:
         self.scheduler.update(out, result.token_ids)
         publish = []
         for seq in out.prefill + out.decode:
-            if seq.seq_id in result.token_ids and seq.seq_id in self.detokenizers:
-                detok = self.detokenizers[seq.seq_id]
+            if seq.seq_id in result.token_ids and seq in self.detokenizers:
+                detok = self.detokenizers[seq]
                 delta = detok.step(seq.output_token_ids[-1]) if seq.output_token_ids else ""
                 if seq.is_finished:
                     delta += detok.flush()
                 text = seq.add_text(delta, final=seq.is_finished)
                 if seq.is_finished and seq in self.scheduler.running:   # a stop string ended it
                     self.scheduler.abort(seq, FinishReason.STOP)
-                publish.append((seq, text))
+                publish.append((seq, text, seq.num_output_tokens))
             elif seq.is_finished:
-                publish.append((seq, ""))
+                publish.append((seq, "", seq.num_output_tokens))
         return publish
 
-    def _publish(self, pending: list[tuple[Sequence, str]]) -> list[tuple[Sequence, str]]:
+    def _publish(self, pending: list[tuple[Sequence, str, int]]
+                 ) -> list[tuple[Sequence, str, int]]:
         """Token events and finished records to Redis; cancellations back. Returns what could
         not be published (Redis unreachable): it is kept, in order, and retried next step."""
         try:
             if pending:
-                self.store.publish_deltas(TokenDelta(s.seq_id, t, s.text, s.num_output_tokens)
-                                          for s, t in pending if t or not s.is_finished)
-                pending = [(s, "") for s, t in pending if s.is_finished]
+                # Each delta carries its step's token count: a batch retried after a reply lost
+                # with the connection (Redis went down mid-call) is not appended twice.
+                deltas = [(s, t, n) for s, t, n in pending if t or not s.is_finished]
+                refused = self.store.publish_deltas(
+                    TokenDelta(s.seq_id, t, s.text, n, self._attempts.get(s))
+                    for s, t, n in deltas)
+                for i in refused:   # the record is no longer this start's: stop, write nothing
+                    self._drop(deltas[i][0])
+                pending = [(s, "", n) for s, t, n in pending if s.is_finished]
                 while pending:
                     self._finish(pending[0][0])
                     pending.pop(0)
@@ -218,7 +252,7 @@ class EngineCore:
             for seq in active:
                 if seq.seq_id in cancelled:
                     self.scheduler.abort(seq, FinishReason.CANCELLED)
-                    pending.append((seq, ""))
+                    pending.append((seq, "", seq.num_output_tokens))
                     self._finish(seq)
                     pending.pop()
             self._expire_deadlines()
@@ -231,13 +265,21 @@ class EngineCore:
 
     def _finish(self, seq: Sequence) -> None:
         """Writes the final record once (the detokenizer's presence marks "not yet written")."""
-        if seq.seq_id not in self.detokenizers:
+        if seq not in self.detokenizers:
             return
-        self.store.finish(seq.seq_id, seq.finish_reason, text=seq.text,
-                          completion_tokens=seq.num_output_tokens, error=seq.error,
-                          only_if=(SequenceStatus.RUNNING,))
-        del self.detokenizers[seq.seq_id]
-        self._all_admitted.pop(seq.seq_id, None)
+        written = self.store.finish(seq.seq_id, seq.finish_reason, text=seq.text,
+                                    completion_tokens=seq.num_output_tokens, error=seq.error,
+                                    only_if=(SequenceStatus.RUNNING,),
+                                    attempt=self._attempts.get(seq))
+        del self.detokenizers[seq]
+        self._attempts.pop(seq, None)
+        if self._all_admitted.get(seq.seq_id) is seq:
+            del self._all_admitted[seq.seq_id]
+        if not written:   # taken over elsewhere (or cancelled while queued): not ours to end
+            log.warning("final result not written: the record is no longer this start's",
+                        extra={"seq_id": seq.seq_id})
+            seq.done.set()
+            return
         self.num_finished += 1
         try:
             self._record_metrics(seq)
@@ -247,6 +289,19 @@ class EngineCore:
             "seq_id": seq.seq_id, "finish_reason": seq.finish_reason.value,
             "prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens,
             "error": seq.error})
+        seq.done.set()
+
+    def _drop(self, seq: Sequence) -> None:
+        """Stops this worker's copy of a sequence whose record was taken over meanwhile (handed
+        back or restarted after this engine was taken for dead): frees its slot, writes
+        nothing, and lets its task thread return."""
+        self.scheduler.abort(seq, FinishReason.CANCELLED)
+        self.detokenizers.pop(seq, None)
+        self._attempts.pop(seq, None)
+        if self._all_admitted.get(seq.seq_id) is seq:
+            del self._all_admitted[seq.seq_id]
+        log.warning("dropping a stale copy: the record was taken over",
+                    extra={"seq_id": seq.seq_id})
         seq.done.set()
 
     def _expire_deadlines(self) -> None:
@@ -267,8 +322,8 @@ class EngineCore:
         for seq_id in self.store.reclaim(self.name):
             log.info("handed back at shutdown", extra={"seq_id": seq_id})
             self.requeue(seq_id)
-        for seq_id in list(self.detokenizers):
-            self.detokenizers.pop(seq_id)
+        self.detokenizers.clear()
+        self._attempts.clear()
         self._release_all()
         self._handback.clear()
         return pending
@@ -368,15 +423,32 @@ class EngineCore:
         flight for less than LLMQ_MAX_STEP (a long prefill is progress; a hang is not). A
         stuck engine goes silent, /readyz turns red and other workers reclaim its sequences."""
         while not self._stop.wait(self.settings.worker_heartbeat_s):
-            now = time.monotonic()
-            in_step = self._step_started is not None and (
-                now - self._step_started < self.settings.max_step_s)
-            if in_step or now - self._progress < self.settings.worker_stale_s / 2:
+            if self._advancing():
                 self._beat()
+            else:
+                self._beating_since = None
+
+    def _advancing(self) -> bool:
+        now = time.monotonic()
+        in_step = self._step_started is not None and (
+            now - self._step_started < self.settings.max_step_s)
+        return in_step or now - self._progress < self.settings.worker_stale_s / 2
 
     def _beat(self) -> None:
         try:
             self.store.heartbeat(self.name, self.stats(), ttl_s=self.settings.worker_stale_s * 4)
-            self._reap_dead_workers()
         except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again next beat
+            self._beating_since = None
             log.warning("heartbeat failed: %s", exc)
+            return
+        # Judge others dead only after beating without a gap for LLMQ_WORKER_STALE ourselves:
+        # after a Redis outage (or a pause of this engine) every heartbeat in Redis is old, and
+        # the first worker back would otherwise take its live peers' sequences from them.
+        now = time.monotonic()
+        if self._beating_since is None:
+            self._beating_since = now
+        if now - self._beating_since >= self.settings.worker_stale_s:
+            try:
+                self._reap_dead_workers()
+            except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again next beat
+                log.warning("reaping failed: %s", exc)

@@ -103,7 +103,6 @@ class ModelManager:
 
     def load_model(self, device: str = "auto", dtype: str = "auto"):
         """Loads the model for inference on the chosen device; returns (model, ModelInfo)."""
-        import torch
         from transformers import AutoModelForCausalLM
 
         device = pick_device(device)
