@@ -42,4 +42,4 @@ EXPOSE 8000 5555
 
 # The API, as `make api` starts it but listening on every interface inside the container.
 CMD ["gunicorn", "--bind", "0.0.0.0:8000", "--worker-class", "gthread", "--workers", "2", \
-     "--threads", "64", "--timeout", "0", "--graceful-timeout", "30", "app.wsgi:application"]
+     "--threads", "256", "--timeout", "0", "--graceful-timeout", "30", "app.wsgi:application"]

@@ -42,7 +42,7 @@ run: setup
 
 api: venv
 	$(BIN)/gunicorn --bind $(LLMQ_HOST):$(LLMQ_PORT) --worker-class gthread --workers 2 \
-	  --threads 64 --timeout 0 --graceful-timeout 30 app.wsgi:application
+	  --threads 256 --timeout 0 --graceful-timeout 30 app.wsgi:application
 
 worker: venv
 	bash scripts/worker.sh

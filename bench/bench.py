@@ -25,6 +25,7 @@ from . import report
 from .loadgen import closed_loop, open_loop
 from .raw import run_raw, short_prompts
 from .stack import ROOT, Stack
+from .streams import streams_phase
 from .workload import mixed_requests, poisson_offsets
 
 T0 = time.monotonic()
@@ -81,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results folder")
     p.add_argument("--skip-raw", action="store_true", help="skip the raw model.generate phase")
     p.add_argument("--skip-mixed", action="store_true", help="skip the mixed workload phase")
+    p.add_argument("--streams", type=int, default=None,
+                   help="SSE streams to hold open at once (default 256; quick 64; 0 skips)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda, for raw and served")
     p.add_argument("--api-app", default="app.wsgi:application",
                    help="the WSGI app gunicorn serves (module:variable, importable from the repo)")
@@ -99,6 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.budget = args.budget or (165.0 if q else 850.0)
     args.raw_time_limit = args.raw_time_limit or args.budget / 5
     args.output_range = (8, 64) if q else (8, 256)
+    args.streams = (64 if q else 256) if args.streams is None else args.streams
     args.prompt_range = (10, 400)
     return args
 
@@ -276,6 +280,9 @@ def main(argv=None) -> int:
         mixed_reserve = 0.0 if args.skip_mixed else max(0.0, min(budget.left() * 0.4,
                                                                  30.0 + 2 * args.mixed_time_limit))
         result["served"] = served_phase(stack, args, budget, mixed_reserve)
+        if args.streams and budget.allows("stream capacity", 60):
+            progress(f"phase 2b: {args.streams} SSE streams open at once")
+            result["streams"] = streams_phase(stack.url, args.streams, progress=progress)
         if not args.skip_mixed:
             progress("phase 3/3: mixed workload, continuous vs static batching")
             mixed = mixed_phase(stack, args, result["served"], budget)

@@ -95,7 +95,7 @@ class Stack:
     """redis-server + one worker + the API. `restart_worker(...)` swaps the worker's settings."""
 
     def __init__(self, workdir: Path, *, max_num_seqs: int = 64, device: str = "cpu",
-                 dtype: str = "float32", api_workers: int = 2, api_threads: int = 64,
+                 dtype: str = "float32", api_workers: int = 2, api_threads: int = 256,
                  api_app: str = "app.wsgi:application", log=print):
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
