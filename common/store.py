@@ -221,7 +221,10 @@ class SequenceStore:
         client = client or redis.Redis.from_url(
             settings.redis_url, decode_responses=True, health_check_interval=30,
             socket_timeout=max(settings.sse_keepalive_s, settings.wait_timeout_s / 60) + 15,
-            socket_connect_timeout=5, retry_on_timeout=False)
+            socket_connect_timeout=5, retry_on_timeout=False,
+            # redis-py 8 caps a pool at 100 connections; every open SSE stream holds one while
+            # it blocks in XREAD, and an API process serves 256 threads.
+            max_connections=1024)
         return cls(client, result_ttl_s=settings.result_ttl_s,
                    pending_ttl_s=settings.pending_ttl_s, stream_maxlen=settings.stream_maxlen)
 
