@@ -10,13 +10,14 @@ export LLMQ_PORT ?= 8000
 export FLOWER_PORT ?= 5555
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help setup venv redis-server model run api worker redis flower test test-fast bench bench-quick compose-check clean
+.PHONY: help setup venv redis-server model llama-cpp run api worker redis flower test test-fast bench bench-quick compose-check clean
 
 help:
 	@echo "make run      set up (venv, packages, redis-server, model) and start Redis, worker, API, Flower"
 	@echo "make test     run the whole test suite (installs what it needs)"
 	@echo "make bench    benchmark (results in bench/results/); make bench-quick for a short run"
 	@echo "make api | worker | redis | flower   start one part alone"
+	@echo "make llama-cpp   add the optional llama.cpp backend (compiles llama.cpp: ~10 min on 2 cores)"
 
 setup: venv redis-server model
 
@@ -36,6 +37,26 @@ redis-server:
 
 model: venv
 	$(BIN)/python -m worker.model_manager prepare
+
+# The optional llama.cpp backend (LLMQ_BACKEND=llama_cpp). pip compiles llama.cpp from source;
+# the flags build portable x86-64 AVX2 kernels (-march=native has crashed on CPUs that report
+# AMX without supporting it) and skip the server, tools and web UI we do not use. The wheel is
+# kept in ~/.cache/llmq/wheels, so a second venv installs it in seconds.
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_WHEELS := $(HOME)/.cache/llmq/wheels
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF \
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF
+ifeq ($(shell uname -m),x86_64)
+LLAMA_CMAKE_ARGS += -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+endif
+llama-cpp: venv
+	@$(BIN)/python -c "import llama_cpp" 2>/dev/null && echo "llama-cpp-python is installed" || { \
+	  mkdir -p $(LLAMA_WHEELS); \
+	  ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || { \
+	    echo "building llama-cpp-python $(LLAMA_CPP_VERSION) (compiles llama.cpp, ~10 min on 2 cores)"; \
+	    CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	      $(BIN)/pip wheel --no-deps -w $(LLAMA_WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION); }; \
+	  $(BIN)/pip install $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl; }
 
 run: setup
 	bash scripts/run.sh

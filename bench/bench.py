@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import report
 from .loadgen import closed_loop, open_loop
-from .raw import run_raw, short_prompts
+from .raw import run_raw, run_raw_backend, short_prompts
 from .stack import ROOT, Stack
 from .streams import streams_phase
 from .workload import mixed_requests, poisson_offsets
@@ -84,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-mixed", action="store_true", help="skip the mixed workload phase")
     p.add_argument("--streams", type=int, default=None,
                    help="SSE streams to hold open at once (default 256; quick 64; 0 skips)")
+    p.add_argument("--backend", default="transformers", choices=["transformers", "llama_cpp"],
+                   help="LLMQ_BACKEND of the worker; the raw phase is then model.generate "
+                        "(transformers) or the backend stepped in-process (llama_cpp)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda, for raw and served")
     p.add_argument("--api-app", default="app.wsgi:application",
                    help="the WSGI app gunicorn serves (module:variable, importable from the repo)")
@@ -265,18 +268,23 @@ def main(argv=None) -> int:
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))},
     }}
     budget = Budget(args.budget)
-    progress(f"llmq bench{' (quick)' if args.quick else ''}: levels {args.levels}, "
+    progress(f"llmq bench{' (quick)' if args.quick else ''}, backend {args.backend}: levels {args.levels}, "
              f"{args.tokens} tokens/request, raw batches {[] if args.skip_raw else args.raw}, "
              f"{0 if args.skip_mixed else args.mixed_requests} mixed requests, budget "
              f"{args.budget:.0f} s; load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
     if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
         progress("WARNING: the machine is already busy; the numbers will be noisy and low")
-    if not args.skip_raw:
+    if not args.skip_raw and args.backend == "transformers":
         progress("phase 1/3: raw model.generate (in-process, before the stack starts)")
         result["raw"] = run_raw(args.raw, args.tokens, device=args.device, progress=progress,
                                 time_limit_s=args.raw_time_limit)
+    elif not args.skip_raw:
+        progress(f"phase 1/3: raw {args.backend} backend (in-process, before the stack starts)")
+        result["raw"] = run_raw_backend(args.backend, args.raw, args.tokens, progress=progress,
+                                        time_limit_s=args.raw_time_limit,
+                                        max_num_seqs=args.max_num_seqs)
     workdir = Path(tempfile.mkdtemp(prefix=f"llmq-bench-{stamp}-"))
-    stack = Stack(workdir, max_num_seqs=args.max_num_seqs, device=args.device,
+    stack = Stack(workdir, max_num_seqs=args.max_num_seqs, device=args.device, backend=args.backend,
                   dtype="float32" if args.device == "cpu" else "auto", api_app=args.api_app)
     error = None
     try:

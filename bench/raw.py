@@ -14,6 +14,16 @@ def short_prompts(n: int, offset: int = 0) -> list[str]:
             for i in range(n)]
 
 
+def _result(batch: int, new_tokens: int, got: int, dt: float, progress) -> dict:
+    """One batch size's figures (tokens/s counts what was made when a time limit cut it)."""
+    tps = batch * got / dt
+    cut = got < new_tokens
+    progress(f"raw: batch {batch:>3}: {batch * got} tokens in {dt:.1f} s -> {tps:.1f} tok/s"
+             f"{f' (cut by the time limit after {got} of {new_tokens} steps)' if cut else ''}")
+    return {"batch": batch, "new_tokens": new_tokens, "generated_tokens": got,
+            "elapsed_s": round(dt, 3), "tokens_per_s": round(tps, 2), "cut": cut}
+
+
 def run_raw(batches: list[int], new_tokens: int, device: str = "cpu", dtype: str = "float32",
             progress=print, time_limit_s: float | None = None) -> dict:
     """Greedy generate of exactly `new_tokens` tokens at each batch size; output tokens/s.
@@ -64,12 +74,7 @@ def run_raw(batches: list[int], new_tokens: int, device: str = "cpu", dtype: str
                 # What is left, shared by this batch and the larger ones after it.
                 limit = max(1.0, (deadline - time.monotonic()) / (len(batches) - i))
             dt, got = generate(b, new_tokens, max_time=limit)
-            tps = b * got / dt
-            cut = got < new_tokens
-            results.append({"batch": b, "new_tokens": new_tokens, "generated_tokens": got,
-                            "elapsed_s": round(dt, 3), "tokens_per_s": round(tps, 2), "cut": cut})
-            progress(f"raw: batch {b:>3}: {b * got} tokens in {dt:.1f} s -> {tps:.1f} tok/s"
-                     f"{f' (cut by the time limit after {got} of {new_tokens} steps)' if cut else ''}")
+            results.append(_result(b, new_tokens, got, dt, progress))
     finally:
         info = {"model_path": path, "device": dev, "dtype": str(torch_dtype).replace("torch.", ""),
                 "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__}
@@ -77,4 +82,53 @@ def run_raw(batches: list[int], new_tokens: int, device: str = "cpu", dtype: str
         gc.collect()
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
+    return {"info": info, "new_tokens": new_tokens, "results": results}
+
+
+def run_raw_backend(backend: str, batches: list[int], new_tokens: int, progress=print,
+                    time_limit_s: float | None = None, max_num_seqs: int = 64) -> dict:
+    """The raw limit of a non-transformers backend (llama.cpp has no `model.generate` over a
+    batch): its own model-worker backend driven step by step in this process, greedy, exactly
+    `new_tokens` per sequence: the same compute the served path asks of it, with no serving
+    around it."""
+    from transformers import AutoTokenizer
+
+    from common.protocol import SamplingParams
+    from common.settings import Settings
+    from worker.backends import load_backend
+    from worker.messages import NewSequence, StepRequest
+    from worker.model_manager import ModelManager
+
+    settings = Settings.from_env(backend=backend, model="smollm2",
+                                 max_num_seqs=max(max_num_seqs, *batches))
+    t = time.perf_counter()
+    worker = load_backend(settings)
+    worker.warm_up()
+    tok = AutoTokenizer.from_pretrained(ModelManager.from_settings(settings).resolve())
+    progress(f"raw: {backend} backend loaded ({worker.info.path}, {worker.info.dtype}) in "
+             f"{time.perf_counter() - t:.1f} s")
+    greedy = SamplingParams(temperature=0.0)
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+    results = []
+    try:
+        for i, b in enumerate(batches):
+            limit = None if deadline is None else max(
+                1.0, (deadline - time.monotonic()) / (len(batches) - i))
+            seqs = [NewSequence(f"raw{b}-{j}", tok(p)["input_ids"], greedy)
+                    for j, p in enumerate(short_prompts(b))]
+            ids = [s.seq_id for s in seqs]
+            t0 = time.perf_counter()
+            worker.step(StepRequest(prefill=seqs))
+            got = 1
+            while got < new_tokens and (limit is None or time.perf_counter() - t0 < limit):
+                worker.step(StepRequest(decode_seq_ids=ids))
+                got += 1
+            dt = time.perf_counter() - t0
+            worker.step(StepRequest(free_seq_ids=ids))
+            results.append(_result(b, new_tokens, got, dt, progress))
+    finally:
+        info = {"backend": backend, "model_path": worker.info.path, "device": worker.info.device,
+                "dtype": worker.info.dtype, "method": f"{backend} backend stepped in-process"}
+        worker = None
+        gc.collect()
     return {"info": info, "new_tokens": new_tokens, "results": results}

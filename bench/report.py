@@ -97,7 +97,8 @@ def format_table(result: dict) -> str:
     lines = []
     raw = result.get("raw")
     if raw:
-        lines.append(f"Raw model.generate ({raw['new_tokens']} new tokens, greedy, batch = prompts)")
+        what = raw.get("info", {}).get("method", "model.generate")
+        lines.append(f"Raw {what} ({raw['new_tokens']} new tokens, greedy, batch = prompts)")
         lines.append(f"  {'batch':>5}  {'tok/s':>8}  {'time s':>7}")
         for r in raw["results"]:
             cut = f"  (cut: {r['generated_tokens']} of {r['new_tokens']} steps)" if r.get("cut") else ""
@@ -182,7 +183,8 @@ def plot(result: dict, path: Path) -> None:
                 "o-", label=f"served ({served[0]['max_tokens']} tok/request)")
     if raw:
         ax.plot([r["batch"] for r in raw], [r["tokens_per_s"] for r in raw], "s--",
-                label=f"raw generate (batch, {raw[0]['new_tokens']} tok)")
+                label=f"raw {(result['raw'].get('info') or {}).get('backend', 'generate')} "
+                      f"(batch, {raw[0]['new_tokens']} tok)")
     ax.set_xscale("log", base=2)
     _ticks(ax, [lv["concurrency"] for lv in served] + [r["batch"] for r in raw])
     ax.set_xlabel("concurrency / batch size")

@@ -95,6 +95,7 @@ class Stack:
     """redis-server + one worker + the API. `restart_worker(...)` swaps the worker's settings."""
 
     def __init__(self, workdir: Path, *, max_num_seqs: int = 64, device: str = "cpu",
+                 backend: str = "transformers",
                  dtype: str = "float32", api_workers: int = 2, api_threads: int = 256,
                  api_app: str = "app.wsgi:application", log=print):
         self.workdir = workdir
@@ -103,6 +104,7 @@ class Stack:
         self.api_port = free_port()
         self.max_num_seqs = max_num_seqs
         self.device, self.dtype = device, dtype
+        self.backend = backend
         self.api_workers, self.api_threads = api_workers, api_threads
         self.api_app = api_app
         self.log = log
@@ -125,7 +127,7 @@ class Stack:
         env.pop("REDIS_URL", None)
         env.update(LLMQ_REDIS_URL=self.redis_url, LLMQ_MODEL="smollm2",
                    LLMQ_MAX_NUM_SEQS=str(self.max_num_seqs), LLMQ_DEVICE=self.device,
-                   LLMQ_DTYPE=self.dtype, LLMQ_HOST=HOST, LLMQ_PORT=str(self.api_port),
+                   LLMQ_DTYPE=self.dtype, LLMQ_BACKEND=self.backend, LLMQ_HOST=HOST, LLMQ_PORT=str(self.api_port),
                    PYTHONUNBUFFERED="1")
         env.pop("LLMQ_API_KEYS", None)   # the benchmark sends no key
         return env

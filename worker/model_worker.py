@@ -5,6 +5,7 @@ process, a crash or OOM here leaves the Celery worker (and its Redis bookkeeping
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -39,6 +40,9 @@ class ModelWorker:
     @classmethod
     def load(cls, settings) -> "ModelWorker":
         model, info = ModelManager.from_settings(settings).load_model(settings.device, settings.dtype)
+        if settings.max_model_len:
+            info = dataclasses.replace(info, max_model_len=min(info.max_model_len,
+                                                               settings.max_model_len))
         return cls(model, info, settings.max_num_seqs)
 
     @torch.inference_mode()

@@ -71,7 +71,8 @@ class SchedulerStats:
 
 
 class WorkloadManager:
-    """FIFO admission bounded by `max_num_seqs` and a per-step token budget."""
+    """FIFO admission bounded by `max_num_seqs` and a per-step token budget (decode tokens
+    first, then prompts; at least one newcomer per step while there is a free slot)."""
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  policy: BatchPolicy | None = None):
@@ -102,8 +103,10 @@ class WorkloadManager:
         if self.policy.may_admit(len(self.running)):
             while self.waiting and len(self.running) + len(out.prefill) < self.max_num_seqs:
                 seq = self.waiting[0]
-                # A prompt bigger than the whole budget still runs, alone, so it cannot starve.
-                if seq.num_tokens > budget and (out.prefill or out.decode):
+                # The first newcomer of a step is admitted whatever its size (alone among the
+                # prefills, beside the running batch's decodes): a prompt bigger than what the
+                # budget leaves can neither starve nor make the running batch drain first.
+                if seq.num_tokens > budget and out.prefill:
                     break
                 self.waiting.popleft()
                 out.prefill.append(seq)

@@ -44,14 +44,14 @@ def browser():
 
 
 @pytest.fixture
-def page(browser, tiny_stack):
+def page(browser, stack):
     context = browser.new_context()
     pg = context.new_page()
     pg.set_default_timeout(TIMEOUT_MS)
     errors: list[str] = []
     pg.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
     pg.on("console", lambda msg: msg.type == "error" and errors.append(f"console: {msg.text}"))
-    pg.goto(tiny_stack["url"] + "/")
+    pg.goto(stack["url"] + "/")
     assert pg.title() == "llmq playground"
     pg.evaluate(OBSERVER)
     yield pg
@@ -71,13 +71,13 @@ def text_of(page, selector: str) -> str:
     return page.locator(selector).text_content()
 
 
-def get_job(tiny_stack, seq_id: str) -> dict:
-    r = requests.get(f"{tiny_stack['url']}/v1/jobs/{seq_id}", timeout=10)
+def get_job(stack, seq_id: str) -> dict:
+    r = requests.get(f"{stack['url']}/v1/jobs/{seq_id}", timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def test_send_streams_the_output_and_shows_the_result(page, tiny_stack):
+def test_send_streams_the_output_and_shows_the_result(page, stack):
     expect = sync_api.expect
     fill_form(page, "Once upon a time", 100)
     page.click("#send")
@@ -87,7 +87,7 @@ def test_send_streams_the_output_and_shows_the_result(page, tiny_stack):
 
     seq_id = text_of(page, "#job-id")
     assert seq_id.startswith("seq-")
-    job = get_job(tiny_stack, seq_id)
+    job = get_job(stack, seq_id)
     assert job["prompt"] == "Once upon a time"   # raw mode sent a prompt, not messages
     assert job["status"] == "succeeded" and job["finish_reason"] == "length"
     assert job["usage"]["completion_tokens"] == 100
@@ -109,7 +109,7 @@ def test_send_streams_the_output_and_shows_the_result(page, tiny_stack):
     assert changes[0]["t"] / 1000 < job["finished_at"], (changes[0], job["finished_at"])
 
 
-def test_cancel_stops_a_long_generation(page, tiny_stack):
+def test_cancel_stops_a_long_generation(page, stack):
     expect = sync_api.expect
     fill_form(page, "Tell me a very long story", 400)
     page.click("#send")
@@ -119,7 +119,7 @@ def test_cancel_stops_a_long_generation(page, tiny_stack):
     expect(page.locator("#status")).to_have_text("cancelled", timeout=TIMEOUT_MS)
 
     seq_id = text_of(page, "#job-id")
-    job = get_job(tiny_stack, seq_id)
+    job = get_job(stack, seq_id)
     assert job["status"] == "cancelled" and job["finish_reason"] == "cancelled"
     assert job["usage"]["completion_tokens"] < 400
     assert text_of(page, "#finish") == "cancelled"

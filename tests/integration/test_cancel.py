@@ -14,20 +14,20 @@ pytestmark = pytest.mark.integration
 LONG = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 
-def _redis(tiny_stack) -> redis.Redis:
-    return redis.Redis.from_url(tiny_stack["redis"].url, decode_responses=True)
+def _redis(stack) -> redis.Redis:
+    return redis.Redis.from_url(stack["redis"].url, decode_responses=True)
 
 
 def _done_events(r: redis.Redis, seq_id: str) -> int:
     return sum(1 for _id, f in r.xrange(f"llmq:seq:{seq_id}:events") if f["event"] == "done")
 
 
-def _worker_info(tiny_stack) -> dict:
-    return _redis(tiny_stack).hgetall(f"llmq:worker:{tiny_stack['worker'].hostname}")
+def _worker_info(stack) -> dict:
+    return _redis(stack).hgetall(f"llmq:worker:{stack['worker'].hostname}")
 
 
-def _worker_idle(tiny_stack) -> bool:
-    info = _worker_info(tiny_stack)
+def _worker_idle(stack) -> bool:
+    info = _worker_info(stack)
     return info.get("running") == "0" and info.get("waiting") == "0"
 
 
@@ -36,8 +36,8 @@ def _tokens_so_far(url: str, seq_id: str, n: int):
     return job if job["usage"]["completion_tokens"] >= n or job["status"] != "running" else None
 
 
-def test_cancel_a_running_job_keeps_its_text(tiny_stack):
-    url = tiny_stack["url"]
+def test_cancel_a_running_job_keeps_its_text(stack):
+    url = stack["url"]
     job = submit(url, prompt="Hello there", **LONG)
     seen = wait_until(lambda: _tokens_so_far(url, job["id"], 3), 90, "a few tokens")
     assert seen["status"] == "running", seen
@@ -57,14 +57,14 @@ def test_cancel_a_running_job_keeps_its_text(tiny_stack):
     assert get_job(url, job["id"]) == final
 
     # The engine dropped it; nothing more is written, and a second DELETE changes nothing.
-    wait_until(lambda: _worker_idle(tiny_stack), 30, "the worker to drop the cancelled job")
+    wait_until(lambda: _worker_idle(stack), 30, "the worker to drop the cancelled job")
     assert cancel(url, job["id"]) == final
     assert get_job(url, job["id"]) == final
-    assert _done_events(_redis(tiny_stack), job["id"]) == 1
+    assert _done_events(_redis(stack), job["id"]) == 1
 
 
-def test_cancel_right_after_submit_never_runs_to_completion(tiny_stack):
-    url = tiny_stack["url"]
+def test_cancel_right_after_submit_never_runs_to_completion(stack):
+    url = stack["url"]
     job = submit(url, prompt="Hello there", **LONG)
     at_cancel = cancel(url, job["id"])
     assert at_cancel["status"] in ("queued", "running", "cancelled")
@@ -75,9 +75,9 @@ def test_cancel_right_after_submit_never_runs_to_completion(tiny_stack):
     assert stream.done.json == final and "".join(stream.texts) == final["text"]
 
 
-def test_cancel_a_queued_job_means_it_never_runs(tiny_stack):
-    url = tiny_stack["url"]
-    r = _redis(tiny_stack)
+def test_cancel_a_queued_job_means_it_never_runs(stack):
+    url = stack["url"]
+    r = _redis(stack)
     # The worker holds 64 sequences (64 task threads, prefetch 1): fill them all, so the next
     # job waits in the Celery queue. One filler first, decoding before the others join.
     first = submit(url, prompt="Hello there", **LONG)["id"]
@@ -112,17 +112,17 @@ def test_cancel_a_queued_job_means_it_never_runs(tiny_stack):
     depth = SequenceStore(r).queue_depth
     wait_until(lambda: depth("llmq") == 0 and r.hlen("unacked") == 0, 60,
                "the Celery queue to drain")
-    wait_until(lambda: _worker_idle(tiny_stack), 30, "the worker to go idle")
+    wait_until(lambda: _worker_idle(stack), 30, "the worker to go idle")
     assert get_job(url, job["id"]) == cancelled
     assert r.hget(f"llmq:seq:{job['id']}", "attempts") == "0"
     assert _done_events(r, job["id"]) == 1
 
 
-def test_cancel_a_finished_job_leaves_it_succeeded(tiny_stack):
-    url = tiny_stack["url"]
+def test_cancel_a_finished_job_leaves_it_succeeded(stack):
+    url = stack["url"]
     job = generate(url, prompt="Hello there", max_tokens=5, temperature=0)
     assert job["status"] == "succeeded", job
     after = cancel(url, job["id"])
     assert after == job
     assert get_job(url, job["id"]) == job
-    assert _done_events(_redis(tiny_stack), job["id"]) == 1
+    assert _done_events(_redis(stack), job["id"]) == 1

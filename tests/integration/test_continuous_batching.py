@@ -15,9 +15,9 @@ def _job(url, seq_id):
     return requests.get(f"{url}/v1/jobs/{seq_id}", timeout=10).json()
 
 
-def test_newcomer_joins_running_batch_and_leaves_first(tiny_stack):
-    url = tiny_stack["url"]
-    before = int(_worker_stats(tiny_stack).get("num_joined_running_batch", 0))
+def test_newcomer_joins_running_batch_and_leaves_first(stack):
+    url = stack["url"]
+    before = int(_worker_stats(stack).get("num_joined_running_batch", 0))
     long = requests.post(f"{url}/v1/jobs", json={"prompt": "a long story", "max_tokens": 400,
                                                  "ignore_eos": True, "temperature": 0},
                          timeout=10).json()
@@ -34,7 +34,7 @@ def test_newcomer_joins_running_batch_and_leaves_first(tiny_stack):
     assert long_now["status"] == "running", long_now
     assert long_now["usage"]["completion_tokens"] < 400
     # And the engine counted a prefill into a batch that was already decoding.
-    wait_until(lambda: int(_worker_stats(tiny_stack).get("num_joined_running_batch", 0)) > before,
+    wait_until(lambda: int(_worker_stats(stack).get("num_joined_running_batch", 0)) > before,
                10, "the worker's heartbeat to count the join")
     requests.delete(f"{url}/v1/jobs/{long['id']}", timeout=10)
     wait_until(lambda: _job(url, long["id"])["status"] == "cancelled", 30, "the cancel")

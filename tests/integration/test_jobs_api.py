@@ -16,8 +16,8 @@ pytestmark = pytest.mark.integration
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def test_submit_then_poll_until_finished(tiny_stack):
-    url = tiny_stack["url"]
+def test_submit_then_poll_until_finished(stack):
+    url = stack["url"]
     r = requests.post(url + "/v1/jobs", json={"prompt": "Hello there", "max_tokens": 12, **GREEDY},
                       timeout=60)
     assert r.status_code == 202, r.text
@@ -45,8 +45,8 @@ def test_submit_then_poll_until_finished(tiny_stack):
     assert get_job(url, job["id"]) == final
 
 
-def test_batch_keeps_prompt_order_and_gives_distinct_ids(tiny_stack):
-    url = tiny_stack["url"]
+def test_batch_keeps_prompt_order_and_gives_distinct_ids(stack):
+    url = stack["url"]
     prompts = ["Hello there", "The quick brown fox", "Ünïcödé ✓ café", "Hello there"]
     body = submit(url, prompts=prompts, max_tokens=10, **GREEDY)
     jobs = body["jobs"]
@@ -61,8 +61,8 @@ def test_batch_keeps_prompt_order_and_gives_distinct_ids(tiny_stack):
     assert len({f["text"] for f in finals[:3]}) == 3, [f["text"] for f in finals]
 
 
-def test_messages_go_through_the_chat_template(tiny_stack):
-    url = tiny_stack["url"]
+def test_messages_go_through_the_chat_template(stack):
+    url = stack["url"]
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "Hello there"}]
     job = submit(url, messages=messages, max_tokens=6, **GREEDY)
@@ -75,8 +75,8 @@ def test_messages_go_through_the_chat_template(tiny_stack):
     assert chat["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 10
 
 
-def test_max_tokens_ends_with_length(tiny_stack):
-    url = tiny_stack["url"]
+def test_max_tokens_ends_with_length(stack):
+    url = stack["url"]
     jobs = [submit(url, prompt="Once upon a time", max_tokens=n, **GREEDY) for n in (1, 17)]
     for n, job in zip((1, 17), jobs):
         final = wait_job(url, job["id"])
@@ -95,8 +95,8 @@ def _stop_string_in(text: str) -> tuple[str, int]:
     pytest.fail(f"no usable stop string in {text!r}")
 
 
-def test_stop_string_cuts_the_text_and_ends_with_stop(tiny_stack):
-    url = tiny_stack["url"]
+def test_stop_string_cuts_the_text_and_ends_with_stop(stack):
+    url = stack["url"]
     prompt = "Ünïcödé ✓ café"
     full = generate(url, prompt=prompt, max_tokens=30, **GREEDY)
     assert full["finish_reason"] == "length"
@@ -114,8 +114,8 @@ def test_stop_string_cuts_the_text_and_ends_with_stop(tiny_stack):
     assert (single["text"], single["finish_reason"]) == (job["text"], "stop")
 
 
-def test_seed_reproduces_sampling_through_the_stack(tiny_stack):
-    url = tiny_stack["url"]
+def test_seed_reproduces_sampling_through_the_stack(stack):
+    url = stack["url"]
     common = {"max_tokens": 16, "temperature": 1.0, "ignore_eos": True}
     batch = submit(url, prompts=["Hello", "Hello"], seed=1234, **common)["jobs"]
     alone = submit(url, prompt="Hello", seed=1234, **common)
@@ -130,16 +130,16 @@ def test_seed_reproduces_sampling_through_the_stack(tiny_stack):
     assert free[0] != free[1]
 
 
-def _worker_info(tiny_stack) -> dict:
-    client = redis.Redis.from_url(tiny_stack["redis"].url, decode_responses=True)
-    return client.hgetall(f"llmq:worker:{tiny_stack['worker'].hostname}")
+def _worker_info(stack) -> dict:
+    client = redis.Redis.from_url(stack["redis"].url, decode_responses=True)
+    return client.hgetall(f"llmq:worker:{stack['worker'].hostname}")
 
 
-def test_sequential_jobs_do_not_restart_the_model_process(tiny_stack):
-    url = tiny_stack["url"]
+def test_sequential_jobs_do_not_restart_the_model_process(stack):
+    url = stack["url"]
 
     def idle_after(num_finished: int):
-        info = _worker_info(tiny_stack)
+        info = _worker_info(stack)
         done = int(info.get("num_finished", 0)) >= num_finished and info.get("running") == "0"
         return info if done else None
 
@@ -153,8 +153,8 @@ def test_sequential_jobs_do_not_restart_the_model_process(tiny_stack):
     assert second["model_starts"] == first["model_starts"], (first, second)
 
 
-def test_greedy_is_deterministic(tiny_stack):
-    url = tiny_stack["url"]
+def test_greedy_is_deterministic(stack):
+    url = stack["url"]
     a = submit(url, prompt="The meaning of life is", max_tokens=16, temperature=0)
     b = submit(url, prompt="The meaning of life is", max_tokens=16, temperature=0)
     c = generate(url, prompt="The meaning of life is", max_tokens=16, temperature=0)
@@ -163,16 +163,16 @@ def test_greedy_is_deterministic(tiny_stack):
     assert a["usage"] == b["usage"] == c["usage"]
 
 
-def test_generate_waits_for_the_final_job(tiny_stack):
-    url = tiny_stack["url"]
+def test_generate_waits_for_the_final_job(stack):
+    url = stack["url"]
     job = generate(url, prompt="Hello there", max_tokens=9, **GREEDY)
     assert job["status"] == "succeeded" and job["finish_reason"] == "length"
     assert job["usage"]["completion_tokens"] == 9 and job["finished_at"] is not None
     assert get_job(url, job["id"]) == job
 
 
-def test_generate_batch_returns_results_in_prompt_order(tiny_stack):
-    url = tiny_stack["url"]
+def test_generate_batch_returns_results_in_prompt_order(stack):
+    url = stack["url"]
     prompts = ["The quick brown fox", "Hello there", "Ünïcödé ✓ café"]
     singles = [submit(url, prompt=p, max_tokens=8, **GREEDY) for p in prompts]
     body = generate(url, prompts=prompts, max_tokens=8, **GREEDY)
@@ -191,14 +191,14 @@ def test_generate_batch_returns_results_in_prompt_order(tiny_stack):
     ("DELETE", "/v1/jobs/seq-does-not-exist"),
     ("GET", "/v1/jobs/seq-does-not-exist/stream"),
 ])
-def test_unknown_job_is_404(tiny_stack, method, path):
-    r = requests.request(method, tiny_stack["url"] + path, timeout=30)
+def test_unknown_job_is_404(stack, method, path):
+    r = requests.request(method, stack["url"] + path, timeout=30)
     err = assert_error(r, 404)
     assert err["type"] == "not_found_error"
 
 
-def _seq_keys(tiny_stack) -> int:
-    client = redis.Redis.from_url(tiny_stack["redis"].url)
+def _seq_keys(stack) -> int:
+    client = redis.Redis.from_url(stack["redis"].url)
     return sum(1 for _ in client.scan_iter("llmq:seq:*"))
 
 
@@ -237,36 +237,36 @@ BAD_BODIES = {
 
 @pytest.mark.parametrize("path", ["/v1/jobs", "/v1/generate"])
 @pytest.mark.parametrize("case", list(BAD_BODIES))
-def test_bad_input_is_a_4xx_json_error(tiny_stack, path, case):
+def test_bad_input_is_a_4xx_json_error(stack, path, case):
     if case == "stream with prompts" and path == "/v1/jobs":
         pytest.skip("'stream' is a /v1/generate option")
-    before = _seq_keys(tiny_stack)
-    r = requests.post(tiny_stack["url"] + path, data=BAD_BODIES[case],
+    before = _seq_keys(stack)
+    r = requests.post(stack["url"] + path, data=BAD_BODIES[case],
                       headers={"Content-Type": "application/json"}, timeout=30)
     err = assert_error(r, 400)
     assert err["type"] == "invalid_request_error"
-    assert _seq_keys(tiny_stack) == before, "a rejected request must not create a sequence"
+    assert _seq_keys(stack) == before, "a rejected request must not create a sequence"
 
 
-def test_oversized_body_is_413_json(tiny_stack):
-    r = requests.post(tiny_stack["url"] + "/v1/jobs", data=b'{"prompt": "' + b"x" * (3 << 20) + b'"}',
+def test_oversized_body_is_413_json(stack):
+    r = requests.post(stack["url"] + "/v1/jobs", data=b'{"prompt": "' + b"x" * (3 << 20) + b'"}',
                       headers={"Content-Type": "application/json"}, timeout=30)
     assert_error(r, 413)
 
 
-def test_unknown_route_and_wrong_method_are_json(tiny_stack):
-    assert_error(requests.get(tiny_stack["url"] + "/v1/nothing-here", timeout=30), 404)
-    assert_error(requests.put(tiny_stack["url"] + "/v1/jobs", json={"prompt": "x"}, timeout=30), 405)
+def test_unknown_route_and_wrong_method_are_json(stack):
+    assert_error(requests.get(stack["url"] + "/v1/nothing-here", timeout=30), 404)
+    assert_error(requests.put(stack["url"] + "/v1/jobs", json={"prompt": "x"}, timeout=30), 405)
 
 
-def test_health_and_readiness(tiny_stack):
-    r = requests.get(tiny_stack["url"] + "/healthz", timeout=30)
+def test_health_and_readiness(stack):
+    r = requests.get(stack["url"] + "/healthz", timeout=30)
     assert r.status_code == 200 and r.json()["status"] == "ok"
-    r = requests.get(tiny_stack["url"] + "/readyz", timeout=30)
+    r = requests.get(stack["url"] + "/readyz", timeout=30)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["status"] == "ready"
-    assert tiny_stack["worker"].hostname in [w["name"] for w in body["workers"]]
+    assert stack["worker"].hostname in [w["name"] for w in body["workers"]]
 
 
 def test_readiness_is_503_without_a_worker(redis_server):

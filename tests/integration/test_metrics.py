@@ -75,8 +75,8 @@ def delta(after: dict, before: dict) -> dict:
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after.keys() | before.keys()}
 
 
-def test_metrics_move_by_exactly_what_the_requests_did(tiny_stack):
-    url, worker = tiny_stack["url"], tiny_stack["worker"].hostname
+def test_metrics_move_by_exactly_what_the_requests_did(stack):
+    url, worker = stack["url"], stack["worker"].hostname
     before_fams = idle_and_steady(url, worker)
     before = figures(before_fams)
 
@@ -148,8 +148,8 @@ def test_metrics_move_by_exactly_what_the_requests_did(tiny_stack):
         assert after_fams[h].type == "histogram"
 
 
-def test_gauges_are_exported(tiny_stack):
-    url, worker = tiny_stack["url"], tiny_stack["worker"].hostname
+def test_gauges_are_exported(stack):
+    url, worker = stack["url"], stack["worker"].hostname
     fams = idle_and_steady(url, worker)
     for name in ("llmq_num_requests_running", "llmq_num_requests_waiting", "llmq_queue_depth",
                  "llmq_workers_ready"):
@@ -179,8 +179,8 @@ ROUTES = {
 
 
 @pytest.fixture(scope="module")
-def openapi_doc(tiny_stack) -> dict:
-    r = requests.get(tiny_stack["url"] + "/openapi.json", timeout=10)
+def openapi_doc(stack) -> dict:
+    r = requests.get(stack["url"] + "/openapi.json", timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -241,10 +241,10 @@ def test_openapi_errors_have_the_one_error_shape(openapi_doc):
                     assert set(error["properties"]) == {"message", "type", "param", "code"}
 
 
-def test_docs_redirect_to_a_page(tiny_stack):
-    r = requests.get(tiny_stack["url"] + "/docs", allow_redirects=False, timeout=10)
+def test_docs_redirect_to_a_page(stack):
+    r = requests.get(stack["url"] + "/docs", allow_redirects=False, timeout=10)
     assert r.status_code in (301, 302, 307, 308)
-    page = requests.get(tiny_stack["url"] + "/docs", timeout=10)
+    page = requests.get(stack["url"] + "/docs", timeout=10)
     assert page.status_code == 200
     assert page.headers["Content-Type"].startswith("text/html")
     assert "openapi.json" in page.text or "swagger" in page.text.lower()

@@ -5,15 +5,17 @@ import requests
 
 from common.settings import Settings
 from common.store import record_key
-from support import ApiServer, RedisServer, WorkerProcess, wait_until
+from support import (ApiServer, RedisServer, WorkerProcess, backend_params, backend_worker,
+                     wait_until)
 
 
-@pytest.fixture
-def two_worker_stack(tmp_path, tiny_model_dir):
+@pytest.fixture(params=backend_params())
+def two_worker_stack(request, tmp_path):
     server = RedisServer(tmp_path).start()
+    model, env = backend_worker(request.param, request)
     # 16 slots each: a burst of 48 must spill over to the second worker, whoever is first.
-    env = {"LLMQ_MAX_NUM_SEQS": "16"}
-    workers = [WorkerProcess(server.url, tiny_model_dir, tmp_path / f"w{i}.log", name=f"mw{i}",
+    env = {**env, "LLMQ_MAX_NUM_SEQS": "16"}
+    workers = [WorkerProcess(server.url, model, tmp_path / f"w{i}.log", name=f"mw{i}",
                              extra_env=env) for i in range(2)]
     api = None
     try:
@@ -21,7 +23,7 @@ def two_worker_stack(tmp_path, tiny_model_dir):
             w.start(wait_ready=False)
         for w in workers:
             w.wait_ready()
-        api = ApiServer(Settings.from_env(redis_url=server.url, model=tiny_model_dir)).start()
+        api = ApiServer(Settings.from_env(redis_url=server.url, model=model)).start()
         yield {"url": api.url, "redis": server, "workers": workers}
     finally:
         if api:

@@ -1,15 +1,15 @@
 """The OpenAI-compatible routes, driven by the official `openai` client against the real stack.
 
-Everything here runs on the tiny random model: its text is noise, but greedy decoding is
-deterministic, so equalities between runs (stream vs non-stream, seeds, stop strings cut out of
-a greedy run's own output) are exact. `ignore_eos` keeps the random model from stopping early.
+Everything here runs once per backend (the tiny random model on transformers, the default GGUF
+on llama.cpp): greedy decoding is deterministic, so equalities between runs (stream vs
+non-stream, seeds, stop strings cut out of a greedy run's own output) are exact. `ignore_eos`
+keeps a model from stopping early.
 """
 from __future__ import annotations
 
 import json
 import socket
 import uuid
-from pathlib import Path
 
 import pytest
 import requests
@@ -26,19 +26,19 @@ MESSAGES = [{"role": "user", "content": "Tell me about foxes."}]
 
 
 @pytest.fixture(scope="module")
-def client(tiny_stack):
-    return openai.OpenAI(base_url=tiny_stack["url"] + "/v1", api_key="unused", max_retries=0,
+def client(stack):
+    return openai.OpenAI(base_url=stack["url"] + "/v1", api_key="unused", max_retries=0,
                          timeout=60)
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_dir) -> str:
+def model(stack) -> str:
     # The public name of a model served from a local folder is the folder's name.
-    return Path(tiny_model_dir).name
+    return stack["model"]
 
 
-def get_job(tiny_stack, seq_id: str) -> dict:
-    r = requests.get(f"{tiny_stack['url']}/v1/jobs/{seq_id}", timeout=10)
+def get_job(stack, seq_id: str) -> dict:
+    r = requests.get(f"{stack['url']}/v1/jobs/{seq_id}", timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -85,7 +85,7 @@ def test_unknown_model_is_404(client):
 
 
 # --- completions and chat, non-stream and stream ----------------------------------------------
-def test_completion(client, model, tiny_stack):
+def test_completion(client, model, stack):
     resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
                                      extra_body={"ignore_eos": True})
     assert resp.object == "text_completion"
@@ -95,7 +95,7 @@ def test_completion(client, model, tiny_stack):
     assert resp.usage.completion_tokens == 8
     assert resp.usage.prompt_tokens > 0
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + 8
-    job = get_job(tiny_stack, resp.id)
+    job = get_job(stack, resp.id)
     assert job["text"] == resp.choices[0].text
     assert job["usage"] == resp.usage.model_dump(exclude_none=True)
 
@@ -112,7 +112,7 @@ def test_completion_with_a_list_of_prompts(client, model):
     assert resp.choices[1].text == alone.choices[0].text
 
 
-def test_chat_completion(client, model, tiny_stack):
+def test_chat_completion(client, model, stack):
     resp = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6,
                                           temperature=0, extra_body={"ignore_eos": True})
     assert resp.object == "chat.completion"
@@ -121,7 +121,7 @@ def test_chat_completion(client, model, tiny_stack):
     assert msg.role == "assistant" and isinstance(msg.content, str)
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.completion_tokens == 6
-    job = get_job(tiny_stack, resp.id)
+    job = get_job(stack, resp.id)
     assert job["text"] == msg.content
     assert job["messages"] == MESSAGES
 
@@ -231,19 +231,19 @@ def test_bad_values_are_400_with_an_openai_error(client, model, kind, bad, param
 
 
 # --- ids --------------------------------------------------------------------------------------
-def test_response_id_is_the_sequence_id(client, model, tiny_stack):
+def test_response_id_is_the_sequence_id(client, model, stack):
     raw = client.completions.with_raw_response.create(model=model, prompt=PROMPT, max_tokens=4,
                                                       temperature=0)
     resp = raw.parse()
     assert resp.id.startswith("seq-")
     assert raw.headers["X-Request-Id"] == resp.id
-    job = get_job(tiny_stack, resp.id)
+    job = get_job(stack, resp.id)
     assert job["status"] == "succeeded"
     assert job["text"] == resp.choices[0].text
     assert job["usage"]["completion_tokens"] == resp.usage.completion_tokens
 
 
-def test_streamed_chat_id_is_the_sequence_id(client, model, tiny_stack):
+def test_streamed_chat_id_is_the_sequence_id(client, model, stack):
     with client.chat.completions.with_streaming_response.create(
             model=model, messages=MESSAGES, max_tokens=4, temperature=0, stream=True,
             extra_body={"ignore_eos": True}) as raw:
@@ -251,7 +251,7 @@ def test_streamed_chat_id_is_the_sequence_id(client, model, tiny_stack):
         chunks = list(raw.parse())
     assert seq_id.startswith("seq-")
     assert {c.id for c in chunks} == {seq_id}
-    job = get_job(tiny_stack, seq_id)
+    job = get_job(stack, seq_id)
     assert job["status"] == "succeeded"
     assert job["text"] == "".join(c.choices[0].delta.content or "" for c in chunks)
 
@@ -273,10 +273,10 @@ def test_repetition_penalty_is_accepted(client, model):
     assert resp.usage.completion_tokens == 6
 
 
-def test_stop_token_ids_and_min_tokens(client, model, tiny_model_dir):
+def test_stop_token_ids_and_min_tokens(client, model, default_model_dir):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(default_model_dir)   # every stack's tokenizer
     chunks, full, _ = stream(client, model, "completions", **GREEDY)
     pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
     # A piece of the greedy output that is exactly one token, early enough to stop well before
@@ -307,8 +307,8 @@ def test_stop_token_ids_and_min_tokens(client, model, tiny_model_dir):
 LONG = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 
-def test_disconnecting_a_stream_cancels_but_a_job_stream_does_not(tiny_stack):
-    url = tiny_stack["url"]
+def test_disconnecting_a_stream_cancels_but_a_job_stream_does_not(stack):
+    url = stack["url"]
     # An OpenAI stream belongs to its connection: hanging up cancels the sequence.
     with requests.Session() as s:
         resp = s.post(url + "/v1/completions", json={"prompt": PROMPT, "stream": True, **LONG},
@@ -319,7 +319,7 @@ def test_disconnecting_a_stream_cancels_but_a_job_stream_does_not(tiny_stack):
         for _ in range(2):
             assert json.loads(next(events).data)["id"] == seq_id
         resp.close()
-    job = wait_until(lambda: (j := get_job(tiny_stack, seq_id))["status"] in
+    job = wait_until(lambda: (j := get_job(stack, seq_id))["status"] in
                      ("succeeded", "cancelled", "failed") and j, 30, "the stream's sequence to end")
     assert job["status"] == "cancelled", job
     assert job["finish_reason"] == "cancelled"
@@ -334,27 +334,27 @@ def test_disconnecting_a_stream_cancels_but_a_job_stream_does_not(tiny_stack):
         events = (e for e in iter_events(resp) if e.event == "token")
         next(events), next(events)
         resp.close()
-    assert get_job(tiny_stack, job_id)["status"] == "running"
-    job = wait_until(lambda: (j := get_job(tiny_stack, job_id))["status"] in
+    assert get_job(stack, job_id)["status"] == "running"
+    job = wait_until(lambda: (j := get_job(stack, job_id))["status"] in
                      ("succeeded", "cancelled", "failed") and j, 60, "the job to end")
     assert job["status"] == "succeeded", job
     assert job["usage"]["completion_tokens"] == 400
 
 
-def _find_seq_by_prompt(tiny_stack, prompt: str) -> str | None:
+def _find_seq_by_prompt(stack, prompt: str) -> str | None:
     import redis
 
-    r = redis.Redis(port=tiny_stack["redis"].port, decode_responses=True)
+    r = redis.Redis(port=stack["redis"].port, decode_responses=True)
     for key in r.scan_iter("llmq:seq:seq-*", count=1000):
         if not key.endswith(":events") and r.hget(key, "prompt") == prompt:
             return key.removeprefix("llmq:seq:")
     return None
 
 
-def test_disconnecting_a_waiting_request_cancels(tiny_stack):
+def test_disconnecting_a_waiting_request_cancels(stack):
     """A non-streamed /v1/completions waits for the result; a client that hangs up meanwhile
     cancels it (the server notices at its next keep-alive check)."""
-    host, port = tiny_stack["url"].removeprefix("http://").split(":")
+    host, port = stack["url"].removeprefix("http://").split(":")
     prompt = f"disconnect me {uuid.uuid4().hex}"
     body = json.dumps({"prompt": prompt, **LONG}).encode()
     sock = socket.create_connection((host, int(port)), timeout=10)
@@ -362,13 +362,13 @@ def test_disconnecting_a_waiting_request_cancels(tiny_stack):
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
                      b"Content-Type: application/json\r\nContent-Length: "
                      + str(len(body)).encode() + b"\r\n\r\n" + body)
-        seq_id = wait_until(lambda: _find_seq_by_prompt(tiny_stack, prompt), 10,
+        seq_id = wait_until(lambda: _find_seq_by_prompt(stack, prompt), 10,
                             "the request's sequence to be created")
-        wait_until(lambda: get_job(tiny_stack, seq_id)["usage"]["completion_tokens"] > 0, 30,
+        wait_until(lambda: get_job(stack, seq_id)["usage"]["completion_tokens"] > 0, 30,
                    "the sequence to produce tokens")
     finally:
         sock.close()
-    job = wait_until(lambda: (j := get_job(tiny_stack, seq_id))["status"] in
+    job = wait_until(lambda: (j := get_job(stack, seq_id))["status"] in
                      ("succeeded", "cancelled", "failed") and j, 30, "the sequence to end")
     assert job["status"] == "cancelled", job
     assert job["usage"]["completion_tokens"] < 400

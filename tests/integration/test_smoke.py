@@ -1,8 +1,8 @@
 import requests
 
 
-def test_generate_round_trip(tiny_stack):
-    r = requests.post(tiny_stack["url"] + "/v1/generate",
+def test_generate_round_trip(stack):
+    r = requests.post(stack["url"] + "/v1/generate",
                       json={"prompt": "Hello there", "max_tokens": 8, "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text
     job = r.json()

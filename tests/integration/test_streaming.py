@@ -41,8 +41,8 @@ def assert_well_formed(stream) -> dict:
     return final
 
 
-def test_stream_of_a_running_job(tiny_stack):
-    url = tiny_stack["url"]
+def test_stream_of_a_running_job(stack):
+    url = stack["url"]
     job = submit(url, prompt="Hello there", max_tokens=40, temperature=0, ignore_eos=True)
     stream = read_stream(f"{url}/v1/jobs/{job['id']}/stream")
     assert stream.response.headers["Cache-Control"] == "no-cache"
@@ -53,8 +53,8 @@ def test_stream_of_a_running_job(tiny_stack):
     assert final == get_job(url, job["id"])
 
 
-def test_tokens_arrive_while_the_job_runs(tiny_stack):
-    url = tiny_stack["url"]
+def test_tokens_arrive_while_the_job_runs(stack):
+    url = stack["url"]
     job = submit(url, prompt="Hello there", max_tokens=400, temperature=0, ignore_eos=True)
     resp = open_stream(f"{url}/v1/jobs/{job['id']}/stream")
     try:
@@ -70,8 +70,8 @@ def test_tokens_arrive_while_the_job_runs(tiny_stack):
     wait_job(url, job["id"])
 
 
-def test_finished_job_replays_the_identical_stream_and_resumes_after_an_id(tiny_stack):
-    url = tiny_stack["url"]
+def test_finished_job_replays_the_identical_stream_and_resumes_after_an_id(stack):
+    url = stack["url"]
     job = submit(url, prompt="The quick brown fox", max_tokens=24, temperature=0,
                  ignore_eos=True)
     first = read_stream(f"{url}/v1/jobs/{job['id']}/stream")
@@ -89,8 +89,8 @@ def test_finished_job_replays_the_identical_stream_and_resumes_after_an_id(tiny_
     assert _triples(by_query) == _triples(first)[2:]
 
 
-def test_reconnecting_mid_stream_loses_and_repeats_nothing(tiny_stack):
-    url = tiny_stack["url"]
+def test_reconnecting_mid_stream_loses_and_repeats_nothing(stack):
+    url = stack["url"]
     job = submit(url, prompt="Hello there", max_tokens=120, temperature=0, ignore_eos=True)
     got = []
     resp = open_stream(f"{url}/v1/jobs/{job['id']}/stream")
@@ -107,8 +107,8 @@ def test_reconnecting_mid_stream_loses_and_repeats_nothing(tiny_stack):
     assert final["usage"]["completion_tokens"] == 120
 
 
-def test_bad_last_event_id_is_400(tiny_stack):
-    url = tiny_stack["url"]
+def test_bad_last_event_id_is_400(stack):
+    url = stack["url"]
     job = submit(url, prompt="Hi", max_tokens=2, temperature=0)
     r = requests.get(f"{url}/v1/jobs/{job['id']}/stream", headers={"Last-Event-ID": "nope"},
                      timeout=30)
@@ -116,8 +116,8 @@ def test_bad_last_event_id_is_400(tiny_stack):
     wait_job(url, job["id"])
 
 
-def test_generate_with_stream_true(tiny_stack):
-    url = tiny_stack["url"]
+def test_generate_with_stream_true(stack):
+    url = stack["url"]
     stream = read_stream(url + "/v1/generate", method="POST",
                          json={"prompt": "Once upon a time", "max_tokens": 15, "temperature": 0,
                                "ignore_eos": True, "stream": True})
@@ -129,8 +129,8 @@ def test_generate_with_stream_true(tiny_stack):
     assert _triples(read_stream(f"{url}/v1/jobs/{final['id']}/stream")) == _triples(stream)
 
 
-def test_stop_string_stream_never_shows_the_stop_string(tiny_stack):
-    url = tiny_stack["url"]
+def test_stop_string_stream_never_shows_the_stop_string(stack):
+    url = stack["url"]
     base = submit(url, prompt="Hello there", max_tokens=12, temperature=0, ignore_eos=True)
     text = wait_job(url, base["id"])["text"]
     stop = text[5:8]   # part of a word: held back while it might start the stop string
@@ -143,8 +143,8 @@ def test_stop_string_stream_never_shows_the_stop_string(tiny_stack):
     assert all(stop not in t for t in stream.texts)
 
 
-def test_non_ascii_deltas_concatenate_to_the_text(tiny_stack):
-    url = tiny_stack["url"]
+def test_non_ascii_deltas_concatenate_to_the_text(stack):
+    url = stack["url"]
     # A random model with tied embeddings keeps repeating the prompt's last token: multi-byte
     # pieces ("é", "ön") for the first two; lone UTF-8 continuation bytes for the CJK prompt,
     # which the detokenizer holds back (they never complete a character) until the end.
@@ -164,9 +164,9 @@ def test_non_ascii_deltas_concatenate_to_the_text(tiny_stack):
     assert non_ascii > 0, "the test needs multi-byte characters in the output"
 
 
-def test_pubsub_channel_carries_tokens_and_the_final_job(tiny_stack):
-    url = tiny_stack["url"]
-    client = redis.Redis.from_url(tiny_stack["redis"].url, decode_responses=True)
+def test_pubsub_channel_carries_tokens_and_the_final_job(stack):
+    url = stack["url"]
+    client = redis.Redis.from_url(stack["redis"].url, decode_responses=True)
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     job = submit(url, prompt="Hello there", max_tokens=200, temperature=0, ignore_eos=True)
     pubsub.subscribe(f"llmq:tokens:{job['id']}")

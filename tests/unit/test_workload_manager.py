@@ -56,12 +56,13 @@ def test_decodes_count_against_the_budget():
     running = [make_seq(1) for _ in range(3)]
     for s in running:
         wm.add(s)
-    step(wm)                                        # 3 tokens of prefill
-    newcomer = make_seq(4)                          # 3 decodes + 4 = 7 > 6: must wait
-    wm.add(newcomer)
+    step(wm)
+    first, second = make_seq(2), make_seq(2)       # 3 decodes + 2 = 5 fits; + 2 = 7 > 6
+    wm.add(first)
+    wm.add(second)
     out, _ = step(wm)
-    assert out.prefill == [] and len(out.decode) == 3
-    assert list(wm.waiting) == [newcomer]
+    assert ids(out.prefill) == [first.seq_id] and len(out.decode) == 3
+    assert list(wm.waiting) == [second]
 
 
 def test_prompt_bigger_than_whole_budget_runs_alone():
@@ -77,17 +78,29 @@ def test_prompt_bigger_than_whole_budget_runs_alone():
     assert ids(out.prefill) == [small.seq_id] and ids(out.decode) == [big.seq_id]
 
 
-def test_big_prompt_waits_for_the_batch_to_drain_then_runs():
+def test_big_prompt_joins_the_running_batch_without_waiting_for_it_to_drain():
     wm = make_manager(max_num_batched_tokens=8)
-    short = make_seq(2, max_tokens=2)
-    wm.add(short)
+    running = [make_seq(2, max_tokens=100) for _ in range(4)]
+    for s in running:
+        wm.add(s)
     step(wm)
-    big = make_seq(50)
+    big, small = make_seq(50), make_seq(1)
     wm.add(big)
-    out, finished = step(wm)                         # short decodes its last token
-    assert big not in out.prefill and finished == [short]
-    out = wm.schedule()                              # batch empty: big runs alone, no starvation
-    assert ids(out.prefill) == [big.seq_id] and out.decode == []
+    wm.add(small)
+    out, _ = step(wm)                                # 4 decodes leave 4 tokens: big runs alone
+    assert ids(out.prefill) == [big.seq_id] and ids(out.decode) == ids(running)
+    out, _ = step(wm)                                # and small follows at the next step
+    assert ids(out.prefill) == [small.seq_id] and len(out.decode) == 5
+
+
+def test_every_step_admits_a_newcomer_while_slots_are_free():
+    # Even with the whole budget taken by decodes, the queue moves one sequence per step,
+    # so no prompt waits for the batch to drain.
+    wm = make_manager(max_num_seqs=8, max_num_batched_tokens=4)
+    for _ in range(8):
+        wm.add(make_seq(3, max_tokens=100))
+    admitted = [len(step(wm)[0].prefill) for _ in range(6)]
+    assert admitted == [1, 1, 1, 1, 1, 1] and len(wm.running) == 6
 
 
 def test_fifo_is_kept_even_when_a_later_prompt_would_fit():

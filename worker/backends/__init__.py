@@ -4,6 +4,8 @@ A backend turns StepRequests into StepResults (one token per sequence per step) 
 `info` (a ModelInfo) and `warm_up()`; the engine, the API and the wire types never change.
 
   transformers  (default) worker.model_worker.ModelWorker: our batched decode over HF models
+  llama_cpp     worker.backends.llama_cpp_backend.LlamaCppBackend: llama.cpp over the GGUF file
+                (optional extra: `make llama-cpp`)
   vllm          worker.backends.vllm_backend.VllmBackend: vLLM's engine, for GPU hosts
 
 A backend's own package is imported only when it is selected.
@@ -27,14 +29,21 @@ class BackendUnavailable(RuntimeError):
     """The selected backend's package is not installed (a clear error at start-up)."""
 
 
+BACKENDS = ("transformers", "llama_cpp", "vllm")
+
+
 def load_backend(settings) -> ModelBackend:
     name = settings.backend
     if name == "transformers":
         from ..model_worker import ModelWorker
 
         return ModelWorker.load(settings)
+    if name == "llama_cpp":
+        from .llama_cpp_backend import LlamaCppBackend
+
+        return LlamaCppBackend.load(settings)
     if name == "vllm":
         from .vllm_backend import VllmBackend
 
         return VllmBackend.load(settings)
-    raise BackendUnavailable(f"unknown LLMQ_BACKEND {name!r}; choose transformers or vllm")
+    raise BackendUnavailable(f"unknown LLMQ_BACKEND {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -1,0 +1,223 @@
+"""The llama.cpp backend: llama.cpp's kernels and KV cache over the GGUF file itself, behind
+llmq's step protocol (LLMQ_BACKEND=llama_cpp).
+
+One llama.cpp context holds every running sequence, each in its own sequence slot; a step is
+one `llama_decode` over a flat batch (a token each for the running sequences, whole prompts for
+newcomers), so decode and prefill share one pass over the weights. llama.cpp returns logits
+only; sampling stays llmq's own `Sampler`, so temperature, top-p/k, min-p, penalties, seeds and
+min_tokens behave exactly as on the transformers backend.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from ..messages import NewSequence, StepRequest, StepResult
+from ..model_manager import ModelInfo, ModelManager, generation_defaults
+from ..sampler import Sampler, SamplingState
+from . import BackendUnavailable
+
+log = logging.getLogger("llmq.llama_cpp")
+
+DEFAULT_CONTEXT_PER_SEQUENCE = 2048
+
+
+class LlamaCppBackend:
+    """Runs llmq steps as llama_decode calls over one multi-sequence llama.cpp context."""
+
+    def __init__(self, lib, model, ctx, info: ModelInfo, max_num_seqs: int, n_batch: int):
+        self.lib = lib
+        self.model = model
+        self.ctx = ctx
+        self.mem = lib.llama_get_memory(ctx)
+        self.info = info
+        self.n_batch = n_batch
+        self.batch = lib.llama_batch_init(n_batch, 0, 1)
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.slots: dict[str, int] = {}         # seq_id -> llama.cpp sequence slot
+        self.positions: dict[str, int] = {}     # seq_id -> tokens in its KV cache
+        self.states: dict[str, SamplingState] = {}
+        self.sampler = Sampler()
+
+    @classmethod
+    def load(cls, settings) -> "LlamaCppBackend":
+        try:
+            import llama_cpp as lib
+        except ImportError as exc:
+            raise BackendUnavailable(
+                "LLMQ_BACKEND=llama_cpp but llama-cpp-python is not installed "
+                "(make llama-cpp, or see README: optional backends)") from exc
+        mm = ModelManager.from_settings(settings)
+        path = mm.gguf_file()
+        _quiet(lib)
+        lib.llama_backend_init()
+        mparams = lib.llama_model_default_params()
+        gpu = settings.device.startswith("cuda") or (
+            settings.device == "auto" and lib.llama_supports_gpu_offload())
+        mparams.n_gpu_layers = -1 if gpu else 0
+        model = lib.llama_model_load_from_file(path.encode(), mparams)
+        if not model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        n_ctx_train = int(lib.llama_model_n_ctx_train(model))
+        per_seq = min(n_ctx_train, settings.max_model_len or DEFAULT_CONTEXT_PER_SEQUENCE)
+        n_batch = max(settings.max_num_batched_tokens, per_seq)
+        cparams = lib.llama_context_default_params()
+        cparams.n_seq_max = settings.max_num_seqs
+        # One KV stream per sequence: attention reads only a sequence's own cells (a unified
+        # buffer would make every query scan every sequence's cells).
+        cparams.kv_unified = False
+        cparams.n_ctx = per_seq * settings.max_num_seqs
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = min(512, n_batch)
+        threads = settings.torch_threads or os.cpu_count() or 1
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx:
+            lib.llama_model_free(model)
+            raise RuntimeError("llama.cpp could not create a context (out of memory?)")
+        tok = mm.load_tokenizer()
+        vocab = lib.llama_model_get_vocab(model)
+        eos = {int(lib.llama_vocab_eos(vocab))}
+        eos.update(x for x in [tok.eos_token_id] if x is not None)
+        info = ModelInfo(
+            name=settings.model, path=path, eos_token_ids=tuple(sorted(e for e in eos if e >= 0)),
+            max_model_len=per_seq, vocab_size=int(lib.llama_vocab_n_tokens(vocab)),
+            device="cuda" if gpu else "cpu", dtype=_gguf_type(path),
+            generation_defaults=generation_defaults(mm.generation_config()))
+        log.info("llama.cpp loaded %s: %d sequences x %d tokens of context, %d threads",
+                 path, settings.max_num_seqs, per_seq, threads)
+        return cls(lib, model, ctx, info, settings.max_num_seqs, n_batch)
+
+    # --- a step -------------------------------------------------------------------------------
+    def step(self, req: StepRequest) -> StepResult:
+        res = StepResult()
+        for sid in req.free_seq_ids:
+            self._free(sid)
+        t0 = time.perf_counter()
+        # Rows of the flat batch: (seq_id, token, position, wants logits).
+        rows: list[tuple[str, int, int, bool]] = []
+        for sid in req.decode_seq_ids:
+            st = self.states[sid]
+            rows.append((sid, st.last_token_id, self.positions[sid], True))
+        fresh: list[NewSequence] = []
+        for seq in req.prefill:
+            error = self._admit(seq)
+            if error:
+                res.errors[seq.seq_id] = error
+                continue
+            fresh.append(seq)
+            n = len(seq.token_ids)
+            rows += [(seq.seq_id, t, i, i == n - 1) for i, t in enumerate(seq.token_ids)]
+        logits: dict[str, torch.Tensor] = {}
+        for start in range(0, len(rows), self.n_batch):
+            chunk = [r for r in rows[start:start + self.n_batch] if r[0] not in res.errors]
+            if not chunk:
+                continue
+            rc = self._decode(chunk)
+            if rc != 0:
+                self._fail_chunk(chunk, rc, res)
+                continue
+            for i, (sid, _tok, _pos, wants) in enumerate(chunk):
+                if wants:
+                    ptr = self.lib.llama_get_logits_ith(self.ctx, i)
+                    logits[sid] = torch.from_numpy(
+                        np.ctypeslib.as_array(ptr, shape=(self.info.vocab_size,)).copy())
+        for sid, _tok, _pos, _wants in rows:
+            if sid in self.positions and sid not in res.errors:
+                self.positions[sid] += 1
+        order = [sid for sid in list(req.decode_seq_ids) + [s.seq_id for s in fresh]
+                 if sid in logits]
+        if order:
+            states = [self.states[sid] for sid in order]
+            for sid, st, tok in zip(order, states,
+                                    self.sampler(torch.stack([logits[s] for s in order]), states)):
+                st.record(tok)
+                res.token_ids[sid] = tok
+        res.decode_s = time.perf_counter() - t0
+        return res
+
+    def _admit(self, seq: NewSequence) -> str | None:
+        """Gives a newcomer a slot and its sampling state; returns an error for it alone."""
+        if len(seq.token_ids) >= self.info.max_model_len:
+            return (f"ValueError: prompt of {len(seq.token_ids)} tokens exceeds the context of "
+                    f"{self.info.max_model_len}")
+        if not self.free_slots:
+            return "RuntimeError: no free llama.cpp sequence slot"
+        try:
+            st = SamplingState.create(seq.params, seq.token_ids, seq.num_output_tokens,
+                                      seq.stop_token_ids, "cpu")
+            if any(t < 0 or t >= self.info.vocab_size for t in st.stop_token_ids):
+                raise ValueError("a stop token id is outside the vocabulary")
+        except Exception as exc:  # noqa: BLE001 - a bad sequence fails alone
+            return f"{type(exc).__name__}: {exc}"
+        self.slots[seq.seq_id] = self.free_slots.pop()
+        self.positions[seq.seq_id] = 0
+        self.states[seq.seq_id] = st
+        return None
+
+    def _decode(self, chunk) -> int:
+        b = self.batch
+        for i, (sid, tok, pos, wants) in enumerate(chunk):
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = self.slots[sid]
+            b.logits[i] = wants
+        b.n_tokens = len(chunk)
+        return int(self.lib.llama_decode(self.ctx, b))
+
+    def _fail_chunk(self, chunk, rc: int, res: StepResult) -> None:
+        """A chunk llama.cpp refused: newcomers in it fail alone; a running sequence cannot be
+        recovered in place, so the step fails and the executor restarts the model process."""
+        sids = {sid for sid, *_ in chunk}
+        if any(sid not in self.positions or self.positions[sid] > 0 for sid in sids):
+            raise RuntimeError(f"llama_decode failed ({rc}) for running sequences")
+        for sid in sids:
+            res.errors[sid] = f"RuntimeError: llama_decode failed ({rc}): KV cache full?"
+            self._free(sid)
+
+    def _free(self, sid: str) -> None:
+        slot = self.slots.pop(sid, None)
+        if slot is None:
+            return
+        self.lib.llama_memory_seq_rm(self.mem, slot, -1, -1)
+        self.free_slots.append(slot)
+        self.positions.pop(sid, None)
+        self.states.pop(sid, None)
+
+    def warm_up(self) -> None:
+        from common.protocol import SamplingParams
+
+        warm = NewSequence("__warmup__", [1, 2, 3, 4], SamplingParams(temperature=0.0))
+        self.step(StepRequest(prefill=[warm]))
+        self.step(StepRequest(decode_seq_ids=["__warmup__"]))
+        self.step(StepRequest(free_seq_ids=["__warmup__"]))
+
+
+def _gguf_type(path: str) -> str:
+    """The weights' quantisation from the file name (Q4_1, Q8_0, F16 ...), for /healthz."""
+    stem = os.path.basename(path).rsplit(".", 1)[0]
+    return "gguf-" + stem.rsplit(".", 1)[-1].lower() if "." in stem else "gguf"
+
+
+_LOG_CALLBACK = None
+
+
+def _quiet(lib) -> None:
+    """Routes llama.cpp's own chatter to Python logging at debug level (it prints to stderr)."""
+    global _LOG_CALLBACK
+
+    @lib.llama_log_callback
+    def callback(level, text, _user):
+        # ggml_log_level: 3 warn, 4 error; the rest (debug, info, continuation) is chatter.
+        log.log(logging.WARNING if level in (3, 4) else logging.DEBUG, "%s",
+                text.decode(errors="replace").rstrip())
+
+    _LOG_CALLBACK = callback   # keep a reference: llama.cpp holds the pointer
+    lib.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
