@@ -162,9 +162,11 @@ def served_phase(stack: Stack, args, budget: Budget, reserve_s: float) -> list[d
         soft = min(args.level_time_limit, hard / 2)
         payloads = [payload(p, args.tokens) for p in short_prompts(n, offset)]
         offset += n
+        before = stack.worker_timing()
         results, wall, truncated = closed_loop(stack.url, c, payloads, soft, hard)
         s = report.summarize(results, wall)
-        s.update(concurrency=c, max_tokens=args.tokens, truncated=truncated)
+        s.update(concurrency=c, max_tokens=args.tokens, truncated=truncated,
+                 time_split=report.time_split(before, stack.worker_timing(), wall))
         levels.append(s)
         _warn_buffered(s)
         fail = f", {s['failures']} FAILED ({'; '.join(s['failure_examples'])})" if s["failures"] else ""
@@ -173,6 +175,8 @@ def served_phase(stack: Stack, args, budget: Budget, reserve_s: float) -> list[d
                  f"{_fmt_s(s['ttft_p50_s'])}, ITL p50 {_fmt_s(s['itl_p50_s'])}, "
                  f"latency p99 {_fmt_s(s['latency_p99_s'])}{fail}"
                  f"{' (cut by the time limit)' if truncated else ''}")
+        progress(f"served: concurrency {c:>3}: where the worker's time went: "
+                 f"{report.format_split(s['time_split'])}")
     return levels
 
 

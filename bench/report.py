@@ -45,6 +45,38 @@ def _ratio(a, b):
     return round(a / b, 3) if a is not None and b else None
 
 
+def time_split(before: dict, after: dict, wall_s: float) -> dict | None:
+    """A level's worker time from the engine's StepTiming totals (worker/engine_core.py):
+    shares of the level's wall time spent in model compute (prefill, decode), in the
+    engine<->model-process round trip beyond that compute (pipe, pickling), in the engine's
+    own work around steps, and outside any step (waiting for work)."""
+    if not before or not after or wall_s <= 0:
+        return None
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = d.get("steps", 0)
+    if steps <= 0:
+        return None
+    compute = d["model_prefill_s"] + d["model_decode_s"]
+    ipc = max(0.0, d["step_s"] - compute)
+    out = {"steps": int(steps), "ms_per_step": round(1000 * d["step_s"] / steps, 1),
+           "prefill": d["model_prefill_s"] / wall_s, "decode": d["model_decode_s"] / wall_s,
+           "round_trip": ipc / wall_s, "engine": d["host_s"] / wall_s,
+           "publish_overlapped": d["publish_s"] / wall_s}
+    out["outside_steps"] = max(0.0, 1.0 - out["prefill"] - out["decode"] - out["round_trip"]
+                               - out["engine"])
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def format_split(split: dict | None) -> str:
+    if not split:
+        return "n/a"
+    pct = {k: f"{100 * v:.1f}%" for k, v in split.items() if isinstance(v, float) and k != "ms_per_step"}
+    return (f"{split['steps']} steps of {split['ms_per_step']} ms; model prefill {pct['prefill']}, "
+            f"decode {pct['decode']}, round trip {pct['round_trip']}, engine {pct['engine']}, "
+            f"between steps {pct['outside_steps']} (Redis publish {pct['publish_overlapped']}, "
+            f"overlapped with compute)")
+
+
 def compute_ratios(raw: dict | None, served: list[dict], mixed: dict | None) -> dict:
     raw_by_batch = {}
     if raw:

@@ -28,6 +28,34 @@ log = logging.getLogger("llmq.engine")
 MAX_RESTARTS_PER_SEQUENCE = 2
 
 
+class StepTiming:
+    """Where a worker's steps spend their time, as running totals (seconds) in its heartbeat:
+    `step_s` from submitting a step to its result, of which `model_prefill_s` and
+    `model_decode_s` are the model process's own compute; `publish_s` is the Redis work
+    overlapped with it and `host_s` the engine's own work around a step (schedule, build the
+    request, then turn tokens into text). `make bench` turns the differences into "where the time goes"."""
+
+    FIELDS = ("steps", "step_s", "model_prefill_s", "model_decode_s", "publish_s", "host_s")
+
+    def __init__(self):
+        self.steps = 0
+        self.step_s = self.model_prefill_s = self.model_decode_s = 0.0
+        self.publish_s = self.host_s = 0.0
+
+    def record(self, scheduled: float, submitted: float, published: float, done: float,
+               updated: float, result) -> None:
+        self.steps += 1
+        self.step_s += done - submitted
+        self.publish_s += published - submitted
+        self.host_s += (submitted - scheduled) + (updated - done)
+        self.model_prefill_s += result.prefill_s
+        self.model_decode_s += result.decode_s
+
+    def as_dict(self) -> dict:
+        return {f"timing_{k}": round(getattr(self, k), 4) if k != "steps" else self.steps
+                for k in self.FIELDS}
+
+
 class EngineCore:
     """Runs the continuous-batching loop of one worker over its model executor."""
 
@@ -49,6 +77,7 @@ class EngineCore:
         self._attempts: dict[Sequence, int] = {}   # the record's start each copy belongs to
         self._all_admitted: dict[str, Sequence] = {}   # admitted, not finished: task threads wait
         self.num_finished = 0
+        self.timing = StepTiming()
         self.last_step_time = time.time()
         self.requeue = requeue or (lambda seq_id: None)
         self._stop = threading.Event()
@@ -165,21 +194,25 @@ class EngineCore:
             if self._handback.is_set():
                 pending = self._hand_back(pending)
             self._take_inbox(block=not (self.scheduler.num_unfinished or pending))
+            t_sched = time.monotonic()
             out = self.scheduler.schedule()                      # 1. schedule
             if out.is_empty and not out.freed_seq_ids:
                 pending = self._publish(pending)
                 continue
             try:
-                self._step_started = time.monotonic()
+                self._step_started = t0 = time.monotonic()
                 self.executor.submit(self._request(out))         # 2. execute (async) ...
                 pending = self._publish(pending)                 # ... publishing meanwhile
+                t1 = time.monotonic()
                 result = self.executor.wait()
             except ModelWorkerDied as exc:
                 self._recover(out, exc)
                 continue
             finally:
                 self._step_started = None
+            t2 = time.monotonic()
             pending += self._update(out, result)                 # 3. update
+            self.timing.record(t_sched, t0, t1, t2, time.monotonic(), result)
         self._publish(pending)                                   # 4. publish (the last one)
 
     def _take_inbox(self, block: bool) -> None:
@@ -410,7 +443,8 @@ class EngineCore:
                 "num_steps": st.num_steps, "num_prefilled": st.num_prefilled,
                 "num_joined_running_batch": st.num_joined_running_batch,
                 "max_running": st.max_running, "num_finished": self.num_finished,
-                "model_starts": self.executor.num_starts, "last_step": self.last_step_time}
+                "model_starts": self.executor.num_starts, "last_step": self.last_step_time,
+                **self.timing.as_dict()}
 
     def _heartbeat(self, force: bool = False) -> None:
         """Marks progress of the loop; the beat thread turns progress into heartbeats."""

@@ -38,3 +38,25 @@ def test_newcomer_joins_running_batch_and_leaves_first(stack):
                10, "the worker's heartbeat to count the join")
     requests.delete(f"{url}/v1/jobs/{long['id']}", timeout=10)
     wait_until(lambda: _job(url, long["id"])["status"] == "cancelled", 30, "the cancel")
+
+
+def test_step_timing_accounts_for_the_steps(stack):
+    """The engine's StepTiming totals (what `make bench` splits a level's time with) move with
+    the work: each step adds its wall time, of which the model's own compute is a part."""
+    url = stack["url"]
+    start = _worker_stats(stack)
+    job = requests.post(f"{url}/v1/generate", json={"prompt": "count with me", "max_tokens": 6,
+                                                    "ignore_eos": True, "temperature": 0},
+                        timeout=120).json()
+    assert job["usage"]["completion_tokens"] == 6
+
+    def moved():
+        now = _worker_stats(stack)
+        return now if int(now["timing_steps"]) >= int(start["timing_steps"]) + 6 else None
+
+    now = wait_until(moved, 10, "the heartbeat to carry the step timing")
+    d = {k: float(now[k]) - float(start[k]) for k in now if k.startswith("timing_")}
+    compute = d["timing_model_prefill_s"] + d["timing_model_decode_s"]
+    assert d["timing_model_decode_s"] > 0 and compute > 0
+    assert d["timing_step_s"] >= compute * 0.99   # a step's wall time includes its compute
+    assert d["timing_host_s"] >= 0 and d["timing_publish_s"] >= 0
