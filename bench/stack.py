@@ -24,14 +24,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until(predicate, timeout_s: float, what: str, interval: float = 0.1):
+def wait_until(predicate, timeout_s: float = 30.0, what: str = "condition", interval: float = 0.05):
+    """Polls an observable condition (not a sleep-and-hope); returns its first truthy value.
+    The tests use it too (tests/support.py)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
 
 
 def _tail(path: Path, n: int = 3000) -> str:

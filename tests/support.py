@@ -1,56 +1,21 @@
 """Test helpers shared by every folder: a real redis-server, the tiny random model, a real Celery
 worker process, the real HTTP app, and wait_until. Imported as `support` (the name `conftest`
 is ambiguous: tests/worker has a conftest of its own)."""
-
-
 from __future__ import annotations
 
-
 import os
-
-
 import shutil
-
-
-import socket
-
-
 import subprocess
-
-
 import sys
-
-
 import threading
-
-
-import time
-
-
 from pathlib import Path
-
 
 import pytest
 
+# The loopback-port and wait-for-an-event helpers are the benchmark's (bench/stack.py): one copy.
+from bench.stack import free_port, wait_until  # noqa: F401 - re-exported to the tests
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(predicate, timeout_s: float = 30.0, what: str = "condition", interval: float = 0.05):
-    """Polls an observable condition (not a sleep-and-hope): fails with a message on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 # --- Redis ------------------------------------------------------------------------------------
