@@ -121,7 +121,7 @@ def sampling_params(req: JobRequest) -> SamplingParams:
         top_k=req.top_k if req.top_k not in (None, -1, 0) else None,
         min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
         stop=list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
-        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos)
+        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, cache_salt=req.cache_salt)
 
 
 def inputs_of(req: JobRequest) -> list[dict[str, Any]]:

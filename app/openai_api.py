@@ -54,6 +54,7 @@ class _Common(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = None
     request_id: str | None = None
     priority: int | None = Field(None, ge=0, le=9)
@@ -154,7 +155,7 @@ def _params(req: _Common, default_max_tokens: int) -> SamplingParams:
         top_p=req.top_p, top_k=req.top_k if req.top_k not in (None, -1, 0) else None,
         min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
         stop=list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
-        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos)
+        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, cache_salt=req.cache_salt)
 
 
 def _text_content(content) -> str:

@@ -29,6 +29,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod

@@ -3,6 +3,7 @@
 Phases, all on the default model, greedy, with the output length forced:
   1. raw      model.generate in this process (before the stack starts, then freed)
   2. served   own redis-server + one worker + gunicorn API; closed-loop SSE clients per level
+  2c. prefix  chat requests sharing the template's system turn: TTFT without, then with reuse
   3. mixed    prompts 10-400 tokens, outputs 8-256, Poisson arrivals near saturation:
               continuous batching, then the worker restarted with LLMQ_BATCH_POLICY=static
 Writes <out>/<timestamp>.json and .png and prints a summary table with the targets.
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from . import report
 from .loadgen import closed_loop, open_loop
+from .prefix import prefix_phase
 from .raw import run_raw, run_raw_backend, short_prompts
 from .stack import ROOT, Stack
 from .streams import streams_phase
@@ -84,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-mixed", action="store_true", help="skip the mixed workload phase")
     p.add_argument("--streams", type=int, default=None,
                    help="SSE streams to hold open at once (default 256; quick 64; 0 skips)")
+    p.add_argument("--prefix-requests", type=int, default=None,
+                   help="chat requests per prefix-caching run (default 32; quick 16; 0 skips)")
     p.add_argument("--backend", default="transformers", choices=["transformers", "llama_cpp"],
                    help="LLMQ_BACKEND of the worker; the raw phase is then model.generate "
                         "(transformers) or the backend stepped in-process (llama_cpp)")
@@ -107,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.output_range = (8, 64) if q else (8, 256)
     args.streams = (64 if q else 256) if args.streams is None else args.streams
     args.prompt_range = (10, 400)
+    args.prefix_requests = ((16 if q else 32) if args.prefix_requests is None
+                            else args.prefix_requests)
     return args
 
 
@@ -303,6 +309,13 @@ def main(argv=None) -> int:
         if args.streams and budget.allows("stream capacity", 60):
             progress(f"phase 2b: {args.streams} SSE streams open at once")
             result["streams"] = streams_phase(stack.url, args.streams, progress=progress)
+        if args.prefix_requests and args.backend == "transformers" and budget.allows(
+                "prefix caching", 60):
+            c = 8 if args.quick else 16
+            progress(f"phase 2c: prefix caching, {args.prefix_requests} chat requests at "
+                     f"concurrency {c}, without and with reuse")
+            result["prefix"] = prefix_phase(stack, c, args.prefix_requests, 8 if args.quick else 16,
+                                            progress=progress)
         if not args.skip_mixed:
             progress("phase 3/3: mixed workload, continuous vs static batching")
             mixed = mixed_phase(stack, args, result["served"], budget)
@@ -322,7 +335,8 @@ def main(argv=None) -> int:
     if error:
         result["error"] = error
     result["ratios"] = report.compute_ratios(result.get("raw"), result["served"], result.get("mixed"))
-    result["targets"] = report.targets(result["served"], result["ratios"], result.get("mixed"))
+    result["targets"] = report.targets(result["served"], result["ratios"], result.get("mixed"),
+                                       result.get("prefix"))
     json_path = out_dir / f"{stamp}.json"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     png_path = out_dir / f"{stamp}.png"

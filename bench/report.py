@@ -96,7 +96,8 @@ def compute_ratios(raw: dict | None, served: list[dict], mixed: dict | None) -> 
     return out
 
 
-def targets(served: list[dict], ratios: dict, mixed: dict | None) -> list[dict]:
+def targets(served: list[dict], ratios: dict, mixed: dict | None,
+            prefix: dict | None = None) -> list[dict]:
     by_c = {lv["concurrency"]: lv for lv in served}
     out = []
     for c in (64, 1):
@@ -113,6 +114,10 @@ def targets(served: list[dict], ratios: dict, mixed: dict | None) -> list[dict]:
     lv = by_c.get(64)
     v = lv["ttft_p50_s"] if lv else None
     out.append({"name": "TTFT p50 @64 < 1 s", "value": v, "met": None if v is None else v < 1.0})
+    if prefix is not None:
+        v = prefix.get("ttft_p50_with_over_without")
+        out.append({"name": "stretch: prefix caching, chat TTFT p50 with / without reuse < 1",
+                    "value": v, "met": None if v is None else v < 1.0})
     return out
 
 
@@ -173,6 +178,19 @@ def format_table(result: dict) -> str:
                          f" {_f(m['ttft_p50_s'], '{:.2f}'):>8} {_f(m['ttft_p99_s'], '{:.2f}'):>8}")
         r = result["ratios"].get("continuous_over_static_throughput")
         lines.append(f"  continuous/static throughput: {_f(r, '{:.2f}x')}")
+        lines.append("")
+    prefix = result.get("prefix")
+    if prefix:
+        lines.append(f"Prefix caching: chat requests (the template's system turn in common), "
+                     f"concurrency {prefix['concurrency']}, {prefix['max_tokens']} tokens each")
+        lines.append(f"  {'reuse':>7} {'reqs':>4} {'fail':>4} {'TTFT50':>7} {'TTFT95':>7}"
+                     f" {'prompt tokens from cache':>25}")
+        for name in ("without", "with"):
+            m = prefix.get(name)
+            if m:
+                lines.append(f"  {name:>7} {m['requests']:>4} {m['failures']:>4}"
+                             f" {_ms(m['ttft_p50_s']):>7} {_ms(m['ttft_p95_s']):>7}"
+                             f" {m['cached_tokens']:>12} of {m['prefill_tokens']:<9}")
         lines.append("")
     skipped = result.get("meta", {}).get("skipped")
     if skipped:

@@ -199,19 +199,27 @@ class Stack:
         finally:
             session.close()
 
-    def worker_timing(self, settle_s: float = 10.0) -> dict[str, float]:
-        """The worker's StepTiming totals from its heartbeat, once they stop moving (the
-        heartbeat lags the last step by up to LLMQ_WORKER_HEARTBEAT)."""
+    COUNTERS = ("num_steps", "num_finished", "prefill_tokens", "prefix_cached_tokens")
+
+    def worker_info(self, settle_s: float = 10.0) -> dict[str, float]:
+        """The worker's counters and StepTiming totals (from its heartbeat), once they stop
+        moving (the heartbeat lags the last step by up to LLMQ_WORKER_HEARTBEAT)."""
         last, deadline = None, time.monotonic() + settle_s
         while time.monotonic() < deadline:
             r = requests.get(f"{self.url}/readyz", timeout=5)
             w = next((w for w in r.json().get("workers", []) if w.get("name") == self.worker_name), {})
-            now = {k[len("timing_"):]: float(v) for k, v in w.items() if k.startswith("timing_")}
+            now = {k: float(v) for k, v in w.items()
+                   if k.startswith("timing_") or k in self.COUNTERS}
             if now and now == last:
                 return now
             last = now
             time.sleep(1.0)
         return last or {}
+
+    def worker_timing(self, settle_s: float = 10.0) -> dict[str, float]:
+        """The worker's StepTiming totals (timing_* of its heartbeat, without the prefix)."""
+        return {k[len("timing_"):]: v for k, v in self.worker_info(settle_s).items()
+                if k.startswith("timing_")}
 
     def restart_worker(self, batch_policy: str, timeout_s: float = 300.0) -> None:
         if self.worker is not None:

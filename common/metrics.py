@@ -32,6 +32,7 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
 COUNTERS = {
     "prompt_tokens_total": "Prompt tokens processed.",
     "generation_tokens_total": "Tokens generated.",
+    "prompt_tokens_cached_total": "Prompt tokens whose keys and values came from the prefix cache.",
 }
 SUCCESS_COUNTER = "request_success_total"
 
@@ -44,6 +45,7 @@ def _bucket_index(buckets: tuple[float, ...], value: float) -> int:
 
 
 def record_finished(pipe, *, finish_reason: str, prompt_tokens: int, generation_tokens: int,
+                    cached_tokens: int = 0,
                     queue_s: float | None, ttft_s: float | None, tpot_s: float | None,
                     e2e_s: float | None) -> None:
     """Adds one finished sequence's figures to a redis-py pipeline (the caller executes it)."""
@@ -58,6 +60,8 @@ def record_finished(pipe, *, finish_reason: str, prompt_tokens: int, generation_
         pipe.hincrbyfloat(METRICS_KEY, f"h:{name}:sum", value)
     pipe.hincrby(METRICS_KEY, "c:prompt_tokens_total", prompt_tokens)
     pipe.hincrby(METRICS_KEY, "c:generation_tokens_total", generation_tokens)
+    if cached_tokens:
+        pipe.hincrby(METRICS_KEY, "c:prompt_tokens_cached_total", cached_tokens)
     pipe.hincrby(METRICS_KEY, f"c:{SUCCESS_COUNTER}:{finish_reason}", 1)
 
 

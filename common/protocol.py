@@ -54,6 +54,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     min_tokens: int = 0
     ignore_eos: bool = False
+    cache_salt: str | None = None   # prompts share cached prefixes only with the same salt
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

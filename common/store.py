@@ -199,6 +199,18 @@ class TokenDelta:
     attempt: int | None = None   # the start that produced it; set, the write is fenced on it
 
 
+@dataclass(frozen=True)
+class Finish:
+    """One sequence's end, as SequenceStore.finish_many writes it."""
+    seq_id: str
+    reason: FinishReason
+    text: str | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+    only_if: tuple[SequenceStatus, ...] = (SequenceStatus.QUEUED, SequenceStatus.RUNNING)
+    attempt: int | None = None   # set: only if the record still runs that start
+
+
 class SequenceStore:
     """Reads and writes sequences in Redis; both the API and the worker go through it."""
 
@@ -359,25 +371,46 @@ class SequenceStore:
         """Ends a sequence once: fields, done event, publish and TTLs in one atomic script.
         With `attempt`, only if the record is still running that start (a worker's late
         result for a sequence taken over elsewhere is refused)."""
-        rec = self.get_record(seq_id)
-        if not rec:
-            return False
-        fields = {"status": reason.status.value, "finish_reason": reason.value,
-                  "finished_at": str(_now())}
-        if text is not None:
-            fields["text"] = text
-        if completion_tokens is not None:
-            fields["completion_tokens"] = str(completion_tokens)
-        if error:
-            fields["error"] = error
-        job = job_from_record({**rec, **fields})
-        done = encode_event(EVENT_DONE, job)["data"]
-        ok = self._finish(
-            keys=[record_key(seq_id), events_key(seq_id), channel(seq_id), CANCELLED_KEY],
-            args=[",".join(s.value for s in only_if), json.dumps(fields), done,
-                  encode_pubsub(EVENT_DONE, job), self.stream_maxlen, self.result_ttl_s, seq_id,
-                  running_key(""), "" if attempt is None else str(int(attempt))])
-        return bool(ok)
+        return self.finish_many([Finish(seq_id, reason, text, completion_tokens, error, only_if,
+                                        attempt)])[0]
+
+    def finish_many(self, items: list["Finish"]) -> list[bool]:
+        """finish() for many sequences in two round trips: the records, then every script.
+        An engine step can end its whole batch at once (64 sequences given the same length),
+        and one round trip each made the last done event wait for all the others."""
+        if not items:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for it in items:
+            pipe.hgetall(record_key(it.seq_id))
+        recs = pipe.execute()
+        pipe = self.r.pipeline(transaction=False)
+        queued = []
+        for i, (it, rec) in enumerate(zip(items, recs)):
+            if not rec:
+                continue
+            fields = {"status": it.reason.status.value, "finish_reason": it.reason.value,
+                      "finished_at": str(_now())}
+            if it.text is not None:
+                fields["text"] = it.text
+            if it.completion_tokens is not None:
+                fields["completion_tokens"] = str(it.completion_tokens)
+            if it.error:
+                fields["error"] = it.error
+            job = job_from_record({**rec, **fields})
+            self._finish(
+                keys=[record_key(it.seq_id), events_key(it.seq_id), channel(it.seq_id),
+                      CANCELLED_KEY],
+                args=[",".join(s.value for s in it.only_if), json.dumps(fields),
+                      encode_event(EVENT_DONE, job)["data"], encode_pubsub(EVENT_DONE, job),
+                      self.stream_maxlen, self.result_ttl_s, it.seq_id, running_key(""),
+                      "" if it.attempt is None else str(int(it.attempt))],
+                client=pipe)
+            queued.append(i)
+        written = [False] * len(items)
+        for i, ok in zip(queued, pipe.execute() if queued else []):
+            written[i] = bool(ok)
+        return written
 
     def _append(self, pipe, seq_id: str, kind: str, data: dict[str, Any]) -> None:
         pipe.xadd(events_key(seq_id), encode_event(kind, data),

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 
 from common.protocol import FinishReason, SamplingParams, SequenceStatus
 from common import metrics
-from common.store import SequenceStore, TokenDelta
+from common.store import Finish, SequenceStore, TokenDelta
 
 from .detokenizer import IncrementalDetokenizer
 from .messages import NewSequence, StepRequest, StepResult
@@ -77,6 +77,8 @@ class EngineCore:
         self._attempts: dict[Sequence, int] = {}   # the record's start each copy belongs to
         self._all_admitted: dict[str, Sequence] = {}   # admitted, not finished: task threads wait
         self.num_finished = 0
+        self.num_prefill_tokens = 0   # tokens of every prefill, cached or computed
+        self.num_cached_tokens = 0    # ... of which the model process's prefix cache gave
         self.timing = StepTiming()
         self.last_step_time = time.time()
         self.requeue = requeue or (lambda seq_id: None)
@@ -246,6 +248,10 @@ class EngineCore:
         for seq_id, error in result.errors.items():
             seq = next(s for s in out.prefill + out.decode if s.seq_id == seq_id)
             self.scheduler.abort(seq, FinishReason.ERROR, error)
+        for seq in out.prefill:   # counted before update() appends this step's token
+            seq.num_cached_tokens = result.cached_tokens.get(seq.seq_id, 0)
+            self.num_prefill_tokens += seq.num_tokens
+            self.num_cached_tokens += seq.num_cached_tokens
         self.scheduler.update(out, result.token_ids)
         publish = []
         for seq in out.prefill + out.decode:
@@ -277,18 +283,22 @@ class EngineCore:
                 for i in refused:   # the record is no longer this start's: stop, write nothing
                     self._drop(deltas[i][0])
                 pending = [(s, "", n) for s, t, n in pending if s.is_finished]
-                while pending:
-                    self._finish(pending[0][0])
-                    pending.pop(0)
+                self._finish_many([s for s, _t, _n in pending])
+                pending = []
             active = self.scheduler.running + list(self.scheduler.waiting)
             cancelled = self.store.cancelled_among([s.seq_id for s in active])
+            now, ended = time.time(), []
             for seq in active:
                 if seq.seq_id in cancelled:
                     self.scheduler.abort(seq, FinishReason.CANCELLED)
-                    pending.append((seq, "", seq.num_output_tokens))
-                    self._finish(seq)
-                    pending.pop()
-            self._expire_deadlines()
+                elif seq.deadline and now > seq.deadline:
+                    self.scheduler.abort(seq, FinishReason.TIMEOUT)
+                else:
+                    continue
+                ended.append(seq)
+            pending = [(s, "", s.num_output_tokens) for s in ended]   # kept if Redis fails
+            self._finish_many(ended)
+            pending = []
         except RedisError as exc:
             log.warning("redis unavailable, keeping %d updates for later: %s", len(pending), exc)
             self._stop.wait(0.5)
@@ -297,32 +307,39 @@ class EngineCore:
         return []
 
     def _finish(self, seq: Sequence) -> None:
-        """Writes the final record once (the detokenizer's presence marks "not yet written")."""
-        if seq not in self.detokenizers:
+        self._finish_many([seq])
+
+    def _finish_many(self, seqs: list[Sequence]) -> None:
+        """Writes final records once (the detokenizer's presence marks "not yet written"), all
+        in a few round trips, then lets their task threads return."""
+        seqs = [s for s in seqs if s in self.detokenizers]
+        if not seqs:
             return
-        written = self.store.finish(seq.seq_id, seq.finish_reason, text=seq.text,
-                                    completion_tokens=seq.num_output_tokens, error=seq.error,
-                                    only_if=(SequenceStatus.RUNNING,),
-                                    attempt=self._attempts.get(seq))
-        del self.detokenizers[seq]
-        self._attempts.pop(seq, None)
-        if self._all_admitted.get(seq.seq_id) is seq:
-            del self._all_admitted[seq.seq_id]
-        if not written:   # taken over elsewhere (or cancelled while queued): not ours to end
-            log.warning("final result not written: the record is no longer this start's",
-                        extra={"seq_id": seq.seq_id})
-            seq.done.set()
-            return
-        self.num_finished += 1
+        written = self.store.finish_many([
+            Finish(s.seq_id, s.finish_reason, text=s.text, completion_tokens=s.num_output_tokens,
+                   error=s.error, only_if=(SequenceStatus.RUNNING,), attempt=self._attempts.get(s))
+            for s in seqs])
+        for seq in seqs:
+            del self.detokenizers[seq]
+            self._attempts.pop(seq, None)
+            if self._all_admitted.get(seq.seq_id) is seq:
+                del self._all_admitted[seq.seq_id]
+        done = [s for s, ok in zip(seqs, written) if ok]
+        self.num_finished += len(done)
         try:
-            self._record_metrics(seq)
+            self._record_metrics(done)
         except RedisError:
-            log.warning("metrics not recorded", extra={"seq_id": seq.seq_id})
-        log.info("sequence finished", extra={
-            "seq_id": seq.seq_id, "finish_reason": seq.finish_reason.value,
-            "prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens,
-            "error": seq.error})
-        seq.done.set()
+            log.warning("metrics of %d sequences not recorded", len(done))
+        for seq, ok in zip(seqs, written):
+            if ok:
+                log.info("sequence finished", extra={
+                    "seq_id": seq.seq_id, "finish_reason": seq.finish_reason.value,
+                    "prompt_tokens": seq.num_prompt_tokens,
+                    "completion_tokens": seq.num_output_tokens, "error": seq.error})
+            else:   # taken over elsewhere (or cancelled while queued): not ours to end
+                log.warning("final result not written: the record is no longer this start's",
+                            extra={"seq_id": seq.seq_id})
+            seq.done.set()
 
     def _drop(self, seq: Sequence) -> None:
         """Stops this worker's copy of a sequence whose record was taken over meanwhile (handed
@@ -336,13 +353,6 @@ class EngineCore:
         log.warning("dropping a stale copy: the record was taken over",
                     extra={"seq_id": seq.seq_id})
         seq.done.set()
-
-    def _expire_deadlines(self) -> None:
-        now = time.time()
-        for seq in self.scheduler.running + list(self.scheduler.waiting):
-            if seq.deadline and now > seq.deadline:
-                self.scheduler.abort(seq, FinishReason.TIMEOUT)
-                self._finish(seq)
 
     def _hand_back(self, pending):
         """Drain ran out of time: unfinished sequences go back to the queue, from scratch."""
@@ -376,20 +386,24 @@ class EngineCore:
                             extra={"seq_id": seq_id})
                 self.requeue(seq_id)
 
-    def _record_metrics(self, seq: Sequence) -> None:
-        now = time.time()
-        created = seq.created_at or seq.admitted_at or now
-        queue_s = (seq.admitted_at or now) - created
-        ttft = tpot = None
-        if seq.first_token_time is not None:
-            ttft = queue_s + (seq.first_token_time - seq.arrival_time)
-            if seq.num_output_tokens > 1:
-                tpot = (time.monotonic() - seq.first_token_time) / (seq.num_output_tokens - 1)
+    def _record_metrics(self, seqs: list[Sequence]) -> None:
+        if not seqs:
+            return
+        now, mono = time.time(), time.monotonic()
         pipe = self.store.r.pipeline(transaction=False)
-        metrics.record_finished(pipe, finish_reason=seq.finish_reason.value,
-                                prompt_tokens=seq.num_prompt_tokens,
-                                generation_tokens=seq.num_output_tokens, queue_s=queue_s,
-                                ttft_s=ttft, tpot_s=tpot, e2e_s=now - created)
+        for seq in seqs:
+            created = seq.created_at or seq.admitted_at or now
+            queue_s = (seq.admitted_at or now) - created
+            ttft = tpot = None
+            if seq.first_token_time is not None:
+                ttft = queue_s + (seq.first_token_time - seq.arrival_time)
+                if seq.num_output_tokens > 1:
+                    tpot = (mono - seq.first_token_time) / (seq.num_output_tokens - 1)
+            metrics.record_finished(pipe, finish_reason=seq.finish_reason.value,
+                                    prompt_tokens=seq.num_prompt_tokens,
+                                    cached_tokens=seq.num_cached_tokens,
+                                    generation_tokens=seq.num_output_tokens, queue_s=queue_s,
+                                    ttft_s=ttft, tpot_s=tpot, e2e_s=now - created)
         pipe.execute()
 
     def _recover(self, out: SchedulerOutput, exc: Exception) -> None:
@@ -432,7 +446,7 @@ class EngineCore:
             repetition_penalty=(p.repetition_penalty if p.repetition_penalty is not None
                                 else d.get("repetition_penalty")),
             seed=p.seed, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-            min_tokens=p.min_tokens, ignore_eos=p.ignore_eos)
+            min_tokens=p.min_tokens, ignore_eos=p.ignore_eos, cache_salt=p.cache_salt)
 
     def stats(self) -> dict:
         st = self.scheduler.stats
@@ -443,6 +457,8 @@ class EngineCore:
                 "num_steps": st.num_steps, "num_prefilled": st.num_prefilled,
                 "num_joined_running_batch": st.num_joined_running_batch,
                 "max_running": st.max_running, "num_finished": self.num_finished,
+                "prefill_tokens": self.num_prefill_tokens,
+                "prefix_cached_tokens": self.num_cached_tokens,
                 "model_starts": self.executor.num_starts, "last_step": self.last_step_time,
                 **self.timing.as_dict()}
 

@@ -37,6 +37,7 @@ class StepResult:
 
     token_ids: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    cached_tokens: dict[str, int] = field(default_factory=dict)   # prompt tokens reused, per newcomer
     prefill_s: float = 0.0
     decode_s: float = 0.0
 

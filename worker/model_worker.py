@@ -20,6 +20,7 @@ from . import messages
 from .kv_cache import BatchKVCache
 from .messages import NewSequence, Ready, Shutdown, StepRequest, StepResult
 from .model_manager import ModelManager
+from .prefix_cache import PrefixCache, PrefixMatch
 from .sampler import Sampler, SamplingState
 
 log = logging.getLogger("llmq.model_worker")
@@ -28,12 +29,13 @@ log = logging.getLogger("llmq.model_worker")
 class ModelWorker:
     """Runs prefill and batched decode steps of one model on one device."""
 
-    def __init__(self, model, info, max_num_seqs: int):
+    def __init__(self, model, info, max_num_seqs: int, prefix_cache_bytes: int = 0):
         self.model = model
         self.info = info
         self.device = torch.device(info.device)
         self.pad_id = 0
         self.cache = BatchKVCache(max_rows=max_num_seqs)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.states: dict[str, SamplingState] = {}
         self.sampler = Sampler()
 
@@ -43,7 +45,7 @@ class ModelWorker:
         if settings.max_model_len:
             info = dataclasses.replace(info, max_model_len=min(info.max_model_len,
                                                                settings.max_model_len))
-        return cls(model, info, settings.max_num_seqs)
+        return cls(model, info, settings.max_num_seqs, settings.prefix_cache_mb << 20)
 
     @torch.inference_mode()
     def step(self, req: StepRequest) -> StepResult:
@@ -56,7 +58,9 @@ class ModelWorker:
         if req.decode_seq_ids:
             self._decode(req.decode_seq_ids, res)
         t1 = time.perf_counter()
-        for group in length_groups(req.prefill):
+        newcomers = [(s, self.prefix_cache.match(s.token_ids, s.params.cache_salt))
+                     for s in req.prefill]
+        for group in length_groups(newcomers, key=lambda p: len(p[0].token_ids) - p[1].num_tokens):
             self._prefill(group, res)
         res.decode_s, res.prefill_s = t1 - t0, time.perf_counter() - t1
         return res
@@ -73,34 +77,49 @@ class ModelWorker:
         self.cache.end_decode()
         self._sample(order, states, out.logits[:, -1, :], res)
 
-    def _prefill(self, seqs: list[NewSequence], res: StepResult) -> None:
+    def _prefill(self, group: list[tuple[NewSequence, PrefixMatch]], res: StepResult) -> None:
         try:
-            self._prefill_group(seqs, res)
+            self._prefill_group(group, res)
         except Exception as exc:  # noqa: BLE001 - isolate the poison sequence, keep the rest
-            if len(seqs) == 1:
-                res.errors[seqs[0].seq_id] = f"{type(exc).__name__}: {exc}"
-                log.warning("prefill failed: %s", exc, extra={"seq_id": seqs[0].seq_id})
+            if len(group) == 1:
+                res.errors[group[0][0].seq_id] = f"{type(exc).__name__}: {exc}"
+                log.warning("prefill failed: %s", exc, extra={"seq_id": group[0][0].seq_id})
                 return
-            for seq in seqs:
-                self._prefill([seq], res)
+            for item in group:
+                self._prefill([item], res)
 
-    def _prefill_group(self, seqs: list[NewSequence], res: StepResult) -> None:
+    def _prefill_group(self, group: list[tuple[NewSequence, PrefixMatch]], res: StepResult) -> None:
+        """One forward pass over the newcomers' uncached tokens. Each row is laid out as
+        [padding][cached prefix][padding][rest of the prompt]: the cached keys and values go in
+        as the past, right-aligned; the rest is left-padded so its last column is the last
+        prompt token; the mask hides both paddings and position ids count real tokens only."""
+        seqs = [s for s, _m in group]
         longest = max(len(s.token_ids) for s in seqs)
         if longest > self.info.max_model_len:
             raise ValueError(f"prompt of {longest} tokens exceeds the model's context of "
                              f"{self.info.max_model_len}")
-        ids = torch.full((len(seqs), longest), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), longest), dtype=torch.long)
-        for i, s in enumerate(seqs):   # left padding: every row's last column is its last token
-            ids[i, longest - len(s.token_ids):] = torch.tensor(s.token_ids)
-            mask[i, longest - len(s.token_ids):] = 1
+        n, cached = len(seqs), [m.num_tokens for _s, m in group]
+        past_len = max(cached)
+        new_len = max(len(s.token_ids) - c for s, c in zip(seqs, cached))
+        ids = torch.full((n, new_len), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, past_len + new_len), dtype=torch.long)
+        for i, (s, c) in enumerate(zip(seqs, cached)):
+            rest = s.token_ids[c:]
+            ids[i, new_len - len(rest):] = torch.tensor(rest)
+            mask[i, past_len - c:past_len] = 1
+            mask[i, past_len + new_len - len(rest):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, past_len:]
+        cache = DynamicCache(ddp_cache_data=self._past(group, past_len)) if past_len else DynamicCache()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                          use_cache=True, logits_to_keep=1)
         cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
         self.cache.add([s.seq_id for s in seqs], cache.layers, mask, mask.sum(-1))
+        for i, (s, c) in enumerate(zip(seqs, cached)):
+            if c:
+                res.cached_tokens[s.seq_id] = c
+            if self.prefix_cache.enabled:
+                self._remember(s, _row_kv(cache.layers, i, mask[i].nonzero().squeeze(-1)))
         try:
             states = []
             for s in seqs:
@@ -120,6 +139,25 @@ class ModelWorker:
                 self.states.pop(sid, None)
             raise
 
+    def _remember(self, seq: NewSequence, kv_of) -> None:
+        try:
+            self.prefix_cache.insert(seq.token_ids, seq.params.cache_salt, kv_of)
+        except Exception as exc:  # noqa: BLE001 - a cache layout this does not handle: go without
+            log.warning("prefix caching turned off: %s: %s", type(exc).__name__, exc)
+            self.prefix_cache.enabled = False
+            self.prefix_cache.clear()
+
+    def _past(self, group, past_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The group's cached prefixes as one past: per layer (keys, values) [rows, heads,
+        past_len, dim], each row's prefix right-aligned, zeros (masked) before it."""
+        first = next(m for _s, m in group if m.num_tokens).blocks[0]
+        layers, _two, heads, _b, dim = first.shape
+        past = first.new_zeros(layers, 2, len(group), heads, past_len, dim)
+        for i, (_s, m) in enumerate(group):
+            if m.num_tokens:
+                past[:, :, i, :, past_len - m.num_tokens:] = m.kv()
+        return [(past[li, 0], past[li, 1]) for li in range(layers)]
+
     def _sample(self, seq_ids, states, logits, res: StepResult) -> None:
         for sid, st, tok in zip(seq_ids, states, self.sampler(logits, states)):
             st.record(tok)
@@ -136,20 +174,31 @@ class ModelWorker:
         self.step(StepRequest(free_seq_ids=["__warmup__"]))
 
 
-def length_groups(seqs: list[NewSequence], max_padding: float = 0.25) -> list[list[NewSequence]]:
-    """Splits newcomers into prefill groups of similar length: one left-padded forward pass per
-    group, with padding at most `max_padding` of the real tokens (a 400-token prompt beside
-    ten 20-token ones would otherwise cost eleven 400-token rows)."""
-    groups: list[list[NewSequence]] = []
-    for seq in sorted(seqs, key=lambda s: len(s.token_ids), reverse=True):
+def _row_kv(layers, row: int, cols: torch.Tensor):
+    """kv_of(start, end) for PrefixCache.insert: the keys and values of prompt tokens
+    start..end of one row of a prefill's cache, whose real tokens sit at columns `cols`."""
+    def kv_of(start: int, end: int) -> torch.Tensor:
+        c = cols[start:end]
+        return torch.stack([torch.stack((l.keys[row, :, c], l.values[row, :, c])) for l in layers])
+    return kv_of
+
+
+def length_groups(items: list, max_padding: float = 0.25,
+                  key=lambda s: len(s.token_ids)) -> list[list]:
+    """Splits newcomers into prefill groups of similar length (`key`: the tokens a newcomer
+    still needs computed): one left-padded forward pass per group, with padding at most
+    `max_padding` of the real tokens (a 400-token prompt beside ten 20-token ones would
+    otherwise cost eleven 400-token rows)."""
+    groups: list[list] = []
+    for item in sorted(items, key=key, reverse=True):
         g = groups[-1] if groups else None
         if g is not None:
-            longest = len(g[0].token_ids)
-            real = sum(len(s.token_ids) for s in g) + len(seq.token_ids)
+            longest = key(g[0])
+            real = sum(key(x) for x in g) + key(item)
             if longest * (len(g) + 1) <= (1 + max_padding) * real:
-                g.append(seq)
+                g.append(item)
                 continue
-        groups.append([seq])
+        groups.append([item])
     return groups
 
 

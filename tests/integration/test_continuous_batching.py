@@ -1,4 +1,7 @@
 """Sequences join a running batch and leave it early: proven from the engine's own counters."""
+import re
+
+import pytest
 import redis
 import requests
 
@@ -60,3 +63,37 @@ def test_step_timing_accounts_for_the_steps(stack):
     assert d["timing_model_decode_s"] > 0 and compute > 0
     assert d["timing_step_s"] >= compute * 0.99   # a step's wall time includes its compute
     assert d["timing_host_s"] >= 0 and d["timing_publish_s"] >= 0
+
+
+def test_a_repeated_prompt_reuses_its_cached_prefix(stack):
+    """The second run of a prompt takes its whole blocks from the model process's prefix
+    cache (the worker's counters say how many tokens), gives the same greedy text, and shows
+    in /metrics; a request with its own cache_salt reuses nothing."""
+    if stack["backend"] != "transformers":
+        pytest.skip("prefix caching is built into the transformers backend only")
+    url = stack["url"]
+    body = {"prompt": "Once upon a time, in a quiet village by the sea, there lived an old "
+                      "clockmaker who", "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+
+    def run(**extra):
+        before = _worker_stats(stack)
+        job = requests.post(f"{url}/v1/generate", json={**body, **extra}, timeout=120).json()
+        assert job["status"] == "succeeded", job
+        # The heartbeat writes every counter at once: once it counts this sequence finished,
+        # its prefill counts are in too.
+        now = wait_until(lambda: (s := _worker_stats(stack)) and int(s["num_finished"]) > int(
+            before["num_finished"]) and s, 10, "the heartbeat to count the sequence")
+        cached = int(now["prefix_cached_tokens"]) - int(before["prefix_cached_tokens"])
+        prefilled = int(now["prefill_tokens"]) - int(before["prefill_tokens"])
+        return job, cached, prefilled
+
+    first, _cached, n = run(cache_salt="first")     # a salt of its own: a cold start
+    assert n == first["usage"]["prompt_tokens"] >= 17
+    second, cached, n2 = run(cache_salt="first")
+    assert n2 == n and cached == (n - 1) // 8 * 8 > 0   # whole 8-token blocks, one token left
+    assert second["text"] == first["text"]
+    _job3, cached3, _n3 = run(cache_salt="someone else")
+    assert cached3 == 0
+    metrics = requests.get(f"{url}/metrics", timeout=10).text
+    counted = re.search(r"^llmq_prompt_tokens_cached_total (\S+)$", metrics, re.M)
+    assert counted and float(counted.group(1)) >= cached

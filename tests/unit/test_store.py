@@ -9,7 +9,7 @@ import pytest
 
 from common.protocol import (EVENT_DONE, EVENT_RESET, EVENT_TOKEN, FinishReason, SamplingParams,
                              SequenceRequest, SequenceStatus)
-from common.store import (CANCELLED_KEY, WORKERS_KEY, SequenceStore, TokenDelta, channel,
+from common.store import (CANCELLED_KEY, WORKERS_KEY, Finish, SequenceStore, TokenDelta, channel,
                           events_key, job_from_record, record_key, worker_key)
 
 pytest.importorskip("lupa", reason="fakeredis needs lupa to run the store's Lua scripts")
@@ -168,6 +168,31 @@ def test_finish_only_if_running_skips_queued(store):
 
 def test_finish_missing_returns_false(store):
     assert store.finish("nope", FinishReason.STOP) is False
+
+
+def test_finish_many_ends_each_in_order_and_reports_which_were_written(store, r):
+    for i in range(4):
+        new(store, f"s{i}")
+    for i in range(3):
+        store.start(f"s{i}", "w1")
+    store.finish("s1", FinishReason.CANCELLED)   # already over: refused below
+    subs = [Subscriber(r, f"s{i}") for i in range(4)]
+    written = store.finish_many([
+        Finish("s0", FinishReason.LENGTH, text="a", completion_tokens=1,
+               only_if=(SequenceStatus.RUNNING,), attempt=1),
+        Finish("s1", FinishReason.LENGTH, text="b", completion_tokens=1),
+        Finish("missing", FinishReason.STOP),
+        Finish("s2", FinishReason.ERROR, error="boom", attempt=2),    # not this start
+        Finish("s3", FinishReason.STOP, text="d", completion_tokens=1,
+               only_if=(SequenceStatus.RUNNING,)),                  # still queued
+    ])
+    assert written == [True, False, False, False, False]
+    assert store.get_job("s0")["text"] == "a" and store.get_job("s0")["status"] == "succeeded"
+    assert store.get_job("s1")["status"] == "cancelled"
+    assert [store.get_job(f"s{i}")["status"] for i in (2, 3)] == ["running", "queued"]
+    assert kinds(store.read_events("s0")) == [EVENT_DONE]
+    assert [len(s.messages()) for s in subs] == [1, 0, 0, 0]   # only the one written
+    assert store.finish_many([]) == []
 
 
 # --- cancel ----------------------------------------------------------------------------------
