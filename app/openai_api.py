@@ -172,7 +172,9 @@ def _text_content(content) -> str:
 def _usage(jobs: list[dict]) -> dict:
     p = sum(j["usage"]["prompt_tokens"] for j in jobs)
     c = sum(j["usage"]["completion_tokens"] for j in jobs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = sum(j["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for j in jobs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _finish_reason(job: dict) -> str | None:

@@ -254,8 +254,8 @@ def mixed_phase(stack: Stack, args, served: list[dict], budget: Budget) -> dict:
         _warn_buffered(s)
         fail = f", {s['failures']} FAILED ({'; '.join(s['failure_examples'])})" if s["failures"] else ""
         progress(f"mixed: {policy:>10}: {s['completion_tokens']} tokens in {wall:.1f} s -> "
-                 f"{s['tokens_per_s']} tok/s, latency p50 {_fmt_s(s['latency_p50_s'])} p99 "
-                 f"{_fmt_s(s['latency_p99_s'])}{fail}{' (cut by the time limit)' if cut else ''}")
+                 f"{s['tokens_per_s']} tok/s, latency p50 {_fmt_s(s['latency_p50_all_s'])} p99 "
+                 f"{_fmt_s(s['latency_p99_all_s'])} (cut requests at their cut time){fail}{' (cut by the time limit)' if cut else ''}")
     return out
 
 

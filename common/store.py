@@ -178,6 +178,7 @@ def job_from_record(rec: dict[str, str]) -> dict[str, Any]:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": _num(rec.get("cached_tokens"), int) or 0},
         },
         "error": {"message": error} if error else None,
         "model": rec.get("model") or None,
@@ -207,6 +208,7 @@ class Finish:
     text: str | None = None
     completion_tokens: int | None = None
     error: str | None = None
+    cached_tokens: int | None = None   # prompt tokens the prefix cache gave
     only_if: tuple[SequenceStatus, ...] = (SequenceStatus.QUEUED, SequenceStatus.RUNNING)
     attempt: int | None = None   # set: only if the record still runs that start
 
@@ -371,8 +373,9 @@ class SequenceStore:
         """Ends a sequence once: fields, done event, publish and TTLs in one atomic script.
         With `attempt`, only if the record is still running that start (a worker's late
         result for a sequence taken over elsewhere is refused)."""
-        return self.finish_many([Finish(seq_id, reason, text, completion_tokens, error, only_if,
-                                        attempt)])[0]
+        return self.finish_many([Finish(seq_id, reason, text=text,
+                                        completion_tokens=completion_tokens, error=error,
+                                        only_if=only_if, attempt=attempt)])[0]
 
     def finish_many(self, items: list["Finish"]) -> list[bool]:
         """finish() for many sequences in two round trips: the records, then every script.
@@ -397,6 +400,8 @@ class SequenceStore:
                 fields["completion_tokens"] = str(it.completion_tokens)
             if it.error:
                 fields["error"] = it.error
+            if it.cached_tokens is not None:
+                fields["cached_tokens"] = str(it.cached_tokens)
             job = job_from_record({**rec, **fields})
             self._finish(
                 keys=[record_key(it.seq_id), events_key(it.seq_id), channel(it.seq_id),

@@ -92,6 +92,8 @@ def test_a_repeated_prompt_reuses_its_cached_prefix(stack):
     second, cached, n2 = run(cache_salt="first")
     assert n2 == n and cached == (n - 1) // 8 * 8 > 0   # whole 8-token blocks, one token left
     assert second["text"] == first["text"]
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}   # OpenAI's field
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     _job3, cached3, _n3 = run(cache_salt="someone else")
     assert cached3 == 0
     metrics = requests.get(f"{url}/metrics", timeout=10).text

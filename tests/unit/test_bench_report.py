@@ -1,7 +1,9 @@
-"""bench/report.py's split of a level's wall time from the engine's StepTiming totals."""
+"""bench/report.py: the split of a level's wall time from the engine's StepTiming totals, request
+summaries (requests cut by a time limit), and the mixed-workload target."""
 import pytest
 
-from bench.report import format_split, time_split
+from bench.loadgen import RequestResult
+from bench.report import compute_ratios, format_split, summarize, targets, time_split
 
 
 def totals(steps, step_s, prefill, decode, publish, host):
@@ -26,3 +28,33 @@ def test_no_steps_or_no_timing_gives_no_split():
     assert time_split(t, t, 10.0) is None
     assert time_split({}, t, 10.0) is None
     assert format_split(None) == "n/a"
+
+
+def result(start, end, status="succeeded", tokens=4):
+    return RequestResult(start=start, first_token=start + 0.1, end=end, status=status,
+                         completion_tokens=tokens if status == "succeeded" else 1,
+                         expected_tokens=tokens)
+
+
+def test_requests_cut_by_the_time_limit_count_in_latency_at_their_cut_time():
+    finished = [result(0.0, 10.0 + i) for i in range(8)]             # 10 .. 17 s
+    cut = [result(0.0, 100.0, status="cancelled") for _ in range(2)]  # still running at 100 s
+    s = summarize(finished + cut, wall_s=100.0)
+    assert s["failures"] == s["cut_requests"] == 2
+    assert s["latency_p99_s"] < 20                  # the finished ones only
+    assert s["latency_p99_all_s"] == pytest.approx(100.0)
+    assert s["latency_p50_all_s"] > s["latency_p50_s"]
+
+
+def test_mixed_target_compares_p99_with_the_cut_requests_counted():
+    def policy(p99_finished, p99_all, tps):
+        return {"tokens_per_s": tps, "latency_p99_s": p99_finished, "latency_p99_all_s": p99_all}
+    # Static finished few requests, so its finished-only p99 looks better than it is.
+    mixed = {"continuous": policy(130.0, 140.0, 40.0), "static": policy(120.0, 185.0, 18.0)}
+    ratios = compute_ratios(None, [], mixed)
+    assert ratios["continuous_over_static_p99_latency"] == pytest.approx(140 / 185, abs=1e-3)
+    t = {x["name"]: x for x in targets([], ratios, mixed)}
+    assert t["mixed: continuous >= 1.5 x static throughput, lower p99"]["met"] is True
+    mixed["static"]["latency_p99_all_s"] = 139.0
+    assert not {x["name"]: x for x in targets([], ratios, mixed)}[
+        "mixed: continuous >= 1.5 x static throughput, lower p99"]["met"]

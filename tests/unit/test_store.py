@@ -64,7 +64,8 @@ def test_create_returns_queued_job_objects(store):
     assert a["object"] == "job" and a["status"] == "queued"
     assert a["prompt"] == "Hi" and a["messages"] is None
     assert b["prompt"] is None and b["messages"] == [{"role": "user", "content": "Yo"}]
-    assert a["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    assert a["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     assert a["text"] == "" and a["finish_reason"] is None and a["error"] is None
     assert a["model"] == "m1"
     assert before - 1 <= a["created_at"] <= time.time() + 1
@@ -133,7 +134,8 @@ def test_finish_only_once_and_done_event_is_final_job(store, r):
     job = store.get_job("seq-1")
     assert job["status"] == "succeeded" and job["finish_reason"] == "length"
     assert job["text"] == "hello world" and job["error"] is None
-    assert job["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert job["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     assert job["finished_at"] >= job["started_at"] >= job["created_at"]
     events = store.read_events("seq-1")
     assert kinds(events) == [EVENT_DONE]             # exactly one done event
@@ -178,7 +180,7 @@ def test_finish_many_ends_each_in_order_and_reports_which_were_written(store, r)
     store.finish("s1", FinishReason.CANCELLED)   # already over: refused below
     subs = [Subscriber(r, f"s{i}") for i in range(4)]
     written = store.finish_many([
-        Finish("s0", FinishReason.LENGTH, text="a", completion_tokens=1,
+        Finish("s0", FinishReason.LENGTH, text="a", completion_tokens=1, cached_tokens=8,
                only_if=(SequenceStatus.RUNNING,), attempt=1),
         Finish("s1", FinishReason.LENGTH, text="b", completion_tokens=1),
         Finish("missing", FinishReason.STOP),
@@ -188,6 +190,7 @@ def test_finish_many_ends_each_in_order_and_reports_which_were_written(store, r)
     ])
     assert written == [True, False, False, False, False]
     assert store.get_job("s0")["text"] == "a" and store.get_job("s0")["status"] == "succeeded"
+    assert store.get_job("s0")["usage"]["prompt_tokens_details"] == {"cached_tokens": 8}
     assert store.get_job("s1")["status"] == "cancelled"
     assert [store.get_job(f"s{i}")["status"] for i in (2, 3)] == ["running", "queued"]
     assert kinds(store.read_events("s0")) == [EVENT_DONE]
