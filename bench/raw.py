@@ -75,10 +75,11 @@ def run_raw(batches: list[int], new_tokens: int, device: str = "cpu", dtype: str
                 limit = max(1.0, (deadline - time.monotonic()) / (len(batches) - i))
             dt, got = generate(b, new_tokens, max_time=limit)
             if b == 1 and got == new_tokens:
-                # One 7 s run at batch 1 moves by 10-20% with the machine's mood; the best of
-                # three is the limit the served ratio is held to (the strictest reference).
-                for _ in range(2):
-                    dt = min(dt, generate(b, new_tokens, max_time=limit)[0])
+                # One 7 s run at batch 1 moves by 10-20% with the machine's mood: the median of
+                # three. (The best of three held the served level, a mean over its requests,
+                # to the machine's best moment: 0.89 in a run where served and raw agreed.)
+                runs = [dt] + [generate(b, new_tokens, max_time=limit)[0] for _ in range(2)]
+                dt = sorted(runs)[1]
             results.append(_result(b, new_tokens, got, dt, progress))
     finally:
         info = {"model_path": path, "device": dev, "dtype": str(torch_dtype).replace("torch.", ""),

@@ -24,7 +24,10 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
     # A request the time limit cancelled took at least its time until then. Counted at that
     # lower bound, a run that leaves many requests unfinished cannot look fast by leaving
     # its slowest out of its percentiles.
-    censored = [r.latency for r in failed if r.status == "cancelled" and r.latency is not None]
+    cut = [r for r in failed if r.status == "cancelled" and r.latency is not None]
+    censored = [r.latency for r in cut]
+    # ... and the tokens it made before then are work done in the window.
+    all_tokens = tokens + sum(r.completion_tokens for r in cut)
     cancelled_only = bool(failed) and all(r.status == "cancelled" for r in failed)
     multi = [r for r in ok if len(r.token_times) >= 2]
     # Streams whose token events all arrived at once: the server buffered the SSE response.
@@ -41,6 +44,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
         "itl_p50_s": pct(itl, 50), "itl_p95_s": pct(itl, 95),
         "latency_p50_s": pct(lat, 50), "latency_p95_s": pct(lat, 95), "latency_p99_s": pct(lat, 99),
         "cut_requests": len(censored),
+        "tokens_per_s_all": round(all_tokens / wall_s, 2) if wall_s > 0 else None,
         "latency_p50_all_s": pct(lat + censored, 50), "latency_p99_all_s": pct(lat + censored, 99),
         "buffered_streams": buffered,
         "mean_token_events": round(sum(len(r.token_times) for r in ok) / len(ok), 1) if ok else None,
@@ -95,11 +99,16 @@ def compute_ratios(raw: dict | None, served: list[dict], mixed: dict | None) -> 
         per_level[str(c)] = _ratio(level["tokens_per_s"], r["tokens_per_s"]) if same else None
     out = {"served_over_raw": per_level}
     if mixed and "continuous" in mixed and "static" in mixed:
-        out["continuous_over_static_throughput"] = _ratio(mixed["continuous"]["tokens_per_s"],
-                                                          mixed["static"]["tokens_per_s"])
+        out["continuous_over_static_throughput"] = _ratio(_tps_all(mixed["continuous"]),
+                                                          _tps_all(mixed["static"]))
         out["continuous_over_static_p99_latency"] = _ratio(_p99_all(mixed["continuous"]),
                                                            _p99_all(mixed["static"]))
     return out
+
+
+def _tps_all(s: dict):
+    """Output tokens/s counting what requests cut by the time limit had made."""
+    return s.get("tokens_per_s_all", s.get("tokens_per_s"))
 
 
 def _p99_all(s: dict):
@@ -178,8 +187,8 @@ def format_table(result: dict) -> str:
                      f"{mixed['prompt_tokens_range'][0]}-{mixed['prompt_tokens_range'][1]} tokens, "
                      f"outputs {mixed['output_tokens_range'][0]}-{mixed['output_tokens_range'][1]}, "
                      f"Poisson {mixed['rate_per_s']:.3f} req/s, seed {mixed['seed']}")
-        lines.append("  (lat*: over all requests, those cut by the time limit counted at their "
-                     "cut time, a lower bound; fin: over the finished ones)")
+        lines.append("  (tok/s and lat*: over all requests, those cut by the time limit counted "
+                     "with the tokens they had and at their cut time, a lower bound; fin: finished only)")
         lines.append(f"  {'policy':>10} {'reqs':>4} {'cut':>4} {'tok/s':>7} {'wall s':>7}"
                      f" {'lat50 s':>8} {'lat99 s':>8} {'fin p99':>8} {'TTFT50 s':>8} {'TTFT99 s':>8}")
         for name in ("continuous", "static"):
@@ -187,7 +196,7 @@ def format_table(result: dict) -> str:
             if not m:
                 continue
             lines.append(f"  {name:>10} {m['requests']:>4} {m.get('cut_requests', m['failures']):>4}"
-                         f" {_f(m['tokens_per_s']):>7} {_f(m['wall_s']):>7}"
+                         f" {_f(_tps_all(m)):>7} {_f(m['wall_s']):>7}"
                          f" {_f(m.get('latency_p50_all_s', m['latency_p50_s']), '{:.2f}'):>8}"
                          f" {_f(_p99_all(m), '{:.2f}'):>8} {_f(m['latency_p99_s'], '{:.2f}'):>8}"
                          f" {_f(m['ttft_p50_s'], '{:.2f}'):>8} {_f(m['ttft_p99_s'], '{:.2f}'):>8}")
@@ -281,7 +290,7 @@ def plot(result: dict, path: Path) -> None:
     if ncols == 3:
         ax = axes[2]
         names = ["continuous", "static"]
-        tps = [mixed[n]["tokens_per_s"] or 0 for n in names]
+        tps = [_tps_all(mixed[n]) or 0 for n in names]
         p99 = [_p99_all(mixed[n]) or 0 for n in names]
         p50 = [mixed[n].get("latency_p50_all_s", mixed[n]["latency_p50_s"]) or 0 for n in names]
         bars = ax.bar(names, tps, color=["tab:blue", "tab:gray"])

@@ -44,6 +44,9 @@ def test_requests_cut_by_the_time_limit_count_in_latency_at_their_cut_time():
     assert s["latency_p99_s"] < 20                  # the finished ones only
     assert s["latency_p99_all_s"] == pytest.approx(100.0)
     assert s["latency_p50_all_s"] > s["latency_p50_s"]
+    # The cut requests' tokens (one each here) count as work done in the window.
+    assert s["tokens_per_s"] == pytest.approx(32 / 100.0)
+    assert s["tokens_per_s_all"] == pytest.approx(34 / 100.0)
 
 
 def test_mixed_target_compares_p99_with_the_cut_requests_counted():
