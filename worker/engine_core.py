@@ -317,7 +317,8 @@ class EngineCore:
             return
         written = self.store.finish_many([
             Finish(s.seq_id, s.finish_reason, text=s.text, completion_tokens=s.num_output_tokens,
-                   error=s.error, cached_tokens=s.num_cached_tokens, only_if=(SequenceStatus.RUNNING,), attempt=self._attempts.get(s))
+                   error=s.error, cached_tokens=s.num_cached_tokens,
+                   only_if=(SequenceStatus.RUNNING,), attempt=self._attempts.get(s))
             for s in seqs])
         for seq in seqs:
             del self.detokenizers[seq]

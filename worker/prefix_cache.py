@@ -82,6 +82,7 @@ class PrefixCache:
             return 0
         added, b = 0, self.block_size
         keys = self._keys(token_ids, salt, len(token_ids) // b)
+        self._touch(keys)   # this prompt's cached blocks are not the ones to evict for it
         for i, key in enumerate(keys):
             if key in self.blocks:
                 continue
@@ -89,7 +90,6 @@ class PrefixCache:
             size = kv.numel() * kv.element_size()
             if size > self.max_bytes:
                 break
-            self._touch(keys[:i])   # this prompt's earlier blocks are not the ones to evict
             while self.num_bytes + size > self.max_bytes:
                 _, old = self.blocks.popitem(last=False)
                 self.num_bytes -= old.numel() * old.element_size()

@@ -130,3 +130,18 @@ def test_a_prompt_meets_its_own_blocks_the_second_time(sharp_model):
     res = worker.step(StepRequest(prefill=[new_seq("c", prompt, salted)], decode_seq_ids=["b"]))
     assert "c" not in res.cached_tokens
     assert res.token_ids["c"] == first.outputs["a"][0]
+
+
+def test_a_cache_layout_it_cannot_store_turns_it_off_and_the_prefill_still_runs(tiny_model):
+    model, info = tiny_model
+    prompt, = make_prompts(1, lengths=[20], seed=11)
+    worker = ModelWorker(model, info, 2, prefix_cache_bytes=64 << 20)
+
+    def unsupported(*_args):
+        raise RuntimeError("layers of different shapes")
+
+    worker.prefix_cache.insert = unsupported
+    res = worker.step(StepRequest(prefill=[new_seq("a", prompt)]))
+    assert not res.errors and "a" in res.token_ids
+    assert not worker.prefix_cache.enabled
+    assert worker.prefix_cache.match(prompt).num_tokens == 0
