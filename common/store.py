@@ -336,7 +336,9 @@ class SequenceStore:
         self.r.hset(record_key(seq_id), "prompt_tokens", n)
 
     def publish_deltas(self, deltas: Iterable[TokenDelta]) -> list[int]:
-        """One engine step's tokens for all its sequences, in one round trip. Deltas that carry
+        """One engine step's tokens for all its sequences, in one round trip: a token event per
+        new token, as vLLM streams a chunk per token, even when its text is empty (a special
+        token, or a character completed by the next one). Deltas that carry
         their attempt are fenced on it (see _PUBLISH); returns the positions (0-based) of those
         refused because their record is no longer running that attempt."""
         deltas = list(deltas)
@@ -347,13 +349,12 @@ class SequenceStore:
             for d in deltas:
                 data = {"text": d.text}
                 args += [d.seq_id, "" if d.attempt is None else int(d.attempt),
-                         encode_event(EVENT_TOKEN, data)["data"] if d.text else "",
+                         encode_event(EVENT_TOKEN, data)["data"],
                          encode_pubsub(EVENT_TOKEN, data), d.full_text, d.completion_tokens]
             return [int(p) - 1 for p in self._publish(args=args)]
         pipe = self.r.pipeline(transaction=False)
         for d in deltas:
-            if d.text:
-                self._append(pipe, d.seq_id, EVENT_TOKEN, {"text": d.text})
+            self._append(pipe, d.seq_id, EVENT_TOKEN, {"text": d.text})
             pipe.hset(record_key(d.seq_id), mapping={"text": d.full_text,
                                                       "completion_tokens": d.completion_tokens})
         pipe.execute()

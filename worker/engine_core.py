@@ -207,6 +207,10 @@ class EngineCore:
                 pending = self._publish(pending)                 # ... publishing meanwhile
                 t1 = time.monotonic()
                 result = self.executor.wait()
+                if result.partial:   # the newcomers' first tokens, sent ahead of the decode
+                    joined, out = out.split()
+                    pending = self._publish(pending + self._update(joined, result))
+                    result = self.executor.wait()
             except ModelWorkerDied as exc:
                 self._recover(out, exc)
                 continue

@@ -33,13 +33,17 @@ class StepRequest:
 
 @dataclass(slots=True)
 class StepResult:
-    """The token sampled for each sequence, and per-sequence errors (that sequence alone fails)."""
+    """The token sampled for each sequence, and per-sequence errors (that sequence alone fails).
+
+    A step that prefills and decodes answers twice: first a partial result with the newcomers'
+    first tokens (sent before the decode runs), then the rest."""
 
     token_ids: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     cached_tokens: dict[str, int] = field(default_factory=dict)   # prompt tokens reused, per newcomer
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    partial: bool = False          # more of this step's result follows
 
 
 @dataclass(slots=True)

@@ -60,15 +60,26 @@ class ModelExecutor:
         self._in_flight = True
 
     def wait(self) -> StepResult:
+        """The step's next result: a partial one (the newcomers' first tokens, `partial` set)
+        comes before the rest when the step also decodes."""
         msg = self._recv(None)
-        self._in_flight = False
         if not isinstance(msg, StepResult):
+            self._in_flight = False
             raise ModelWorkerDied(f"model worker step failed: {msg}")
+        self._in_flight = msg.partial
         return msg
 
     def execute(self, req: StepRequest) -> StepResult:
+        """Runs a step and returns its whole result (partial ones merged in)."""
         self.submit(req)
-        return self.wait()
+        res = self.wait()
+        while res.partial:
+            rest = self.wait()
+            rest.token_ids = {**res.token_ids, **rest.token_ids}
+            rest.errors = {**res.errors, **rest.errors}
+            rest.cached_tokens = {**res.cached_tokens, **rest.cached_tokens}
+            res = rest
+        return res
 
     def _recv(self, timeout_s: float | None):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import time
+from typing import Callable
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -20,6 +21,7 @@ from . import messages
 from .kv_cache import BatchKVCache
 from .messages import NewSequence, Ready, Shutdown, StepRequest, StepResult
 from .model_manager import ModelManager
+from .packed_linear import pack_linears
 from .prefix_cache import PrefixCache, PrefixMatch
 from .sampler import Sampler, SamplingState
 
@@ -42,27 +44,45 @@ class ModelWorker:
     @classmethod
     def load(cls, settings) -> "ModelWorker":
         model, info = ModelManager.from_settings(settings).load_model(settings.device, settings.dtype)
+        if settings.packed_linears and info.device == "cpu":
+            log.info("packed %d linear layers for oneDNN", pack_linears(model))
         if settings.max_model_len:
             info = dataclasses.replace(info, max_model_len=min(info.max_model_len,
                                                                settings.max_model_len))
         return cls(model, info, settings.max_num_seqs, settings.prefix_cache_mb << 20)
 
     @torch.inference_mode()
-    def step(self, req: StepRequest) -> StepResult:
+    def step(self, req: StepRequest, early: Callable[[StepResult], None] | None = None
+             ) -> StepResult:
+        """Frees, prefills the newcomers, then decodes the running batch. When both run, the
+        newcomers' first tokens go out through `early` before the decode starts, so their time
+        to first token does not include the batch's decode; they join the batch's cache after
+        it (the decode covers exactly the rows that were running)."""
         res = StepResult()
         if req.free_seq_ids:
             self.cache.remove(req.free_seq_ids)
             for sid in req.free_seq_ids:
                 self.states.pop(sid, None)
         t0 = time.perf_counter()
-        if req.decode_seq_ids:
-            self._decode(req.decode_seq_ids, res)
-        t1 = time.perf_counter()
         newcomers = [(s, self.prefix_cache.match(s.token_ids, s.params.cache_salt))
                      for s in req.prefill]
+        joining: list[_Prefilled] = []
         for group in length_groups(newcomers, key=lambda p: len(p[0].token_ids) - p[1].num_tokens):
-            self._prefill(group, res)
-        res.decode_s, res.prefill_s = t1 - t0, time.perf_counter() - t1
+            joining += self._prefill(group, res, len(joining))
+        t1 = time.perf_counter()
+        res.prefill_s = t1 - t0
+        if early is not None and req.decode_seq_ids and (res.token_ids or res.errors):
+            early(dataclasses.replace(res, partial=True))
+            res = StepResult(prefill_s=res.prefill_s)
+        if req.decode_seq_ids:
+            self._decode(req.decode_seq_ids, res)
+        res.decode_s = time.perf_counter() - t1
+        for p in joining:
+            self.cache.add(p.seq_ids, p.layers, p.mask, p.mask.sum(-1))
+        for p in joining:
+            for i, s in enumerate(p.seqs):
+                if self.prefix_cache.enabled:
+                    self._remember(s, _row_kv(p.layers, i, p.mask[i].nonzero().squeeze(-1)))
         return res
 
     def _decode(self, seq_ids: list[str], res: StepResult) -> None:
@@ -77,27 +97,34 @@ class ModelWorker:
         self.cache.end_decode()
         self._sample(order, states, out.logits[:, -1, :], res)
 
-    def _prefill(self, group: list[tuple[NewSequence, PrefixMatch]], res: StepResult) -> None:
+    def _prefill(self, group: list[tuple[NewSequence, PrefixMatch]], res: StepResult,
+                 num_joining: int) -> list["_Prefilled"]:
         try:
-            self._prefill_group(group, res)
+            return [self._prefill_group(group, res, num_joining)]
         except Exception as exc:  # noqa: BLE001 - isolate the poison sequence, keep the rest
             if len(group) == 1:
                 res.errors[group[0][0].seq_id] = f"{type(exc).__name__}: {exc}"
                 log.warning("prefill failed: %s", exc, extra={"seq_id": group[0][0].seq_id})
-                return
+                return []
+            done: list[_Prefilled] = []
             for item in group:
-                self._prefill([item], res)
+                done += self._prefill([item], res, num_joining + sum(len(p.seqs) for p in done))
+            return done
 
-    def _prefill_group(self, group: list[tuple[NewSequence, PrefixMatch]], res: StepResult) -> None:
-        """One forward pass over the newcomers' uncached tokens. Each row is laid out as
-        [padding][cached prefix][padding][rest of the prompt]: the cached keys and values go in
-        as the past, right-aligned; the rest is left-padded so its last column is the last
-        prompt token; the mask hides both paddings and position ids count real tokens only."""
+    def _prefill_group(self, group: list[tuple[NewSequence, PrefixMatch]], res: StepResult,
+                       num_joining: int) -> "_Prefilled":
+        """One forward pass over the newcomers' uncached tokens, and their first tokens. Each
+        row is laid out as [padding][cached prefix][padding][rest of the prompt]: the cached
+        keys and values go in as the past, right-aligned; the rest is left-padded so its last
+        column is the last prompt token; the mask hides both paddings and position ids count
+        real tokens only. The rows join the batch's cache later, in step()."""
         seqs = [s for s, _m in group]
         longest = max(len(s.token_ids) for s in seqs)
         if longest > self.info.max_model_len:
             raise ValueError(f"prompt of {longest} tokens exceeds the model's context of "
                              f"{self.info.max_model_len}")
+        if self.cache.num_rows + num_joining + len(seqs) > self.cache.max_rows:
+            raise RuntimeError("batch is full")
         n, cached = len(seqs), [m.num_tokens for _s, m in group]
         past_len = max(cached)
         new_len = max(len(s.token_ids) - c for s, c in zip(seqs, cached))
@@ -114,30 +141,23 @@ class ModelWorker:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                          use_cache=True, logits_to_keep=1)
         cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
-        self.cache.add([s.seq_id for s in seqs], cache.layers, mask, mask.sum(-1))
-        for i, (s, c) in enumerate(zip(seqs, cached)):
+        states = [SamplingState.create(s.params, s.token_ids, s.num_output_tokens,
+                                       s.stop_token_ids, self.device) for s in seqs]
+        self.states.update((s.seq_id, st) for s, st in zip(seqs, states))
+        try:
+            tokens = self.sampler(out.logits[:, -1, :], states)
+        except Exception:
+            # (e.g. a stop token id outside the vocabulary) nothing of this group is kept;
+            # _prefill retries its members one by one or reports the error.
+            for s in seqs:
+                self.states.pop(s.seq_id, None)
+            raise
+        for s, st, tok, c in zip(seqs, states, tokens, cached):
+            st.record(tok)
+            res.token_ids[s.seq_id] = tok
             if c:
                 res.cached_tokens[s.seq_id] = c
-            if self.prefix_cache.enabled:
-                self._remember(s, _row_kv(cache.layers, i, mask[i].nonzero().squeeze(-1)))
-        try:
-            states = []
-            for s in seqs:
-                st = SamplingState.create(s.params, s.token_ids, s.num_output_tokens,
-                                          s.stop_token_ids, self.device)
-                self.states[s.seq_id] = st
-                states.append(st)
-            self._sample([s.seq_id for s in seqs], states, out.logits[:, -1, :], res)
-        except Exception:
-            # Undo this group's rows (e.g. a stop token id outside the vocabulary makes the
-            # sampler raise): _prefill retries the members one by one or reports the error, and
-            # rows left behind would be cached twice or never decoded, so the next decode step
-            # would fail for the whole batch.
-            ids = [s.seq_id for s in seqs]
-            self.cache.remove(ids)
-            for sid in ids:
-                self.states.pop(sid, None)
-            raise
+        return _Prefilled(seqs, cache.layers, mask)
 
     def _remember(self, seq: NewSequence, kv_of) -> None:
         try:
@@ -172,6 +192,19 @@ class ModelWorker:
         for _ in range(2):
             self.step(StepRequest(decode_seq_ids=["__warmup__"]))
         self.step(StepRequest(free_seq_ids=["__warmup__"]))
+
+
+@dataclasses.dataclass
+class _Prefilled:
+    """A prefill group's rows, waiting to join the batch's cache at the end of the step."""
+
+    seqs: list[NewSequence]
+    layers: list            # the prefill cache's layers (keys, values per layer)
+    mask: torch.Tensor      # [rows, columns]: which columns hold each row's real tokens
+
+    @property
+    def seq_ids(self) -> list[str]:
+        return [s.seq_id for s in self.seqs]
 
 
 def _row_kv(layers, row: int, cols: torch.Tensor):
@@ -229,7 +262,7 @@ def main(conn, settings) -> None:
         if isinstance(msg, Shutdown):
             return
         try:
-            result = worker.step(msg)
+            result = worker.step(msg, early=lambda part: conn.send_bytes(messages.encode(part)))
         except Exception as exc:  # noqa: BLE001 - a broken batch: report it, the executor restarts us
             log.exception("step failed")
             conn.send_bytes(messages.encode(RuntimeError(f"{type(exc).__name__}: {exc}")))

@@ -59,6 +59,12 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(s.num_tokens for s in self.prefill) + len(self.decode)
 
+    def split(self) -> tuple["SchedulerOutput", "SchedulerOutput"]:
+        """The newcomers' part and the running batch's part, for a step whose result comes in
+        two pieces (first tokens ahead of the decode)."""
+        return (SchedulerOutput(prefill=self.prefill),
+                SchedulerOutput(decode=self.decode, freed_seq_ids=self.freed_seq_ids))
+
 
 @dataclass
 class SchedulerStats:

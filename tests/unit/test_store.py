@@ -250,7 +250,9 @@ def test_publish_deltas_appends_tokens_and_updates_text(store, r):
     store.publish_deltas([TokenDelta("a", "lo 🎉", "Hello 🎉", 3)])
     assert [(k, d) for _, k, d in store.read_events("a")] == [
         (EVENT_TOKEN, {"text": "Hel"}), (EVENT_TOKEN, {"text": "lo 🎉"})]
-    assert store.read_events("b") == []              # empty text: no event, but counters move
+    # A token without text (special, or half a character) is still an event, as in vLLM's
+    # stream: a client sees the first token when it is made.
+    assert [(k, d) for _, k, d in store.read_events("b")] == [(EVENT_TOKEN, {"text": ""})]
     assert store.get_record("b")["completion_tokens"] == "1"
     job = store.get_job("a")
     assert job["text"] == "Hello 🎉" and job["usage"]["completion_tokens"] == 3

@@ -347,6 +347,27 @@ def test_requeue_keeps_outputs_and_puts_sequences_at_front():
     assert a.output_token_ids == [11, 12, 13]
 
 
+def test_a_step_answered_in_two_pieces_updates_newcomers_first():
+    """The model process sends the newcomers' first tokens ahead of the running batch's: the
+    engine updates the two parts of the step one after the other."""
+    wm = make_manager()
+    a, b = make_seq(2, max_tokens=100), make_seq(2, max_tokens=100)
+    wm.add(a)
+    step(wm, 11)
+    wm.add(b)
+    out = wm.schedule()
+    joined, rest = out.split()
+    assert ids(joined.prefill) == [b.seq_id] and joined.decode == []
+    assert ids(rest.decode) == [a.seq_id] and rest.prefill == []
+    wm.update(joined, {b.seq_id: 21})
+    assert b.output_token_ids == [21] and a.output_token_ids == [11]
+    assert ids(wm.running) == ids([a, b])
+    # The model dies before the rest arrives: each sequence goes back once, with its tokens.
+    seqs = wm.requeue(rest)
+    assert ids(seqs) == ids([a, b]) and ids(wm.waiting) == ids([a, b])
+    assert b.output_token_ids == [21]
+
+
 def test_requeue_of_empty_output_is_harmless():
     wm = make_manager()
     out = wm.requeue(SchedulerOutput())

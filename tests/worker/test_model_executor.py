@@ -79,6 +79,24 @@ def test_start_and_execute_steps(running, expected, tiny_model_dir):
     assert generate(ex) == expected   # the freed rows left nothing behind
 
 
+def test_newcomers_first_tokens_come_ahead_of_the_decode(running, expected):
+    """A step that prefills and decodes answers twice: the newcomer's first token, then the
+    running batch's; a prefill-only or decode-only step answers once."""
+    ex = running
+    ex.submit(StepRequest(prefill=[NewSequence("a", PROMPTS["a"], GREEDY)]))
+    whole = ex.wait()
+    assert not whole.partial and whole.token_ids == {"a": expected["a"][0]}
+    ex.submit(StepRequest(decode_seq_ids=["a"], prefill=[NewSequence("b", PROMPTS["b"], GREEDY)]))
+    first = ex.wait()
+    assert first.partial and first.token_ids == {"b": expected["b"][0]}
+    rest = ex.wait()
+    assert not rest.partial and rest.token_ids == {"a": expected["a"][1]}
+    # The newcomer joined the batch's cache after the decode: it decodes with the rest now.
+    res = ex.execute(StepRequest(decode_seq_ids=["a", "b"]))
+    assert res.token_ids == {"a": expected["a"][2], "b": expected["b"][1]}
+    ex.execute(StepRequest(free_seq_ids=["a", "b"]))
+
+
 def test_killed_worker_raises_then_restarts(running, expected):
     ex = running
     starts = ex.num_starts

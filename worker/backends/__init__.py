@@ -12,7 +12,7 @@ A backend's own package is imported only when it is selected.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 from ..messages import StepRequest, StepResult
 
@@ -20,7 +20,11 @@ from ..messages import StepRequest, StepResult
 class ModelBackend(Protocol):
     info: object
 
-    def step(self, req: StepRequest) -> StepResult: ...
+    def step(self, req: StepRequest, early: Callable[[StepResult], None] | None = None
+             ) -> StepResult:
+        """One step; may hand the newcomers' first tokens to `early` (a partial StepResult)
+        before the rest of the step runs."""
+        ...
 
     def warm_up(self) -> None: ...
 

@@ -95,7 +95,7 @@ class LlamaCppBackend:
         return cls(lib, model, ctx, info, settings.max_num_seqs, n_batch)
 
     # --- a step -------------------------------------------------------------------------------
-    def step(self, req: StepRequest) -> StepResult:
+    def step(self, req: StepRequest, early=None) -> StepResult:   # answers in one piece
         res = StepResult()
         for sid in req.free_seq_ids:
             self._free(sid)

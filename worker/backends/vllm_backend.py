@@ -57,7 +57,7 @@ class VllmBackend:
             stop_token_ids=list(p.stop_token_ids), ignore_eos=True,  # llmq decides when to stop
             detokenize=False)
 
-    def step(self, req: StepRequest) -> StepResult:
+    def step(self, req: StepRequest, early=None) -> StepResult:   # answers in one piece
         res = StepResult()
         for sid in req.free_seq_ids:
             if sid in self.buffers:
