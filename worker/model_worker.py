@@ -68,7 +68,7 @@ class ModelWorker:
                      for s in req.prefill]
         joining: list[_Prefilled] = []
         for group in length_groups(newcomers, key=lambda p: len(p[0].token_ids) - p[1].num_tokens):
-            joining += self._prefill(group, res, len(joining))
+            joining += self._prefill(group, res, sum(len(p.seqs) for p in joining))
         t1 = time.perf_counter()
         res.prefill_s = t1 - t0
         if early is not None and req.decode_seq_ids and (res.token_ids or res.errors):

@@ -14,6 +14,7 @@ import torch
 
 from factories import Driver, compare_to_solo, make_prompts, new_seq, recording, solo_references
 from worker.kv_cache import BatchKVCache
+from worker.messages import StepRequest
 from worker.model_worker import ModelWorker
 
 H, D, LAYERS = 2, 3, 2
@@ -167,6 +168,20 @@ def test_full_batch_raises_and_keeps_the_rows(cache_and_model):
         m.tokens.pop(sid)
     assert cache.seq_ids == ["a", "b", "c"]
     m.check(cache)
+
+
+def test_newcomers_beyond_the_free_rows_fail_alone_before_any_compute(sharp_model):
+    """Prefill groups join the batch's cache at the end of the step, so room is counted in
+    sequences across the step's groups: the one that does not fit gets an error, the rest run
+    and the step (and the batch) survives."""
+    model, info = sharp_model
+    worker = ModelWorker(model, info, max_num_seqs=3)
+    long1, long2, short1, short2 = make_prompts(4, lengths=[40, 41, 4, 5], vocab=info.vocab_size)
+    res = worker.step(StepRequest(prefill=[new_seq("l1", long1), new_seq("l2", long2),
+                                           new_seq("s1", short1), new_seq("s2", short2)]))
+    assert len(res.errors) == 1 and "full" in next(iter(res.errors.values()))
+    assert sorted(worker.cache.seq_ids) == sorted(res.token_ids) and len(res.token_ids) == 3
+    assert set(worker.states) == set(res.token_ids)
 
 
 def test_newcomer_longer_than_the_window_relocates_the_rows(cache_and_model):
