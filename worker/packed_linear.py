@@ -39,31 +39,31 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replaces every fp32 nn.Linear of a CPU model by a PackedLinear; returns how many.
+    """Replaces the fp32 nn.Linear layers of a CPU model by PackedLinears; returns how many.
 
-    Each replacement is checked against F.linear on a small input first: a torch without the
-    oneDNN operators, or one that disagrees, leaves the model as it was (returns 0)."""
+    One layer at a time (memory grows by one weight, not the model), and each only after its
+    packed result matched nn.Linear on a small input: a torch without the oneDNN operators, or
+    one that disagrees, leaves the layers as they were. A weight tied to the embedding
+    (lm_head) gets its own packed copy."""
     if not torch.backends.mkldnn.is_available():
         return 0
-    swaps = []
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            if (isinstance(child, nn.Linear) and child.weight.dtype == torch.float32
-                    and child.weight.device.type == "cpu"):
-                swaps.append((parent, name, child))
-    if not swaps:
-        return 0
-    try:
-        packed = [PackedLinear(child) for _p, _n, child in swaps]
-        gen = torch.Generator().manual_seed(0)
-        with torch.inference_mode():
-            for (_p, name, child), new in zip(swaps, packed):
-                x = torch.randn(3, child.in_features, generator=gen)
-                if not torch.allclose(new(x), child(x), rtol=1e-4, atol=1e-4):
-                    raise ValueError(f"{name}: the packed result differs from nn.Linear")
-    except Exception as exc:  # noqa: BLE001 - an old or unusual torch: keep nn.Linear
-        log.warning("linear layers left unpacked: %s: %s", type(exc).__name__, exc)
-        return 0
-    for (parent, name, _child), new in zip(swaps, packed):
+    swaps = [(parent, name, child) for parent in model.modules()
+             for name, child in parent.named_children()
+             if type(child) is nn.Linear and child.weight.dtype == torch.float32
+             and child.weight.device.type == "cpu"]
+    gen = torch.Generator().manual_seed(0)
+    done = 0
+    for parent, name, child in swaps:
+        try:
+            new = PackedLinear(child)
+            x = torch.randn(3, child.in_features, generator=gen)
+            with torch.inference_mode():
+                same = torch.allclose(new(x), child(x), rtol=1e-4, atol=1e-4)
+            if not same:
+                raise ValueError(f"{name}: the packed result differs from nn.Linear")
+        except Exception as exc:  # noqa: BLE001 - an old or unusual torch: keep nn.Linear
+            log.warning("linear layers left unpacked: %s: %s", type(exc).__name__, exc)
+            return done
         setattr(parent, name, new)
-    return len(swaps)
+        done += 1
+    return done

@@ -66,3 +66,14 @@ def test_the_model_worker_packs_only_on_a_cpu_when_asked(monkeypatch, tiny_model
         w = ModelWorker.load(Settings(model=tiny_model_dir, device="cpu", dtype="float32",
                                       packed_linears=on, prefix_cache_mb=0))
         assert any(isinstance(m, PackedLinear) for m in w.model.modules()) is on
+
+
+def test_only_plain_linear_layers_are_packed():
+    # MultiheadAttention reads out_proj.weight itself: its Linear subclass must stay.
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(8, 2), "head": nn.Linear(8, 3)})
+    assert pack_linears(model) == 1
+    assert isinstance(model["head"], PackedLinear)
+    assert type(model["attn"].out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+    x = torch.randn(4, 1, 8)
+    with torch.inference_mode():
+        model["attn"](x, x, x)   # still runs
