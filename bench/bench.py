@@ -181,7 +181,8 @@ def served_phase(stack: Stack, args, budget: Budget, reserve_s: float) -> list[d
         fail = f", {s['failures']} FAILED ({'; '.join(s['failure_examples'])})" if s["failures"] else ""
         progress(f"served: concurrency {c:>3}: {s['requests']} requests, {s['completion_tokens']} "
                  f"tokens in {wall:.1f} s -> {s['tokens_per_s']} tok/s, TTFT p50 "
-                 f"{_fmt_s(s['ttft_p50_s'])}, ITL p50 {_fmt_s(s['itl_p50_s'])}, "
+                 f"{_fmt_s(s['ttft_p50_s'])} (first text {_fmt_s(s['ttft_text_p50_s'])}), "
+                 f"ITL p50 {_fmt_s(s['itl_p50_s'])}, "
                  f"latency p99 {_fmt_s(s['latency_p99_s'])}{fail}"
                  f"{' (cut by the time limit)' if truncated else ''}")
         progress(f"served: concurrency {c:>3}: where the worker's time went: "

@@ -19,7 +19,8 @@ READ_TIMEOUT_S = 300.0   # the longest silence tolerated on one stream
 @dataclass
 class RequestResult:
     start: float                          # perf_counter when the request was sent
-    first_token: float | None = None
+    first_token: float | None = None      # the first token event (text or not)
+    first_text: float | None = None       # the first one with text
     end: float | None = None
     token_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0
@@ -37,6 +38,10 @@ class RequestResult:
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.start
+
+    @property
+    def ttft_text(self) -> float | None:
+        return None if self.first_text is None else self.first_text - self.start
 
     @property
     def latency(self) -> float | None:
@@ -129,6 +134,8 @@ def stream_generate(session: requests.Session, url: str, payload: dict,
                     if kind == "token":
                         if res.first_token is None:
                             res.first_token = now
+                        if res.first_text is None and json.loads(data or "{}").get("text"):
+                            res.first_text = now
                         res.token_times.append(now)
                     elif kind == "reset":   # redelivered: the stream starts over
                         res.token_times.clear()

@@ -61,3 +61,41 @@ def test_mixed_target_compares_p99_with_the_cut_requests_counted():
     mixed["static"]["latency_p99_all_s"] = 139.0
     assert not {x["name"]: x for x in targets([], ratios, mixed)}[
         "mixed: continuous >= 1.5 x static throughput, lower p99"]["met"]
+
+
+class _FakeStream:
+    """What requests gives for POST /v1/generate with stream: SSE in HTTP chunks."""
+
+    status_code = 200
+    headers = {"X-Request-Id": "seq-1"}
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def iter_content(self, chunk_size=None):
+        yield from self.chunks
+
+
+def test_the_first_token_event_and_the_first_text_are_timed_apart(monkeypatch):
+    from bench import loadgen
+
+    clock = iter(range(100))
+    monkeypatch.setattr(loadgen.time, "perf_counter", lambda: float(next(clock)))
+    chunks = [b'event: token\ndata: {"text": ""}\n\n',          # <|im_end|>: no text
+              b'event: token\ndata: {"text": "\\n"}\n\n',
+              b'event: done\ndata: {"status": "succeeded", "usage": {"completion_tokens": 2}}\n\n']
+
+    class Session:
+        def post(self, *a, **kw):
+            return _FakeStream(chunks)
+
+    r = loadgen.stream_generate(Session(), "http://x", {"max_tokens": 2}, start=-1.0)
+    assert r.ok and r.ttft == 1.0 and r.ttft_text == 2.0
+    s = summarize([r], wall_s=3.0)
+    assert s["ttft_p50_s"] == 1.0 and s["ttft_text_p50_s"] == 2.0
