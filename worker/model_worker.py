@@ -79,9 +79,8 @@ class ModelWorker:
         res.decode_s = time.perf_counter() - t1
         for p in joining:
             self.cache.add(p.seq_ids, p.layers, p.mask, p.mask.sum(-1))
-        for p in joining:
             for i, s in enumerate(p.seqs):
-                if self.prefix_cache.enabled:
+                if self.prefix_cache.enabled:   # _remember turns it off on a failure
                     self._remember(s, _row_kv(p.layers, i, p.mask[i].nonzero().squeeze(-1)))
         return res
 
@@ -145,18 +144,14 @@ class ModelWorker:
                                        s.stop_token_ids, self.device) for s in seqs]
         self.states.update((s.seq_id, st) for s, st in zip(seqs, states))
         try:
-            tokens = self.sampler(out.logits[:, -1, :], states)
+            self._sample([s.seq_id for s in seqs], states, out.logits[:, -1, :], res)
         except Exception:
             # (e.g. a stop token id outside the vocabulary) nothing of this group is kept;
             # _prefill retries its members one by one or reports the error.
             for s in seqs:
                 self.states.pop(s.seq_id, None)
             raise
-        for s, st, tok, c in zip(seqs, states, tokens, cached):
-            st.record(tok)
-            res.token_ids[s.seq_id] = tok
-            if c:
-                res.cached_tokens[s.seq_id] = c
+        res.cached_tokens.update((s.seq_id, c) for s, c in zip(seqs, cached) if c)
         return _Prefilled(seqs, cache.layers, mask)
 
     def _remember(self, seq: NewSequence, kv_of) -> None:
