@@ -12,7 +12,7 @@ from flask import Blueprint, Flask, Response, current_app, g, jsonify, request, 
 from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
 
-from common.protocol import EVENT_DONE, SamplingParams
+from common.protocol import EVENT_DONE
 
 from .llm_engine import Overloaded
 from .schemas import JobRequest
@@ -114,16 +114,6 @@ def _describe(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def sampling_params(req: JobRequest) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=req.max_tokens or settings().default_max_tokens,
-        temperature=req.temperature, top_p=req.top_p,
-        top_k=req.top_k if req.top_k not in (None, -1, 0) else None,
-        min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
-        stop=list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
-        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, cache_salt=req.cache_salt)
-
-
 def inputs_of(req: JobRequest) -> list[dict[str, Any]]:
     if req.prompts is not None:
         return [{"prompt": p} for p in req.prompts]
@@ -143,7 +133,7 @@ def find_job(seq_id: str) -> dict:
 @bp.post("/v1/jobs")
 def create_jobs():
     req = parse_job_request()
-    jobs = engine().submit(inputs_of(req), sampling_params(req), g.owner,
+    jobs = engine().submit(inputs_of(req), req.sampling_params(settings().default_max_tokens), g.owner,
                            req.timeout, req.priority)
     if req.prompts is not None:
         return jsonify({"object": "list", "jobs": jobs}), 202
@@ -175,7 +165,7 @@ def generate():
     req = parse_job_request()
     if req.stream and req.prompts is not None:
         raise APIError(400, "'stream' works with one prompt; use /v1/jobs for a batch")
-    jobs = engine().submit(inputs_of(req), sampling_params(req), g.owner,
+    jobs = engine().submit(inputs_of(req), req.sampling_params(settings().default_max_tokens), g.owner,
                            req.timeout, req.priority)
     if req.stream:
         return sse_response(jobs[0]["id"], "0-0")

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Iterator, Literal
+from typing import Any, Iterator, Literal
 
 from flask import Blueprint, Response, g, jsonify, stream_with_context
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from common.protocol import EVENT_DONE, EVENT_TOKEN, SamplingParams
 
 from .api_server import APIError, engine, parse_json_body, settings
 from .client_connection import client_gone
+from .schemas import SamplingFields
 
 bp = Blueprint("openai", __name__)
 
@@ -34,31 +35,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    """Fields shared by completions and chat completions (OpenAI names plus vLLM's extras)."""
-
-    model_config = ConfigDict(extra="forbid")
+class _Common(SamplingFields):
+    """Fields shared by completions and chat completions: llmq's sampling fields (OpenAI's
+    names plus vLLM's extras) and OpenAI's own."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = Field(None, validate_default=True)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # vLLM extras
-    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = None
     request_id: str | None = None
-    priority: int | None = Field(None, ge=0, le=9)
-    timeout: float | None = Field(None, gt=0, le=24 * 3600)
     # accepted only with their neutral values (see _UNSUPPORTED_OFF)
     n: int | None = None
     logprobs: Any = None
@@ -74,14 +59,6 @@ class _Common(BaseModel):
     functions: Any = None
     response_format: Any = None
     use_beam_search: Any = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v):
-        v = [] if v is None else [v] if isinstance(v, str) else v
-        if any(not s for s in v):
-            raise ValueError("stop strings must be non-empty")
-        return v
 
 
 class CompletionRequest(_Common):
@@ -149,13 +126,7 @@ def model_id() -> str:
 
 
 def _params(req: _Common, default_max_tokens: int) -> SamplingParams:
-    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
-    return SamplingParams(
-        max_tokens=max_tokens or default_max_tokens, temperature=req.temperature,
-        top_p=req.top_p, top_k=req.top_k if req.top_k not in (None, -1, 0) else None,
-        min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
-        stop=list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
-        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, cache_salt=req.cache_salt)
+    return req.sampling_params(default_max_tokens, getattr(req, "max_completion_tokens", None))
 
 
 def _text_content(content) -> str:

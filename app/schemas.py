@@ -5,6 +5,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from common.protocol import SamplingParams
+
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -14,7 +16,8 @@ class Message(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Sampling parameters accepted by /v1/jobs and /v1/generate (vLLM's names and ranges)."""
+    """Sampling and queueing parameters every submitting route accepts (vLLM's names and
+    ranges): /v1/jobs, /v1/generate and the OpenAI routes."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -30,6 +33,8 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    timeout: float | None = Field(None, gt=0, le=24 * 3600)   # seconds; then finish "timeout"
+    priority: int | None = Field(None, ge=0, le=9)           # 0 runs first; Celery's steps
 
     @field_validator("stop")
     @classmethod
@@ -41,6 +46,18 @@ class SamplingFields(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    def sampling_params(self, default_max_tokens: int, max_tokens: int | None = None
+                        ) -> SamplingParams:
+        """The engine's parameters; max_tokens overrides the field (OpenAI's
+        max_completion_tokens). top_k -1 and 0 both mean off, as in vLLM and OpenAI clients."""
+        return SamplingParams(
+            max_tokens=max_tokens or self.max_tokens or default_max_tokens,
+            temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k if self.top_k not in (None, -1, 0) else None,
+            min_p=self.min_p, repetition_penalty=self.repetition_penalty, seed=self.seed,
+            stop=list(self.stop), stop_token_ids=list(self.stop_token_ids or []),
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, cache_salt=self.cache_salt)
+
 
 class JobRequest(SamplingFields):
     """Exactly one of prompt, messages or prompts."""
@@ -49,8 +66,6 @@ class JobRequest(SamplingFields):
     messages: list[Message] | None = None
     prompts: list[str] | None = None
     stream: bool = False
-    timeout: float | None = Field(None, gt=0, le=24 * 3600)   # seconds; then finish "timeout"
-    priority: int | None = Field(None, ge=0, le=9)           # 0 runs first; Celery's steps
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -344,7 +344,7 @@ def main(argv=None) -> int:
         result["error"] = error
     result["ratios"] = report.compute_ratios(result.get("raw"), result["served"], result.get("mixed"))
     result["targets"] = report.targets(result["served"], result["ratios"], result.get("mixed"),
-                                       result.get("prefix"))
+                                       result.get("prefix"), result.get("raw"))
     json_path = out_dir / f"{stamp}.json"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     png_path = out_dir / f"{stamp}.png"

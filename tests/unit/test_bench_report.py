@@ -3,7 +3,7 @@ summaries (requests cut by a time limit), and the mixed-workload target."""
 import pytest
 
 from bench.loadgen import RequestResult
-from bench.report import compute_ratios, format_split, summarize, targets, time_split
+from bench.report import compute_ratios, format_split, format_table, summarize, targets, time_split
 
 
 def totals(steps, step_s, prefill, decode, publish, host):
@@ -61,6 +61,23 @@ def test_mixed_target_compares_p99_with_the_cut_requests_counted():
     mixed["static"]["latency_p99_all_s"] = 139.0
     assert not {x["name"]: x for x in targets([], ratios, mixed)}[
         "mixed: continuous >= 1.5 x static throughput, lower p99"]["met"]
+
+
+def test_the_ttft_target_is_printed_beside_raw_generates_first_tokens_of_64_prompts():
+    raw = {"new_tokens": 64, "info": {}, "results": [
+        {"batch": 1, "new_tokens": 64, "generated_tokens": 64, "elapsed_s": 7.0,
+         "tokens_per_s": 9.1, "first_token_s": 0.11},
+        {"batch": 64, "new_tokens": 64, "generated_tokens": 64, "elapsed_s": 30.0,
+         "tokens_per_s": 136.5, "first_token_s": 1.234}]}
+    served = [{"concurrency": 64, "ttft_p50_s": 1.8}]
+    ratios = compute_ratios(raw, [], None)
+    ttft = {x["name"]: x for x in targets(served, ratios, None, raw=raw)}["TTFT p50 @64 < 1 s"]
+    assert ttft["met"] is False and ttft["raw_first_token_s"] == 1.234
+    table = format_table({"raw": raw, "targets": [ttft]})
+    assert "1234" in table.splitlines()[3]          # the batch-64 row's first-token column
+    assert "TTFT p50 @64 < 1 s: 1.800 (raw generate, first tokens of 64 prompts at once: 1.234 s)" in table
+    # A run without the raw phase (or an older result) has no floor to print.
+    assert "raw_first_token_s" not in targets(served, ratios, None)[-1]
 
 
 class _FakeStream:
