@@ -293,6 +293,9 @@ def plot(result: dict, path: Path) -> None:
         ys = [lv[key] for lv in served]
         if any(y is not None for y in ys):
             ax.plot(xs, [y if y is not None else float("nan") for y in ys], style, label=label)
+    first = [(r["batch"], r["first_token_s"]) for r in raw if r.get("first_token_s")]
+    if first:
+        ax.plot(*zip(*first), "x:", color="gray", label="raw: batch's first tokens")
     ax.set_xscale("log", base=2)
     _ticks(ax, xs)
     ax.set_yscale("log")
