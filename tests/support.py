@@ -153,15 +153,30 @@ class WorkerProcess:
         wait_until(ready, timeout_s, "the worker to load its model")
 
     def stop(self, sig=None) -> None:
+        self.signal(sig)
+        self.wait_stopped()
+
+    def signal(self, sig=None) -> None:
         import signal as _s
 
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(sig or _s.SIGTERM)
+
+    def wait_stopped(self) -> None:
+        if self.proc:
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+def stop_workers(workers) -> None:
+    """SIGTERM to all, then wait for all: their shutdowns overlap."""
+    for w in workers:
+        w.signal()
+    for w in workers:
+        w.wait_stopped()
 
 
 class ApiServer:

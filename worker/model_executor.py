@@ -27,6 +27,7 @@ class ModelExecutor:
         self._proc = None
         self._conn = None
         self._in_flight = False
+        self.exitcode = None   # the last stopped process's (0: it honoured Shutdown)
 
     @property
     def pid(self) -> int | None:
@@ -106,5 +107,6 @@ class ModelExecutor:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+        self.exitcode = self._proc.exitcode
         self._conn.close()
         self._proc = None

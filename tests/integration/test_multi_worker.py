@@ -6,7 +6,7 @@ import requests
 from common.settings import Settings
 from common.store import record_key
 from support import (ApiServer, RedisServer, WorkerProcess, backend_params, backend_worker,
-                     wait_until)
+                     stop_workers, wait_until)
 
 
 @pytest.fixture(params=backend_params())
@@ -14,7 +14,9 @@ def two_worker_stack(request, tmp_path):
     server = RedisServer(tmp_path).start()
     model, env = backend_worker(request.param, request)
     # 16 slots each: a burst of 48 must spill over to the second worker, whoever is first.
-    env = {**env, "LLMQ_MAX_NUM_SEQS": "16"}
+    # Two workers on one host get a core each, as they would be run (llama.cpp's threads
+    # spin: two workers with a thread per core each ran this burst ~8x slower).
+    env = {**env, "LLMQ_MAX_NUM_SEQS": "16", "LLMQ_TORCH_THREADS": "1"}
     workers = [WorkerProcess(server.url, model, tmp_path / f"w{i}.log", name=f"mw{i}",
                              extra_env=env) for i in range(2)]
     api = None
@@ -28,8 +30,7 @@ def two_worker_stack(request, tmp_path):
     finally:
         if api:
             api.stop()
-        for w in workers:
-            w.stop()
+        stop_workers(workers)
         server.stop()
 
 

@@ -121,5 +121,6 @@ def test_killed_worker_raises_then_restarts(running, expected):
     pid = ex.pid
     ex.stop()
     assert ex.pid is None
+    assert ex.exitcode == 0                   # it took Shutdown and left, it was not killed
     with pytest.raises(ProcessLookupError):   # exited and reaped, not left running
         os.kill(pid, 0)
