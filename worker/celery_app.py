@@ -30,8 +30,9 @@ def create_celery(settings: Settings) -> Celery:
 
 
 def build_engine(settings: Settings, name: str):
-    """Builds the worker's heavy objects once, in order: weights on disk, tokenizer, store,
-    model process (loaded and warmed up), then the engine loop."""
+    """Builds the worker's heavy objects once, in order: weights on disk, the model process
+    (launched: it loads while this process loads the tokenizer), tokenizer, store, then the
+    engine loop, which starts once the model process is loaded and warmed up."""
     from common.store import SequenceStore
 
     from .engine_core import EngineCore
@@ -40,15 +41,20 @@ def build_engine(settings: Settings, name: str):
 
     manager = ModelManager.from_settings(settings)
     manager.resolve()
-    tokenizer = manager.load_tokenizer()
-    store = SequenceStore.from_settings(settings)
+    executor = ModelExecutor(settings)
+    executor.launch()
+    try:
+        tokenizer = manager.load_tokenizer()
+        store = SequenceStore.from_settings(settings)
 
-    def requeue(seq_id: str) -> None:
-        celery.send_task(GENERATE_TASK, args=[seq_id], task_id=seq_id, queue=settings.queue)
+        def requeue(seq_id: str) -> None:
+            celery.send_task(GENERATE_TASK, args=[seq_id], task_id=seq_id, queue=settings.queue)
 
-    engine = EngineCore(name, settings, store, ModelExecutor(settings), tokenizer,
-                        requeue=requeue)
-    engine.start()
+        engine = EngineCore(name, settings, store, executor, tokenizer, requeue=requeue)
+        engine.start()
+    except BaseException:
+        executor.stop(timeout_s=2.0)
+        raise
     return engine
 
 

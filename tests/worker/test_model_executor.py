@@ -29,7 +29,11 @@ N = 5
 def executor(tiny_model_dir):
     ex = ModelExecutor(Settings.from_env(model=tiny_model_dir, device="cpu", dtype="float32",
                                          max_num_seqs=4), start_timeout_s=300)
+    ex.launch()   # as a worker starts it: spawned first, waited for after its own start-up
+    spawned = ex.pid
+    assert spawned and ex.info is None and ex.num_starts == 0
     ex.start()
+    assert ex.pid == spawned   # start() waited for the launched process, it spawned no other
     yield ex
     ex.stop()
 
