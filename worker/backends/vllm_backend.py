@@ -16,6 +16,10 @@ from . import BackendUnavailable
 class VllmBackend:
     """Adapts vllm.LLMEngine to StepRequest/StepResult."""
 
+    # vLLM runs its engine core in a process of its own, stopped by vLLM's exit hooks: the
+    # model process must leave through the interpreter's normal exit, not os._exit.
+    needs_teardown = True
+
     def __init__(self, engine, info: ModelInfo):
         self.engine = engine
         self.info = info
