@@ -238,7 +238,8 @@ def mixed_phase(stack: Stack, args, served: list[dict], budget: Budget) -> dict:
            "arrival_span_s": round(offsets[-1], 2)}
     progress(f"mixed: {len(reqs)} requests, mean output {mean_out:.0f} tokens, Poisson rate "
              f"{rate:.3f}/s (0.9 x {ref_tps:.0f} tok/s), arrivals over {offsets[-1]:.0f} s")
-    restart_s = 30.0   # a worker restart (model load and warm-up), about
+    # A worker restart (model load and warm-up): as long as this run's first start, with room.
+    restart_s = max(10.0, 1.5 * (stack.worker_start_s or 20.0))
     for policy in ("continuous", "static"):
         runs_left = 2 if policy == "continuous" else 1
         need = (restart_s + 10.0) * runs_left   # (a restart) and at least 10 s of running

@@ -115,6 +115,7 @@ class Stack:
         self.api: Proc | None = None
         self.worker_name = ""
         self._worker_count = 0
+        self.worker_start_s: float | None = None   # the last worker start, until ready
 
     @property
     def redis_url(self) -> str:
@@ -177,7 +178,9 @@ class Stack:
                             "--loglevel", env.get("LLMQ_LOG_LEVEL", "INFO"),
                             "--without-mingle", "--without-gossip"],
                            env, self.workdir / f"worker{self._worker_count}-{batch_policy}.log").start()
+        t = time.monotonic()
         self.wait_ready(timeout_s)
+        self.worker_start_s = time.monotonic() - t   # what a restart costs, for time budgets
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until /readyz (through gunicorn) lists this run's worker with its model loaded."""
