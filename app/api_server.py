@@ -15,7 +15,7 @@ from werkzeug.exceptions import HTTPException
 from common.protocol import EVENT_DONE
 
 from .llm_engine import Overloaded
-from .schemas import JobRequest
+from .schemas import JobRequest, SamplingFields
 
 bp = Blueprint("api", __name__)
 
@@ -122,6 +122,14 @@ def inputs_of(req: JobRequest) -> list[dict[str, Any]]:
     return [{"prompt": req.prompt}]
 
 
+def submit(inputs: list[dict[str, Any]], req: SamplingFields,
+           default_max_tokens: int | None = None, max_tokens: int | None = None) -> list[dict]:
+    """Queues one sequence per input with the request's sampling and queueing fields, owned by
+    the caller (every submitting route, OpenAI's included, comes through here)."""
+    params = req.sampling_params(default_max_tokens or settings().default_max_tokens, max_tokens)
+    return engine().submit(inputs, params, g.owner, req.timeout, req.priority)
+
+
 def find_job(seq_id: str) -> dict:
     job = engine().get(seq_id, g.owner)
     if job is None:
@@ -133,8 +141,7 @@ def find_job(seq_id: str) -> dict:
 @bp.post("/v1/jobs")
 def create_jobs():
     req = parse_job_request()
-    jobs = engine().submit(inputs_of(req), req.sampling_params(settings().default_max_tokens), g.owner,
-                           req.timeout, req.priority)
+    jobs = submit(inputs_of(req), req)
     if req.prompts is not None:
         return jsonify({"object": "list", "jobs": jobs}), 202
     return jsonify(jobs[0]), 202, {"Location": f"/v1/jobs/{jobs[0]['id']}"}
@@ -165,8 +172,7 @@ def generate():
     req = parse_job_request()
     if req.stream and req.prompts is not None:
         raise APIError(400, "'stream' works with one prompt; use /v1/jobs for a batch")
-    jobs = engine().submit(inputs_of(req), req.sampling_params(settings().default_max_tokens), g.owner,
-                           req.timeout, req.priority)
+    jobs = submit(inputs_of(req), req)
     if req.stream:
         return sse_response(jobs[0]["id"], "0-0")
     results = [engine().wait(j["id"]) or engine().get(j["id"], g.owner) for j in jobs]

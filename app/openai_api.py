@@ -12,9 +12,9 @@ from typing import Any, Iterator, Literal
 from flask import Blueprint, Response, g, jsonify, stream_with_context
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from common.protocol import EVENT_DONE, EVENT_TOKEN, SamplingParams
+from common.protocol import EVENT_DONE, EVENT_TOKEN
 
-from .api_server import APIError, engine, parse_json_body, settings
+from .api_server import APIError, engine, parse_json_body, settings, submit
 from .client_connection import client_gone
 from .schemas import SamplingFields
 
@@ -125,10 +125,6 @@ def model_id() -> str:
     return name.rstrip("/").split("/")[-1] if name.startswith("/") else name
 
 
-def _params(req: _Common, default_max_tokens: int) -> SamplingParams:
-    return req.sampling_params(default_max_tokens, getattr(req, "max_completion_tokens", None))
-
-
 def _text_content(content) -> str:
     if isinstance(content, str):
         return content
@@ -171,8 +167,7 @@ def completions():
         raise _error(f"at most {settings().max_prompts} prompts", param="prompt")
     if req.stream and len(prompts) > 1:
         raise _error("streaming takes a single prompt", param="prompt")
-    jobs = engine().submit([{"prompt": p} for p in prompts], _params(req, 16), g.owner,
-                           req.timeout, req.priority)
+    jobs = submit([{"prompt": p} for p in prompts], req, default_max_tokens=16)
     return _respond(req, jobs, chat=False)
 
 
@@ -181,8 +176,7 @@ def chat_completions():
     req = _parse(ChatCompletionRequest)
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": _text_content(m.content)} for m in req.messages]
-    jobs = engine().submit([{"messages": messages}], _params(req, settings().default_max_tokens),
-                           g.owner, req.timeout, req.priority)
+    jobs = submit([{"messages": messages}], req, max_tokens=req.max_completion_tokens)
     return _respond(req, jobs, chat=True)
 
 

@@ -76,7 +76,7 @@ def test_the_ttft_target_is_printed_beside_raw_generates_first_tokens_of_64_prom
     table = format_table({"raw": raw, "targets": [ttft]})
     assert "1234" in table.splitlines()[3]          # the batch-64 row's first-token column
     assert "TTFT p50 @64 < 1 s: 1.800 (raw generate, first tokens of 64 prompts at once: 1.234 s)" in table
-    # A run without the raw phase (or an older result) has no floor to print.
+    # A run without the raw phase (or an older result) has no raw figure to print.
     assert "raw_first_token_s" not in targets(served, ratios, None)[-1]
 
 
