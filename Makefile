@@ -10,11 +10,13 @@ export LLMQ_PORT ?= 8000
 export FLOWER_PORT ?= 5555
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help setup venv redis-server model llama-cpp run api worker redis flower test test-fast bench bench-quick compose-check clean
+.PHONY: help setup venv redis-server model llama-cpp run api worker redis flower test test-fast \
+  test-slow-engine bench bench-quick compose-check clean
 
 help:
 	@echo "make run      set up (venv, packages, redis-server, model) and start Redis, worker, API, Flower"
 	@echo "make test     run the whole test suite (installs what it needs)"
+	@echo "make test-slow-engine   the fault tests again, every engine step slowed to >= 50 ms"
 	@echo "make bench    benchmark (results in bench/results/); make bench-quick for a short run"
 	@echo "make api | worker | redis | flower   start one part alone"
 	@echo "make llama-cpp   add the optional llama.cpp backend (compiles llama.cpp: ~10 min on 2 cores)"
@@ -79,6 +81,14 @@ test: venv redis-server model
 
 test-fast: venv
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The slow tests (faults, several workers) once more with a slow engine: every step lasts at
+# least SLOW_STEP_S (LLMQ_TEST_STEP_DELAY, a test-only setting), so nothing in them may rely on
+# the machine being fast. `make test` is the other end: the tiny model at full speed.
+SLOW_STEP_S ?= 0.05
+test-slow-engine: venv redis-server model
+	LLMQ_TEST_STEP_DELAY=$(SLOW_STEP_S) $(BIN)/python -m pytest -m slow \
+	  tests/reliability tests/integration/test_multi_worker.py $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python -m bench.bench $(BENCH_ARGS)

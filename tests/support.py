@@ -103,6 +103,17 @@ def public_model_name(model: str) -> str:
     return "SmolLM2-135M-Instruct" if model == "smollm2" else Path(model).name
 
 
+# --- engine speed -----------------------------------------------------------------------------
+def min_step_env(floor_s: float) -> dict:
+    """Worker env whose engine steps take at least `floor_s` (LLMQ_TEST_STEP_DELAY, a test-only
+    setting), or the suite's own delay where that is longer (a run with a slowed engine: `make
+    test-slow-engine`). For tests that act while work is running: N tokens then last at least
+    N * floor_s on any machine, so the work is still running when the test acts."""
+    from common.settings import Settings
+
+    return {"LLMQ_TEST_STEP_DELAY": str(max(Settings.from_env().test_step_delay_s, floor_s))}
+
+
 # --- processes --------------------------------------------------------------------------------
 class WorkerProcess:
     """A real Celery worker (threads pool, its own model process) as `make worker` starts it."""

@@ -99,6 +99,9 @@ class EngineCore:
             log.warning("re-queueing a sequence lost by this worker's previous run",
                         extra={"seq_id": seq_id})
             self.requeue(seq_id)
+        if self.settings.test_step_delay_s:
+            log.warning("LLMQ_TEST_STEP_DELAY=%g: every step waits that long (a test setting)",
+                        self.settings.test_step_delay_s)
         self._thread = threading.Thread(target=self._loop, name="llmq-engine", daemon=True)
         threading.Thread(target=self._beat_loop, name="llmq-heartbeat", daemon=True).start()
         self._thread.start()
@@ -206,6 +209,8 @@ class EngineCore:
                 self.executor.submit(self._request(out))         # 2. execute (async) ...
                 pending = self._publish(pending)                 # ... publishing meanwhile
                 t1 = time.monotonic()
+                if self.settings.test_step_delay_s:   # tests only: a slow engine on any CPU
+                    self._stop.wait(self.settings.test_step_delay_s)
                 result = self.executor.wait()
                 if result.partial:   # the newcomers' first tokens, sent ahead of the decode
                     joined, out = out.split()

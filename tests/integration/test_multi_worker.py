@@ -6,7 +6,7 @@ import requests
 from common.settings import Settings
 from common.store import record_key
 from support import (ApiServer, RedisServer, WorkerProcess, backend_params, backend_worker,
-                     stop_workers, wait_until)
+                     min_step_env, stop_workers, wait_until)
 
 
 @pytest.fixture(params=backend_params())
@@ -16,7 +16,9 @@ def two_worker_stack(request, tmp_path):
     # 16 slots each: a burst of 48 must spill over to the second worker, whoever is first.
     # Two workers on one host get a core each, as they would be run (llama.cpp's threads
     # spin: two workers with a thread per core each ran this burst ~8x slower).
-    env = {**env, "LLMQ_MAX_NUM_SEQS": "16", "LLMQ_TORCH_THREADS": "1"}
+    # Steps of at least 50 ms: a round of 12 tokens lasts >= 0.6 s, time enough for the second
+    # worker to take its share however fast the first one runs.
+    env = {**env, **min_step_env(0.05), "LLMQ_MAX_NUM_SEQS": "16", "LLMQ_TORCH_THREADS": "1"}
     workers = [WorkerProcess(server.url, model, tmp_path / f"w{i}.log", name=f"mw{i}",
                              extra_env=env) for i in range(2)]
     api = None

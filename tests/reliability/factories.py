@@ -19,10 +19,13 @@ import psutil
 import redis
 import requests
 
-from support import ApiServer, RedisServer, WorkerProcess, wait_until
+from support import ApiServer, RedisServer, WorkerProcess, min_step_env, wait_until
 
 STALE_S = 3.0          # LLMQ_WORKER_STALE of every world: a silent worker is dead after 3 s
 HEARTBEAT_S = 0.2      # LLMQ_WORKER_HEARTBEAT
+# What a busy machine may add to a delay the code promises (a bound that is a test's point is
+# that setting plus this); generous, since the CPU may be shared and slow.
+SLACK_S = 10.0
 HTTP_TIMEOUT = 30
 FINISHED = ("succeeded", "failed", "cancelled")
 
@@ -88,13 +91,16 @@ class World:
 
     # workers -----------------------------------------------------------------------------------
     def worker(self, name: str = "w1", *, start: bool = True, wait: bool = True,
-               **env: str) -> WorkerProcess:
-        """A real Celery worker on the tiny model with a short heartbeat and staleness."""
+               min_step_s: float = 0.0, **env: str) -> WorkerProcess:
+        """A real Celery worker on the tiny model with a short heartbeat and staleness; with
+        `min_step_s`, each engine step lasts at least that long (see support.min_step_env)."""
         base = {"LLMQ_WORKER_STALE": str(STALE_S), "LLMQ_WORKER_HEARTBEAT": str(HEARTBEAT_S),
                 "LLMQ_MAX_NUM_SEQS": "16", "LLMQ_DEVICE": "cpu",
                 # Two shared cores: one torch thread per process keeps workers from fighting.
                 "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "LLMQ_TORCH_THREADS": "1",
                 "LLMQ_LOG_FORMAT": "text"}
+        if min_step_s:
+            base.update(min_step_env(min_step_s))
         base.update(env)
         w = WorkerProcess(self.url, self.model_dir, self.tmp / f"{name}.log", name=name,
                           extra_env=base)

@@ -10,12 +10,13 @@ import pytest
 
 from support import wait_until
 
-from .factories import World, assert_all_succeeded_once, stream_kinds, worker_info
+from .factories import SLACK_S, World, assert_all_succeeded_once, stream_kinds, worker_info
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 CONTEXT = 512          # the tiny model's max_position_embeddings
 OK = {"max_tokens": 20, "ignore_eos": True, "temperature": 0}
+MIN_STEP_S = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,9 @@ def live(tmp_path_factory, tiny_model_dir):
     w = World(tmp_path_factory.mktemp("bad-requests"), tiny_model_dir)
     try:
         w.start_redis()
-        worker = w.worker("w1")
+        # Each step lasts at least MIN_STEP_S: 400 tokens take >= 8 s, far past a 0.5 s
+        # timeout, on any machine.
+        worker = w.worker("w1", min_step_s=MIN_STEP_S)
         yield w, worker, w.api()
     finally:
         w.close()
@@ -83,18 +86,21 @@ def test_input_that_breaks_sampling_in_the_model_process_fails_alone(live):
     assert again["status"] == "succeeded"
 
 
+TIMEOUT_S = 0.5
+
+
 def test_request_timeout_ends_a_long_sequence_with_finish_reason_timeout(live):
     world, _worker, api = live
     r = world.client()
     job = api.submit(prompt="Go on and on", max_tokens=400, ignore_eos=True, temperature=0,
-                     timeout=0.5)
+                     timeout=TIMEOUT_S)
     reader = api.stream(job["id"])
     final = api.wait_job(job["id"], 60)
     assert final["status"] == "cancelled" and final["finish_reason"] == "timeout", final
     assert final["error"] is None
     # It stopped at its deadline, far from its 400 tokens, keeping what it had streamed.
     took = final["finished_at"] - final["created_at"]
-    assert 0.5 <= took < 0.5 + 10, took
+    assert TIMEOUT_S <= took <= TIMEOUT_S + SLACK_S, took
     assert final["usage"]["completion_tokens"] < 400
     stream = reader.result(30)
     assert stream.kinds.count("done") == 1 and stream.done == final

@@ -12,10 +12,13 @@ import pytest
 
 from support import wait_until
 
-from .factories import (STALE_S, World, assert_all_succeeded_once, model_process,
+from .factories import (HEARTBEAT_S, SLACK_S, STALE_S, World, assert_all_succeeded_once, model_process,
                         running_with_tokens, worker_info)
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+MAX_STEP_S = 1.0    # LLMQ_MAX_STEP of the worker
+MIN_STEP_S = 0.05   # 60 tokens last >= 3 s, 300 tokens >= 15 s
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +27,10 @@ def live(tmp_path_factory, tiny_model_dir):
     try:
         w.start_redis()
         # A step in flight for over 1 s counts as stuck (LLMQ_MAX_STEP; tiny-model steps take
-        # milliseconds), so a stopped model process silences the heartbeat at once.
-        worker = w.worker("w1", LLMQ_MAX_STEP="1")
+        # milliseconds), so a stopped model process silences the heartbeat at once. Each step
+        # lasts at least MIN_STEP_S, so the work is still running when the test breaks the
+        # model process, on any machine.
+        worker = w.worker("w1", min_step_s=MIN_STEP_S, LLMQ_MAX_STEP=str(MAX_STEP_S))
         # The API judges readiness with the workers' own staleness.
         yield w, worker, w.api(worker_stale_s=STALE_S)
     finally:
@@ -85,14 +90,15 @@ def test_stuck_model_process_turns_readyz_503_until_it_moves_again(live):
     try:
         # (a requests.Response is falsy for any error status: wrap it for wait_until)
         [resp] = wait_until(lambda: [x for x in [api.request("GET", "/readyz")]
-                                     if x.status_code == 503], STALE_S + 10, "/readyz 503")
+                                     if x.status_code == 503],
+                            MAX_STEP_S + STALE_S + 3 * SLACK_S, "/readyz 503")
         waited = time.monotonic() - stopped_at
         body = resp.json()
         assert body["status"] == "unavailable" and "no worker" in body["reason"], body
-        # Not before the heartbeat is LLMQ_WORKER_STALE old (it beats every 0.2 s), and not
-        # much later: the beats stop once the step has been in flight for LLMQ_MAX_STEP (1 s)
-        # and the loop has not turned for LLMQ_WORKER_STALE / 2.
-        assert STALE_S - 0.5 <= waited <= STALE_S + 4, waited
+        # Not before the heartbeat is LLMQ_WORKER_STALE old (its last beat came at most one
+        # beat before the freeze), and not much later: the beats stop once the step has been
+        # in flight for LLMQ_MAX_STEP, the last one then goes stale after LLMQ_WORKER_STALE.
+        assert STALE_S - HEARTBEAT_S <= waited <= MAX_STEP_S + STALE_S + SLACK_S, waited
         assert r.hget(f"llmq:seq:{job['id']}", "status") == "running"
     finally:
         model.resume()                            # SIGCONT

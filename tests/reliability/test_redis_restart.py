@@ -16,12 +16,15 @@ from .factories import elapsed, running_with_tokens, stream_kinds
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 SHORT = {"max_tokens": 8, "ignore_eos": True, "temperature": 0}
+MIN_STEP_S = 0.05
 
 
 def test_redis_restart_with_aof_loses_nothing_and_everyone_reconnects(aof_world):
     world = aof_world
     # One sequence at a time, so the later ones wait in the broker queue through the outage.
-    world.worker("w1", LLMQ_MAX_NUM_SEQS="1")
+    # Each step lasts at least MIN_STEP_S: the long one (150 tokens, >= 7.5 s) is still
+    # running when Redis goes down, on any machine.
+    world.worker("w1", min_step_s=MIN_STEP_S, LLMQ_MAX_NUM_SEQS="1")
     api, r = world.api(), world.client()
     store = SequenceStore(r)
 

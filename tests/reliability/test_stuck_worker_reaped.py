@@ -15,12 +15,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 N = 6
 MAX_TOKENS = 200
+MIN_STEP_S = 0.05      # 200 tokens last >= 10 s on any machine
 
 
 def test_stuck_worker_is_reaped_and_its_late_work_is_dropped(world):
-    # A step in flight for over 1 s counts as stuck (tiny-model steps take milliseconds).
-    w1 = world.worker("w1", wait=False, LLMQ_MAX_STEP="1")
-    w2 = world.worker("w2", wait=False, LLMQ_MAX_STEP="1")
+    # A step in flight for over 1 s counts as stuck (tiny-model steps take milliseconds). Each
+    # step lasts at least MIN_STEP_S: w1's sequences are still running when its model freezes.
+    w1 = world.worker("w1", wait=False, min_step_s=MIN_STEP_S, LLMQ_MAX_STEP="1")
+    w2 = world.worker("w2", wait=False, min_step_s=MIN_STEP_S, LLMQ_MAX_STEP="1")
     w1.wait_ready()
     w2.wait_ready()
     api, r = world.api(), world.client()
