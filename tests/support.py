@@ -148,7 +148,8 @@ class WorkerProcess:
             self.wait_ready()
         return self
 
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until the worker reports its model loaded (~10 s alone; minutes on a shared CPU)."""
         import redis
 
         from common.store import SequenceStore
