@@ -111,9 +111,13 @@ class EngineCore:
 
     def stop(self) -> None:
         self._stop.set()
+        # A drain whose hand-back never came means a loop stuck in a step (or a Redis call):
+        # it will not turn again, so it gets a moment, not a step's worth of time.
+        stuck = self._draining.is_set() and not self._handback_done.is_set()
         if self._thread:
-            self._thread.join(10)
-        # A loop still stuck mid-step will never read a Shutdown: do not wait long for it.
+            self._thread.join(1.0 if stuck else 10.0)
+        # A loop still mid-step never reads a Shutdown: stopping the model process under it
+        # (killed after 2 s) ends its wait.
         stuck = self._thread is not None and self._thread.is_alive()
         self.executor.stop(timeout_s=2.0 if stuck else 10.0)
         # Leave the registry only with nothing left running under this name. A stop without
