@@ -70,8 +70,10 @@ api: venv
 worker: venv
 	bash scripts/worker.sh
 
+# Its password is in run/redis.password; `bash scripts/redis.sh url` prints the LLMQ_REDIS_URL
+# that `make api`, `make worker` and `make flower` need to reach it.
 redis: redis-server
-	redis-server --port $(REDIS_PORT) --bind 127.0.0.1 --appendonly yes --dir $${REDIS_DIR:-/tmp}
+	bash scripts/redis.sh
 
 flower: venv
 	$(BIN)/celery -A worker.celery_app flower --address=127.0.0.1 --port=$(FLOWER_PORT)

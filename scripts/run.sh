@@ -1,57 +1,165 @@
 #!/usr/bin/env bash
 # `make run`: Redis (unless REDIS_URL points elsewhere), WORKERS workers, the API and Flower.
-# Ctrl-C stops them all.
+#
+# Ctrl-C stops them in an order that loses nothing: the API first (no new work), then the
+# workers (each lets its batch finish for LLMQ_SHUTDOWN_GRACE seconds and hands the rest back
+# to the queue), then Flower, and Redis last, so the hand-back reaches it and its append-only
+# file keeps the queue for the next `make run`. A second Ctrl-C stops everything at once.
+#
+# Each part runs in a session of its own, so a terminal's Ctrl-C (SIGINT to the foreground
+# process group) reaches only this script, which then stops them one by one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+umask 077   # logs, the Redis password and its files: this user's only
+RUN="${LLMQ_RUN_DIR:-run}"
 LLMQ_HOST="${LLMQ_HOST:-127.0.0.1}"; LLMQ_PORT="${LLMQ_PORT:-8000}"; FLOWER_PORT="${FLOWER_PORT:-5555}"
+REDIS_PORT="${REDIS_PORT:-6379}"
+GRACE="${LLMQ_SHUTDOWN_GRACE:-30}"
+case "$GRACE" in   # whole seconds, rounded up (gunicorn takes an integer)
+  *.*) grace_s=$(( ${GRACE%.*} + 1 )) ;;
+  *) grace_s=$GRACE ;;
+esac
 # On a GPU host, one worker per GPU, each pinned to its own (WORKERS defaults to the GPU count).
 ngpu=0
 command -v nvidia-smi >/dev/null 2>&1 && ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 WORKERS="${WORKERS:-$(( ngpu > 0 ? ngpu : 1 ))}"
-pids=()
-cleanup() {
-  echo; echo "stopping llmq..."
-  kill "${pids[@]}" 2>/dev/null
-  wait "${pids[@]}" 2>/dev/null
-  exit 0
-}
-trap cleanup INT TERM
 
-mkdir -p run
-if [ -z "${REDIS_URL:-}" ] && [ -z "${LLMQ_REDIS_URL:-}" ]; then
-  export LLMQ_REDIS_URL="redis://127.0.0.1:${REDIS_PORT:-6379}/0"
-  if redis-cli -p "${REDIS_PORT:-6379}" ping >/dev/null 2>&1; then
-    echo "redis:  already running on 127.0.0.1:${REDIS_PORT:-6379}"
-  else
-    redis-server --port "${REDIS_PORT:-6379}" --bind 127.0.0.1 --appendonly yes --dir "$PWD/run" \
-      >run/redis.log 2>&1 &
-    pids+=($!)
-    for _ in $(seq 50); do redis-cli -p "${REDIS_PORT:-6379}" ping >/dev/null 2>&1 && break; sleep 0.1; done
-    echo "redis:  127.0.0.1:${REDIS_PORT:-6379} (log run/redis.log)"
+redis=(); workers=(); api=(); flower=()
+stopping=0
+
+alive() {
+  local p
+  for p in "$@"; do kill -0 "$p" 2>/dev/null && return 0; done
+  return 1
+}
+
+# wait_gone SECONDS PID...: true once all have exited, false if some outlive SECONDS.
+wait_gone() {
+  local deadline=$(( SECONDS + $1 )); shift
+  while alive "$@"; do
+    [ "$SECONDS" -ge "$deadline" ] && return 1
+    sleep 0.2
+  done
+}
+
+# Each part leads its own process group (setsid): this kills it with its children (the model
+# process of a worker, gunicorn's workers).
+kill_hard() {
+  local p
+  for p in "$@"; do kill -KILL -- "-$p" 2>/dev/null; done
+}
+
+# stop_part NAME SECONDS PID...: SIGTERM, then SIGKILL whatever is still there after SECONDS.
+stop_part() {
+  local name=$1 limit=$2; shift 2
+  [ $# -gt 0 ] || return 0
+  echo "stopping $name..."
+  kill -TERM "$@" 2>/dev/null
+  wait_gone "$limit" "$@" || { echo "$name still running after $limit s: killed"; kill_hard "$@"; }
+}
+
+api_open() {
+  local host=$LLMQ_HOST
+  case "$host" in 0.0.0.0) host=127.0.0.1 ;; ::) host=::1 ;; esac
+  (exec 3<>"/dev/tcp/$host/$LLMQ_PORT") 2>/dev/null
+}
+
+stop_in_order() {
+  echo; echo "stopping llmq; Ctrl-C again stops everything at once"
+  # The API closes its port at once (no new work) and finishes what it has in hand, streams
+  # included, for up to the grace, alongside the workers' drain.
+  if [ ${#api[@]} -gt 0 ]; then
+    echo "stopping the API..."
+    kill -TERM "${api[@]}" 2>/dev/null
+    for _ in $(seq 30); do api_open || break; sleep 0.1; done
   fi
+  # A worker exits by itself within the grace plus its hand-back (at the latest 20 s past the
+  # grace, when Redis does not answer); the rest of the margin is for a loaded host.
+  stop_part "the workers (up to $grace_s s to finish their batch)" $(( grace_s + 30 )) "${workers[@]}"
+  wait_gone 5 "${api[@]}" || { echo "the API still running: killed"; kill_hard "${api[@]}"; }
+  stop_part "Flower" 10 "${flower[@]}"
+  stop_part "Redis" 30 "${redis[@]}"   # it writes its append-only file out first
+  echo "stopped."
+}
+
+stop_at_once() {
+  echo; echo "stopping everything at once..."
+  exec 2>/dev/null   # no "Killed" line from bash for each part
+  kill_hard "${api[@]}" "${workers[@]}" "${flower[@]}"
+  # Redis leaves in a moment on SIGTERM, with its append-only file written out.
+  if [ ${#redis[@]} -gt 0 ]; then
+    kill -TERM "${redis[@]}" 2>/dev/null
+    wait_gone 5 "${redis[@]}" || kill_hard "${redis[@]}"
+  fi
+  exit 130
+}
+
+on_signal() {
+  [ "$stopping" = 1 ] && stop_at_once
+  stopping=1
+}
+trap on_signal INT TERM HUP
+
+mkdir -p "$RUN"
+chmod 700 "$RUN"
+if [ -z "${REDIS_URL:-}" ] && [ -z "${LLMQ_REDIS_URL:-}" ]; then
+  url="$(LLMQ_RUN_DIR="$RUN" REDIS_PORT="$REDIS_PORT" bash scripts/redis.sh url)"
+  pw="$(cat "$RUN/redis.password")"
+  if [ "$(redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ]; then
+    echo "redis:  already running on 127.0.0.1:$REDIS_PORT, WITHOUT a password (not started here)"
+    url="redis://127.0.0.1:$REDIS_PORT/0"
+  elif [ "$(REDISCLI_AUTH="$pw" redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ]; then
+    echo "redis:  already running on 127.0.0.1:$REDIS_PORT (not started here)"
+  elif redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; then
+    echo "redis:  port $REDIS_PORT has a Redis with another password; set REDIS_PORT or REDIS_URL" >&2
+    exit 1
+  else
+    LLMQ_RUN_DIR="$RUN" REDIS_PORT="$REDIS_PORT" setsid bash scripts/redis.sh \
+      >"$RUN/redis.log" 2>&1 &
+    redis+=($!)
+    for _ in $(seq 100); do
+      [ "$(REDISCLI_AUTH="$pw" redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ] && break
+      [ "$stopping" = 1 ] && break
+      sleep 0.1
+    done
+    echo "redis:  127.0.0.1:$REDIS_PORT (password in $RUN/redis.password, log $RUN/redis.log)"
+  fi
+  export LLMQ_REDIS_URL="$url"
 fi
 export LLMQ_REDIS_URL="${LLMQ_REDIS_URL:-$REDIS_URL}"
 
 for i in $(seq 0 $(( WORKERS - 1 ))); do
   if [ "$ngpu" -gt 0 ]; then dev="gpu$(( i % ngpu ))"; gpu=$(( i % ngpu )); else dev="cpu$i"; gpu=""; fi
-  LLMQ_WORKER_INDEX=$i LLMQ_GPU=$gpu LLMQ_WORKER_DEVICE_NAME=$dev bash scripts/worker.sh \
-    >"run/worker$i.log" 2>&1 &
-  pids+=($!)
-  echo "worker: llmq-$dev (log run/worker$i.log)"
+  LLMQ_WORKER_INDEX=$i LLMQ_GPU=$gpu LLMQ_WORKER_DEVICE_NAME=$dev setsid bash scripts/worker.sh \
+    >"$RUN/worker$i.log" 2>&1 &
+  workers+=($!)
+  echo "worker: llmq-$dev (log $RUN/worker$i.log)"
 done
-.venv/bin/gunicorn --bind "$LLMQ_HOST:$LLMQ_PORT" --worker-class gthread --workers 2 --threads 256 \
-  --timeout 0 --graceful-timeout 30 app.wsgi:application >run/api.log 2>&1 &
-pids+=($!)
-.venv/bin/celery -A worker.celery_app flower --address=127.0.0.1 --port="$FLOWER_PORT" \
-  >run/flower.log 2>&1 &
-pids+=($!)
-echo "api:    http://$LLMQ_HOST:$LLMQ_PORT (log run/api.log)"
-echo "flower: http://127.0.0.1:$FLOWER_PORT (log run/flower.log)"
-echo -n "waiting for a worker to load the model"
-for _ in $(seq 600); do
-  curl -sf "http://$LLMQ_HOST:$LLMQ_PORT/readyz" >/dev/null 2>&1 && { echo " - ready."; break; }
-  echo -n "."; sleep 1
+# The API's graceful timeout is the workers' grace: its streams can follow the drain to its end.
+setsid .venv/bin/gunicorn --bind "$LLMQ_HOST:$LLMQ_PORT" --worker-class gthread --workers 2 \
+  --threads 256 --timeout 0 --graceful-timeout "$grace_s" app.wsgi:application \
+  >"$RUN/api.log" 2>&1 &
+api+=($!)
+setsid .venv/bin/celery -A worker.celery_app flower --address=127.0.0.1 --port="$FLOWER_PORT" \
+  >"$RUN/flower.log" 2>&1 &
+flower+=($!)
+echo "api:    http://$LLMQ_HOST:$LLMQ_PORT (log $RUN/api.log)"
+echo "flower: http://127.0.0.1:$FLOWER_PORT (log $RUN/flower.log)"
+if [ "$stopping" = 0 ]; then
+  echo -n "waiting for a worker to load the model"
+  for _ in $(seq 600); do
+    [ "$stopping" = 1 ] && break
+    curl -sf "http://$LLMQ_HOST:$LLMQ_PORT/readyz" >/dev/null 2>&1 && { echo " - ready."; break; }
+    echo -n "."; sleep 1
+  done
+fi
+if [ "$stopping" = 0 ]; then
+  echo "try: curl -s http://$LLMQ_HOST:$LLMQ_PORT/v1/generate -d '{\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}]}'"
+  echo "Ctrl-C stops everything (the workers get up to ${grace_s} s to finish their batch)."
+fi
+all=("${redis[@]}" "${workers[@]}" "${api[@]}" "${flower[@]}")
+until [ "$stopping" = 1 ]; do
+  wait   # returns when a signal comes, or once every part has exited
+  alive "${all[@]}" || break
 done
-echo "try: curl -s http://$LLMQ_HOST:$LLMQ_PORT/v1/generate -d '{\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}]}'"
-echo "Ctrl-C stops everything."
-wait
+stop_in_order

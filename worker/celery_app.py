@@ -6,8 +6,10 @@ so with prefetch 1 a worker reserves only what its running batch can take.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import signal
 import socket
 import threading
 
@@ -80,14 +82,38 @@ def _start_engine(sender=None, **_kw):
         os._exit(3)
 
 
+# How long a warm shutdown may run past the grace (the hand-back, the pool's join, the engine's
+# and Celery's own stop) before the worker leaves without them: a Redis that hangs instead of
+# refusing can hold any of those calls, and nothing else bounds them.
+SHUTDOWN_OVERRUN_S = 20.0
+
+
 @signals.worker_shutting_down.connect
 def _drain_engine(sig=None, how=None, **_kw):
     """SIGTERM (warm shutdown): Celery stops taking messages and waits for running tasks; the
-    engine lets its batch finish within the grace period, then hands the rest back."""
+    engine lets its batch finish within the grace period, then hands the rest back. The whole
+    shutdown is bounded: past the grace + SHUTDOWN_OVERRUN_S the process exits at once."""
     engine = celery.llmq_engine
     if engine is not None and how != "Cold":
-        threading.Thread(target=engine.drain, args=(celery.llmq_settings.shutdown_grace_s,),
-                         name="llmq-drain", daemon=True).start()
+        grace_s = celery.llmq_settings.shutdown_grace_s
+        threading.Thread(target=engine.drain, args=(grace_s,), name="llmq-drain",
+                         daemon=True).start()
+        deadline = threading.Timer(grace_s + SHUTDOWN_OVERRUN_S, _exit_now, args=(engine,))
+        deadline.daemon = True
+        deadline.start()
+
+
+def _exit_now(engine) -> None:
+    """The shutdown overran its bound: unacknowledged messages and `running` records are left
+    for kombu and the reaper, as after a crash."""
+    log.critical("shutdown still running %.0f s after the grace (redis or the broker not "
+                 "answering?); exiting without finishing it", SHUTDOWN_OVERRUN_S)
+    if engine.executor.pid:
+        try:
+            os.kill(engine.executor.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(1)   # each log record is flushed as written
 
 
 @signals.worker_shutdown.connect
@@ -96,3 +122,8 @@ def _stop_engine(sender=None, **_kw):
     if engine is not None:
         engine.stop()
         celery.llmq_engine = None
+        # Celery has nothing left to do after this signal, and the interpreter's own teardown
+        # (garbage-collecting torch and the tokenizer) took ~5 s of every stop: run the exit
+        # hooks (log flushing, pid files), then leave without it.
+        atexit._run_exitfuncs()
+        os._exit(getattr(sender, "exitcode", None) or 0)

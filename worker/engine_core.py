@@ -26,6 +26,9 @@ from .workload_manager import POLICIES, SchedulerOutput, WorkloadManager
 log = logging.getLogger("llmq.engine")
 
 MAX_RESTARTS_PER_SEQUENCE = 2
+# After the shutdown grace: how long the loop may take to hand the batch back before the task
+# threads are released all the same (the loop is stuck in a step, or Redis does not answer).
+HANDBACK_TIMEOUT_S = 5.0
 
 
 class StepTiming:
@@ -85,6 +88,8 @@ class EngineCore:
         self._stop = threading.Event()
         self._draining = threading.Event()
         self._handback = threading.Event()
+        self._handback_done = threading.Event()
+        self._stranded: set[Sequence] = set()   # released at shutdown without a hand-back
         self._idle = threading.Event()
         self._thread: threading.Thread | None = None
         self._progress = time.monotonic()
@@ -109,19 +114,31 @@ class EngineCore:
 
     def stop(self) -> None:
         self._stop.set()
+        # A drain whose hand-back never came means a loop stuck in a step (or a Redis call):
+        # it will not turn again, so it gets a moment, not a step's worth of time.
+        stuck = self._draining.is_set() and not self._handback_done.is_set()
         if self._thread:
-            self._thread.join(10)
-        self.executor.stop()
+            self._thread.join(1.0 if stuck else 10.0)
+        # A loop still mid-step never reads a Shutdown: stopping the model process under it
+        # (killed after 2 s) ends its wait.
+        stuck = self._thread is not None and self._thread.is_alive()
+        self.executor.stop(timeout_s=2.0 if stuck else 10.0)
         # Leave the registry only with nothing left running under this name. A stop without
-        # a hand-back (a cold shutdown: SIGQUIT, a second SIGTERM) leaves sequences marked
-        # running here; staying registered lets the silence be noticed, so another worker (or
-        # this name's next start) takes them back instead of nobody, ever.
-        if not self.store.running_ids(self.name):
-            self.store.remove_worker(self.name)
+        # a hand-back (SIGQUIT, or Redis away during the drain) leaves sequences marked running
+        # here; staying registered lets the silence be noticed, so another worker (or this
+        # name's next start) takes them back instead of nobody, ever.
+        try:
+            if not self.store.running_ids(self.name):
+                self.store.remove_worker(self.name)
+        except RedisError as exc:
+            log.warning("redis unavailable at stop; the registry entry stays for the reaper: %s",
+                        exc)
 
     def drain(self, grace_s: float) -> None:
         """Graceful shutdown: take nothing new, let the batch finish for up to grace_s, then
-        hand every unfinished sequence back to the queue (another worker restarts it)."""
+        hand every unfinished sequence back to the queue (another worker restarts it). Bounded
+        whatever Redis or the model does: HANDBACK_TIMEOUT_S after the grace, every task thread
+        is released, those not handed back with their messages unacknowledged."""
         self._draining.set()
         log.info("draining: up to %.0f s for %d sequences", grace_s,
                  self.scheduler.num_unfinished + self.inbox.qsize())
@@ -129,6 +146,11 @@ class EngineCore:
         if self.scheduler.num_unfinished or not self.inbox.empty():
             self._idle.wait(grace_s)
         self._handback.set()
+        if not self._handback_done.wait(HANDBACK_TIMEOUT_S):
+            # The loop is stuck (a step, or a Redis call, that does not return): its data is
+            # left alone; only the task threads waiting on it are let go.
+            self._strand(list(self._all_admitted.values()),
+                         f"the engine did not hand back within {HANDBACK_TIMEOUT_S:.0f} s")
 
     # --- the door Celery tasks use -------------------------------------------------------------
     def run_sequence(self, seq_id: str, timeout_s: float | None = None) -> dict:
@@ -145,6 +167,8 @@ class EngineCore:
         if seq is None:
             return {"seq_id": seq_id, "skipped": True}
         seq.done.wait(timeout_s)
+        if seq in self._stranded:   # released at shutdown, not handed back: Redis was away
+            return {"seq_id": seq_id, "stranded": True}
         return {"seq_id": seq_id, "finish_reason": seq.finish_reason and seq.finish_reason.value,
                 "completion_tokens": seq.num_output_tokens}
 
@@ -365,26 +389,48 @@ class EngineCore:
         seq.done.set()
 
     def _hand_back(self, pending):
-        """Drain ran out of time: unfinished sequences go back to the queue, from scratch."""
+        """Drain ran out of time: unfinished sequences go back to the queue, from scratch.
+        Those that cannot (Redis or the broker away) are released as stranded: their messages
+        stay unacknowledged and their records `running` here, for kombu or a peer's reaper."""
         pending = self._publish(pending)
         for seq in self.scheduler.running + list(self.scheduler.waiting):
             self.scheduler.abort(seq, FinishReason.CANCELLED)
         self._take_inbox(block=False)
         for seq in list(self.scheduler.waiting):
             self.scheduler.abort(seq, FinishReason.CANCELLED)
-        for seq_id in self.store.reclaim(self.name):
-            log.info("handed back at shutdown", extra={"seq_id": seq_id})
-            self.requeue(seq_id)
+        handed_back: set[str] = set()
+        try:
+            for seq_id in self.store.reclaim(self.name):
+                self.requeue(seq_id)
+                handed_back.add(seq_id)
+                log.info("handed back at shutdown", extra={"seq_id": seq_id})
+        except Exception as exc:  # noqa: BLE001 - RedisError, or kombu's OperationalError
+            self._strand([s for s in self._all_admitted.values()
+                          if s.seq_id not in handed_back], f"redis unavailable: {exc}")
         self.detokenizers.clear()
         self._attempts.clear()
         self._release_all()
         self._handback.clear()
+        self._handback_done.set()
         return pending
 
     def _release_all(self) -> None:
         for seq in list(self._all_admitted.values()):
             seq.done.set()
         self._all_admitted.clear()
+
+    def _strand(self, seqs: list[Sequence], why: str) -> None:
+        """Lets task threads go without a hand-back. Their tasks leave the messages
+        unacknowledged and the records stay `running` under this name, so kombu redelivers
+        them or a peer's reaper (or this name's next start) takes them back."""
+        seqs = [s for s in seqs if not s.done.is_set()]
+        if not seqs:
+            return
+        log.error("could not hand back %d sequences (%s); their messages stay "
+                  "unacknowledged, for kombu or a peer's reaper to bring back", len(seqs), why)
+        self._stranded.update(seqs)
+        for seq in seqs:
+            seq.done.set()
 
     def _reap_dead_workers(self) -> None:
         """Takes back what workers that stopped heart-beating were running."""

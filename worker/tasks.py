@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from celery import shared_task
+from celery.exceptions import Reject
 
 from common.protocol import GENERATE_TASK
 
@@ -12,4 +13,9 @@ def generate(self, seq_id: str) -> dict:
     engine = self.app.llmq_engine
     if engine is None:
         raise RuntimeError("this worker's engine is not running")
-    return engine.run_sequence(seq_id)
+    result = engine.run_sequence(seq_id)
+    if result.get("stranded"):
+        # Released at shutdown without a hand-back (Redis away): the message is not
+        # acknowledged, so kombu redelivers it, or a peer's reaper takes the record back.
+        raise Reject("not handed back at shutdown", requeue=True)
+    return result

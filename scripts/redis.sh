@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Redis for llmq on 127.0.0.1:$REDIS_PORT, in the foreground (`make redis`; `make run` starts it
+# too): append-only file on, a password generated once and kept in $LLMQ_RUN_DIR/redis.password,
+# and that folder (run/ by default) private to this user, as everything Redis writes into it.
+# `scripts/redis.sh url` prints the redis:// URL with that password instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+umask 077
+RUN="${LLMQ_RUN_DIR:-run}"
+PORT="${REDIS_PORT:-6379}"
+mkdir -p "$RUN"
+chmod 700 "$RUN"
+pwfile="$RUN/redis.password"
+# 24 random bytes as hex: safe in a redis:// URL without encoding.
+[ -s "$pwfile" ] || od -An -vtx1 -N24 /dev/urandom | tr -d ' \n' >"$pwfile"
+pw="$(cat "$pwfile")"
+if [ "${1:-}" = url ]; then
+  echo "redis://:$pw@127.0.0.1:$PORT/0"
+  exit 0
+fi
+chmod -R go-rwx "$RUN"   # what an older run left readable (append-only file, logs)
+# The password goes in a config file only this user reads, not on the command line (ps shows
+# every process's arguments to every user).
+printf 'port %s\nbind 127.0.0.1\ndir "%s"\nappendonly yes\nrequirepass %s\n' \
+  "$PORT" "$(cd "$RUN" && pwd)" "$pw" >"$RUN/redis.conf"
+exec redis-server "$RUN/redis.conf"

@@ -1,0 +1,172 @@
+"""`make run` (scripts/run.sh) and Ctrl-C while work is in flight.
+
+The script runs as a terminal runs it: in its own foreground process group, and Ctrl-C is
+SIGINT to that whole group. It must stop the API, then the workers (drain within
+LLMQ_SHUTDOWN_GRACE, hand the rest back), then Flower, then Redis, all within the grace + 10 s;
+the next start finishes every job that was in flight. Redis has a password kept in the private
+run folder, and nothing it writes there is readable by others.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+
+from support import ROOT, free_port, wait_until
+
+from .factories import Api, running_with_tokens
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+GRACE_S = 3
+MARGIN_S = 10          # the issue's bound: every process gone within the grace + 10 s
+START_S = 300          # Redis, a worker loading the model, the API and Flower, on a loaded host
+LONG = {"max_tokens": 480, "ignore_eos": True, "temperature": 0}
+
+
+def _default_sigint() -> None:
+    # A shell that starts a job in the background ignores SIGINT in it, and a script cannot trap
+    # a signal ignored on entry; a terminal's foreground job has the default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class RunScript:
+    """scripts/run.sh as a terminal's foreground job, its output in a file."""
+
+    def __init__(self, env: dict, out: Path):
+        self.env, self.out = env, out
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "RunScript":
+        self.out.write_text("")
+        self.proc = subprocess.Popen(
+            ["bash", "scripts/run.sh"], cwd=ROOT, env=self.env, stdout=self.out.open("w"),
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint)
+        return self
+
+    def output(self) -> str:
+        return self.out.read_text()
+
+    def wait_output(self, text: str, timeout_s: float) -> None:
+        def seen():
+            if text in self.output():
+                return True
+            if self.proc.poll() is not None:
+                raise AssertionError(f"run.sh exited ({self.proc.returncode}):\n{self.output()}")
+            return False
+        wait_until(seen, timeout_s, f"run.sh to print {text!r}")
+
+    def processes(self) -> list[psutil.Process]:
+        """The script and everything it started (each part runs in a session of its own, so
+        the tree, not the process group, finds them)."""
+        me = psutil.Process(self.proc.pid)
+        return [me, *me.children(recursive=True)]
+
+    def ctrl_c(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGINT)
+
+
+def _names(procs: list[psutil.Process]) -> str:
+    out = []
+    for p in procs:
+        try:
+            out.append(" ".join(p.cmdline())[:80])
+        except psutil.NoSuchProcess:
+            pass
+    return "\n".join(out)
+
+
+def _kill(procs: list[psutil.Process]) -> None:
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+@pytest.fixture
+def run_env(tmp_path, tiny_model_dir) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("REDIS_URL", "LLMQ_REDIS_URL", "LLMQ_API_KEYS")}
+    env.update(
+        LLMQ_RUN_DIR=str(tmp_path / "run"), REDIS_PORT=str(free_port()),
+        LLMQ_HOST="127.0.0.1", LLMQ_PORT=str(free_port()), FLOWER_PORT=str(free_port()),
+        LLMQ_MODEL=tiny_model_dir, WORKERS="1", LLMQ_SHUTDOWN_GRACE=str(GRACE_S),
+        LLMQ_DEVICE="cpu", LLMQ_MAX_NUM_SEQS="16", LLMQ_LOG_FORMAT="text",
+        # Two shared cores: one torch thread per process.
+        OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", LLMQ_TORCH_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def test_ctrl_c_stops_everything_in_order_and_the_next_run_finishes_the_jobs(run_env, tmp_path):
+    run_dir = Path(run_env["LLMQ_RUN_DIR"])
+    first = RunScript(run_env, tmp_path / "run1.out")
+    second = RunScript(run_env, tmp_path / "run2.out")
+    started: list[psutil.Process] = []   # for the clean-up, whatever happens
+    try:
+        first.start()
+        first.wait_output(" - ready.", START_S)
+        started = first.processes()
+
+        # Redis wants the password kept in the private run folder.
+        assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+        password = (run_dir / "redis.password").read_text().strip()
+        assert len(password) >= 32
+        port = int(run_env["REDIS_PORT"])
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        r = redis.Redis(port=port, password=password, decode_responses=True)
+        assert r.ping()
+
+        api = Api(f"http://127.0.0.1:{run_env['LLMQ_PORT']}")
+        ids = [j["id"] for j in api.submit_many([f"Tell a long story {i}." for i in range(3)],
+                                                **LONG)]
+        wait_until(lambda: len(running_with_tokens(r, ids, 1)) == 3, 60, "the jobs to run")
+        # Every file Redis wrote (the append-only file is full of prompts) is this user's only.
+        for path in run_dir.rglob("*"):
+            assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
+
+        procs = first.processes()
+        assert len(procs) >= 6, _names(procs)   # run.sh, redis, worker + model, api, flower
+        first.ctrl_c()
+        first.wait_output("Ctrl-C again stops everything at once", 10)
+        _gone, alive = psutil.wait_procs(procs, timeout=GRACE_S + MARGIN_S)
+        assert not alive, f"still running after the grace + {MARGIN_S} s:\n{_names(alive)}\n" \
+                          f"{first.output()}"
+        assert first.proc.wait(5) == 0, first.output()
+
+        # The order: the API, the workers, Flower, Redis last; the worker reached Redis
+        # for what it handed back.
+        out = first.output()
+        steps = ["stopping the API", "stopping the workers", "stopping Flower",
+                 "stopping Redis", "stopped."]
+        at = [out.find(s) for s in steps]
+        assert -1 not in at and at == sorted(at), out
+        worker_log = (run_dir / "worker0.log").read_text()
+        assert "could not hand back" not in worker_log, worker_log[-3000:]
+
+        # The next run finishes every one of those jobs.
+        second.start()
+        second.wait_output(" - ready.", START_S)
+        started = second.processes()
+        for seq_id in ids:
+            job = api.wait_job(seq_id, 240)
+            assert job["status"] == "succeeded", job
+            assert job["usage"]["completion_tokens"] == LONG["max_tokens"], job
+
+        procs = second.processes()
+        second.ctrl_c()
+        _gone, alive = psutil.wait_procs(procs, timeout=GRACE_S + MARGIN_S)
+        assert not alive, _names(alive)
+    finally:
+        for script in (first, second):
+            if script.proc is not None and script.proc.poll() is None:
+                started += script.processes()
+        _kill(started)
