@@ -18,7 +18,7 @@ from .errors import APIError, error_response, failure_of
 from .limits import check_limits
 from .llm_engine import Overloaded
 from .schemas import JobRequest, SamplingFields
-from .waiting import wait_or_cancel
+from .waiting import WaitTimedOut, wait_or_cancel
 
 bp = Blueprint("api", __name__)
 
@@ -159,7 +159,15 @@ def generate():
         # The stream holds the id and can be resumed (/v1/jobs/<id>/stream, Last-Event-ID):
         # a client that hangs up does not cancel it; it runs to its end like any job.
         return sse_response(jobs[0]["id"], "0-0")
-    results = wait_or_cancel([j["id"] for j in jobs])
+    try:
+        results = wait_or_cancel([j["id"] for j in jobs], cancel_on_timeout=False)
+    except WaitTimedOut:
+        # Still running after LLMQ_WAIT_TIMEOUT: 202 with the jobs as they stand (their ids
+        # let the caller follow them); they run on.
+        jobs = [find_job(j["id"]) for j in jobs]
+        if req.prompts is not None:
+            return jsonify({"object": "list", "jobs": jobs}), 202
+        return jsonify(jobs[0]), 202, {"Location": f"/v1/jobs/{jobs[0]['id']}"}
     failures = [failure_of(r) for r in results]
     if all(failures):
         # Nothing came of the request: the first failure's status and error, the records beside

@@ -18,8 +18,11 @@ CHECK_S = 0.5   # how often a waiting request looks for a hang-up and its deadli
 
 
 class Abandoned(APIError):
-    """Nobody waits any more: the client hung up (499, nginx's "client closed request"), or
-    LLMQ_WAIT_TIMEOUT passed (504)."""
+    """Nobody waits any more: the client hung up (499, nginx's "client closed request")."""
+
+
+class WaitTimedOut(Abandoned):
+    """LLMQ_WAIT_TIMEOUT passed before the sequences finished (504)."""
 
 
 def follow(seq_id: str, deadline: float | None = None) -> Iterator[tuple[str, str, dict]]:
@@ -35,17 +38,19 @@ def follow(seq_id: str, deadline: float | None = None) -> Iterator[tuple[str, st
             if client_gone():
                 raise Abandoned(499, "the client closed the connection", "client_closed")
             if deadline is not None and now > deadline:
-                raise Abandoned(504, "LLMQ_WAIT_TIMEOUT passed before the sequence finished",
-                                "timeout_error", code="timeout")
+                raise WaitTimedOut(504, "LLMQ_WAIT_TIMEOUT passed before the sequence "
+                                   "finished", "timeout_error", code="timeout")
         if ev is not None:
             yield ev
 
 
-def wait_or_cancel(seq_ids: list[str], fail_fast: bool = False) -> list[dict]:
+def wait_or_cancel(seq_ids: list[str], fail_fast: bool = False,
+                   cancel_on_timeout: bool = True) -> list[dict]:
     """Waits for every sequence and returns their final jobs, in order. If the client hangs
-    up, LLMQ_WAIT_TIMEOUT passes or anything else ends the wait, every sequence not yet
-    finished is cancelled (all of a multi-prompt request, not just the one waited on). With
-    fail_fast, the first sequence that failed (see failure_of) ends the wait with its error."""
+    up, LLMQ_WAIT_TIMEOUT passes (WaitTimedOut; unless cancel_on_timeout is off: the caller
+    hands the ids out) or anything else ends the wait, every sequence not yet finished is
+    cancelled (all of a multi-prompt request, not just the one waited on). With fail_fast,
+    the first sequence that failed (see failure_of) ends the wait with its error."""
     ext = current_app.extensions["llmq"]
     engine, owner = ext["engine"], g.owner
     deadline = time.monotonic() + ext["settings"].wait_timeout_s
@@ -55,6 +60,10 @@ def wait_or_cancel(seq_ids: list[str], fail_fast: bool = False) -> list[dict]:
             finals.append(_final(engine, seq_id, owner, deadline))
             if fail_fast and (err := failure_of(finals[-1])):
                 raise err
+    except WaitTimedOut:
+        if cancel_on_timeout:
+            cancel_all(engine, seq_ids[len(finals):], owner)
+        raise
     except BaseException:
         cancel_all(engine, seq_ids[len(finals):], owner)
         raise

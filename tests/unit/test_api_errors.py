@@ -255,16 +255,29 @@ def test_generate_whose_client_hangs_up_is_cancelled(api, hung_up, body):
     assert [api.status(s) for s in api.seq_ids()] == ["cancelled"] * len(api.seq_ids())
 
 
-def test_generate_past_the_wait_timeout_is_504_and_cancelled(_api):
+@pytest.fixture
+def short_wait(_api):
+    """LLMQ_WAIT_TIMEOUT of 0.2 s, for one test."""
     api = _api.reset()
-    old = api.settings
     ext = api.app.extensions["llmq"]
-    ext["settings"] = old.replace(wait_timeout_s=0.2)
-    try:
-        err = error_of(api.client.post("/v1/generate", json={"prompt": "a"}), 504)
-    finally:
-        ext["settings"] = old
-    assert err["type"] == "timeout_error" and api.status(api.seq_ids()[0]) == "cancelled"
+    ext["settings"] = api.settings.replace(wait_timeout_s=0.2)
+    yield api
+    ext["settings"] = api.settings
+
+
+def test_openai_request_past_the_wait_timeout_is_504_and_cancelled(short_wait):
+    err = error_of(short_wait.client.post("/v1/completions", json={"prompt": "a"}), 504)
+    assert err["type"] == "timeout_error"
+    assert short_wait.status(short_wait.seq_ids()[0]) == "cancelled"
+
+
+def test_generate_past_the_wait_timeout_is_202_and_runs_on(short_wait):
+    resp = short_wait.client.post("/v1/generate", json={"prompt": "a"})
+    assert resp.status_code == 202 and resp.get_json()["status"] == "queued"
+    assert resp.headers["Location"] == f"/v1/jobs/{short_wait.seq_ids()[0]}"
+    resp = short_wait.client.post("/v1/generate", json={"prompts": ["a", "b"]})
+    assert resp.status_code == 202
+    assert [j["status"] for j in resp.get_json()["jobs"]] == ["queued", "queued"]
 
 
 # --- streams: reset, resume after the end ------------------------------------------------------
