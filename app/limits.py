@@ -9,13 +9,10 @@ finish_reason "length" at the end of the context.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from .errors import APIError
 from .schemas import SamplingFields
-
-log = logging.getLogger("llmq.api")
 
 
 def check_limits(settings, req: SamplingFields, inputs: list[dict[str, Any]], *,

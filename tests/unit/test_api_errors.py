@@ -41,6 +41,8 @@ class FinishingCelery(RecordingCelery):
 
 
 class Api:
+    """One app on fakeredis whose worker stand-in plays a chosen outcome; reset() per test."""
+
     def __init__(self, **overrides):
         from app import create_app
 
