@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -72,27 +73,32 @@ class PromptCounter:
 
 
 class LazyPromptCounter:
-    """Loads the counter on first use (the API starts without reading tokenizer files) and
-    remembers a model it cannot count for."""
+    """Loads the counter on first use (the API starts without reading tokenizer files); a model
+    whose files are not there yet (the default is converted by the first worker to start) is
+    looked for again every RETRY_S seconds."""
+
+    RETRY_S = 30.0
 
     def __init__(self, model: str, cache_dir: str):
         self.model, self.cache_dir = model, cache_dir
         self._lock = threading.Lock()
-        self._loaded = False
+        self._next_try = 0.0
         self._counter: PromptCounter | None = None
 
     def get(self) -> PromptCounter | None:
+        if self._counter is not None or time.monotonic() < self._next_try:
+            return self._counter
         with self._lock:
-            if not self._loaded:
-                self._loaded = True
+            if self._counter is None and time.monotonic() >= self._next_try:
+                self._next_try = time.monotonic() + self.RETRY_S
                 folder = model_folder(self.model, self.cache_dir)
                 try:
                     self._counter = PromptCounter(folder) if folder else None
                 except Exception as exc:  # noqa: BLE001 - unreadable files: the worker checks
                     log.warning("cannot count prompt tokens in the API: %s", exc)
                 if self._counter is None:
-                    log.warning("no tokenizer for %s in the API: prompts past the context are "
-                                "refused by the worker instead", self.model)
+                    log.warning("no tokenizer for %s in the API (yet): prompts past the "
+                                "context are refused by the worker instead", self.model)
             return self._counter
 
 

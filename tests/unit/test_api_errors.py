@@ -384,3 +384,17 @@ def test_counting_in_the_api_imports_no_torch(default_model_dir):
     proc = subprocess.run([sys.executable, "-c", _COUNT_WITHOUT_TORCH, default_model_dir],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_a_default_model_converted_after_the_api_started_is_counted_later(tmp_path,
+                                                                          default_model_dir):
+    import shutil
+
+    from app.prompt_counter import LazyPromptCounter
+
+    lazy = LazyPromptCounter("smollm2", str(tmp_path))
+    lazy.RETRY_S = 0.0
+    assert lazy.get() is None               # the first worker has not converted it yet
+    shutil.copytree(default_model_dir, tmp_path / "SmolLM2-135M-Instruct",
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    assert lazy.get().count({"prompt": "hello world"}) == 2
