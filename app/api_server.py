@@ -119,7 +119,11 @@ def find_job(seq_id: str) -> dict:
 @bp.post("/v1/jobs")
 def create_jobs():
     req = parse_job_request()
-    jobs = submit(inputs_of(req), req)
+    return accepted(req, submit(inputs_of(req), req))
+
+
+def accepted(req: JobRequest, jobs: list[dict]):
+    """202 with the jobs as they stand: a list for `prompts`, else the one job and its URL."""
     if req.prompts is not None:
         return jsonify({"object": "list", "jobs": jobs}), 202
     return jsonify(jobs[0]), 202, {"Location": f"/v1/jobs/{jobs[0]['id']}"}
@@ -162,15 +166,12 @@ def generate():
     try:
         results = wait_or_cancel([j["id"] for j in jobs], cancel_on_timeout=False)
     except WaitTimedOut:
-        # Still running after LLMQ_WAIT_TIMEOUT: 202 with the jobs as they stand (their ids
-        # let the caller follow them); they run on.
-        jobs = [find_job(j["id"]) for j in jobs]
-        if req.prompts is not None:
-            return jsonify({"object": "list", "jobs": jobs}), 202
-        return jsonify(jobs[0]), 202, {"Location": f"/v1/jobs/{jobs[0]['id']}"}
+        # Still running after LLMQ_WAIT_TIMEOUT: their ids let the caller follow them; they
+        # run on.
+        return accepted(req, [find_job(j["id"]) for j in jobs])
     failures = [failure_of(r) for r in results]
     if all(failures):
-        # Nothing came of the request: the first failure's status and error, the records beside
+        # Nothing came of the request: the first failure's status and error, with the records
         err = failures[0]
         extra = {"results": results} if req.prompts is not None else {"job": results[0]}
         return error_response(err.status, err.message, err.type, param=err.param,
