@@ -14,33 +14,16 @@ from werkzeug.exceptions import HTTPException
 
 from common.protocol import EVENT_DONE
 
+from .errors import APIError, error_response, failure_of
+from .limits import check_limits
 from .llm_engine import Overloaded
 from .schemas import JobRequest, SamplingFields
+from .waiting import WaitTimedOut, wait_or_cancel
 
 bp = Blueprint("api", __name__)
 
 _STREAM_ID = re.compile(r"^\d+-\d+$")
 _OPEN_PATHS = {"/healthz", "/readyz", "/"}   # and /static/: the playground page
-
-
-class APIError(Exception):
-    """An error the client caused or must handle; rendered as {"error": {...}}."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 headers: dict | None = None, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.headers = status, message, type_, headers or {}
-        self.param, self.code = param, code
-
-
-def error_response(status: int, message: str, type_: str, headers: dict | None = None,
-                   param: str | None = None, code: str | None = None):
-    """The one error shape, OpenAI's: {"error": {"message", "type", "param", "code"}}."""
-    resp = jsonify({"error": {"message": message, "type": type_, "param": param, "code": code}})
-    resp.status_code = status
-    for k, v in (headers or {}).items():
-        resp.headers[k] = v
-    return resp
 
 
 def engine():
@@ -90,19 +73,7 @@ def parse_job_request() -> JobRequest:
         req = JobRequest.model_validate(body)
     except ValidationError as exc:
         raise APIError(400, _describe(exc)) from None
-    s = settings()
-    if req.max_tokens is not None and req.max_tokens > s.max_tokens_limit:
-        raise APIError(400, f"'max_tokens' must be at most {s.max_tokens_limit}")
-    if req.prompts is not None and len(req.prompts) > s.max_prompts:
-        raise APIError(400, f"at most {s.max_prompts} prompts per request")
-    texts = [req.prompt or ""] + (req.prompts or []) + [m.content for m in req.messages or []]
-    if sum(len(t) for t in texts) > s.max_prompt_chars * max(1, len(req.prompts or [])):
-        raise APIError(400, f"prompt too long (at most {s.max_prompt_chars} characters each)")
-    if len(req.stop) > s.max_stop:
-        raise APIError(400, f"at most {s.max_stop} stop strings")
-    if req.min_tokens > (req.max_tokens or s.default_max_tokens):
-        raise APIError(400, "'min_tokens' must not exceed 'max_tokens'")
-    return req
+    return req   # the limits (lengths, counts, the context) are submit()'s check_limits
 
 
 def _describe(exc: ValidationError) -> str:
@@ -123,11 +94,18 @@ def inputs_of(req: JobRequest) -> list[dict[str, Any]]:
 
 
 def submit(inputs: list[dict[str, Any]], req: SamplingFields,
-           default_max_tokens: int | None = None, max_tokens: int | None = None) -> list[dict]:
-    """Queues one sequence per input with the request's sampling and queueing fields, owned by
-    the caller (every submitting route, OpenAI's included, comes through here)."""
-    params = req.sampling_params(default_max_tokens or settings().default_max_tokens, max_tokens)
-    return engine().submit(inputs, params, g.owner, req.timeout, req.priority)
+           default_max_tokens: int | None = None, max_tokens: int | None = None,
+           max_tokens_param: str = "max_tokens") -> list[dict]:
+    """Checks the request's limits, then queues one sequence per input with its sampling and
+    queueing fields, owned by the caller (every submitting route, OpenAI's included, comes
+    through here). `max_tokens` overrides the field (OpenAI's max_completion_tokens)."""
+    s, eng = settings(), engine()
+    default_max_tokens = default_max_tokens or s.default_max_tokens
+    check_limits(s, req, inputs, max_tokens=max_tokens or req.max_tokens,
+                 default_max_tokens=default_max_tokens, counter=eng.prompt_counter.get(),
+                 context_len=eng.context_length(), max_tokens_param=max_tokens_param)
+    params = req.sampling_params(default_max_tokens, max_tokens)
+    return eng.submit(inputs, params, g.owner, req.timeout, req.priority)
 
 
 def find_job(seq_id: str) -> dict:
@@ -141,7 +119,11 @@ def find_job(seq_id: str) -> dict:
 @bp.post("/v1/jobs")
 def create_jobs():
     req = parse_job_request()
-    jobs = submit(inputs_of(req), req)
+    return accepted(req, submit(inputs_of(req), req))
+
+
+def accepted(req: JobRequest, jobs: list[dict]):
+    """202 with the jobs as they stand: a list for `prompts`, else the one job and its URL."""
     if req.prompts is not None:
         return jsonify({"object": "list", "jobs": jobs}), 202
     return jsonify(jobs[0]), 202, {"Location": f"/v1/jobs/{jobs[0]['id']}"}
@@ -164,6 +146,10 @@ def stream_job(seq_id: str):
     last = request.headers.get("Last-Event-ID") or request.args.get("last_event_id") or "0-0"
     if not _STREAM_ID.match(last):
         raise APIError(400, "Last-Event-ID must be a stream id like 1700000000000-0")
+    if engine().is_over(seq_id, last):
+        # Resumed at (or past) the done event, as EventSource does after the server closed:
+        # nothing will follow, and 204 is what tells EventSource to stop reconnecting.
+        return Response(status=204, headers={"X-Request-Id": seq_id})
     return sse_response(seq_id, last)
 
 
@@ -174,8 +160,22 @@ def generate():
         raise APIError(400, "'stream' works with one prompt; use /v1/jobs for a batch")
     jobs = submit(inputs_of(req), req)
     if req.stream:
+        # The stream holds the id and can be resumed (/v1/jobs/<id>/stream, Last-Event-ID):
+        # a client that hangs up does not cancel it; it runs to its end like any job.
         return sse_response(jobs[0]["id"], "0-0")
-    results = [engine().wait(j["id"]) or engine().get(j["id"], g.owner) for j in jobs]
+    try:
+        results = wait_or_cancel([j["id"] for j in jobs], cancel_on_timeout=False)
+    except WaitTimedOut:
+        # Still running after LLMQ_WAIT_TIMEOUT: their ids let the caller follow them; they
+        # run on.
+        return accepted(req, [find_job(j["id"]) for j in jobs])
+    failures = [failure_of(r) for r in results]
+    if all(failures):
+        # Nothing came of the request: the first failure's status and error, with the records
+        err = failures[0]
+        extra = {"results": results} if req.prompts is not None else {"job": results[0]}
+        return error_response(err.status, err.message, err.type, param=err.param,
+                              code=err.code, **extra)
     if req.prompts is not None:
         return jsonify({"object": "list", "results": results})
     return jsonify(results[0])

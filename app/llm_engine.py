@@ -17,7 +17,11 @@ from common.protocol import (EVENT_DONE, GENERATE_TASK, FinishReason, SamplingPa
                              SequenceRequest, SequenceStatus)
 from common.store import SequenceStore
 
+from .prompt_counter import LazyPromptCounter
+
 log = logging.getLogger("llmq.api")
+
+CONTEXT_RECHECK_S = 5.0   # how stale the workers' context length may be
 
 
 class Overloaded(Exception):
@@ -39,6 +43,9 @@ class LLMEngine:
         self.settings = settings
         self.store = store
         self.celery = celery
+        self.prompt_counter = LazyPromptCounter(settings.model, settings.model_cache_dir)
+        self._context_len: int | None = None
+        self._context_checked_at = -CONTEXT_RECHECK_S
 
     def submit(self, inputs: list[dict[str, Any]], params: SamplingParams, owner: str = "",
                timeout_s: float | None = None, priority: int | None = None) -> list[dict[str, Any]]:
@@ -102,13 +109,15 @@ class LLMEngine:
     def events(self, seq_id: str, after: str = "0-0",
                keepalive_s: float | None = None) -> Iterator[tuple[str, str, dict] | None]:
         """Yields (entry_id, kind, data) after `after` until the done event; None while idle
-        for keepalive_s (so a server can write a keep-alive)."""
+        for keepalive_s (so a server can write a keep-alive). Ends at once when the sequence
+        has finished and nothing follows `after` (resumed with the done event's id)."""
         block_ms = int((keepalive_s or self.settings.sse_keepalive_s) * 1000)
         while True:
             events = self.store.read_events(seq_id, after, block_ms=block_ms)
             if not events:
-                if self.store.get_record(seq_id) is None:
-                    return   # expired underneath us
+                rec = self.store.get_record(seq_id)
+                if rec is None or self._has_ended(rec, seq_id, after):
+                    return   # expired underneath us, or the reader has had the done event
                 yield None
                 continue
             for entry_id, kind, data in events:
@@ -117,12 +126,25 @@ class LLMEngine:
                 if kind == EVENT_DONE:
                     return
 
-    def wait(self, seq_id: str, timeout_s: float | None = None) -> dict[str, Any] | None:
-        """Blocks until the sequence ends; returns its final job (None on timeout)."""
-        deadline = time.monotonic() + (timeout_s or self.settings.wait_timeout_s)
-        for ev in self.events(seq_id, keepalive_s=1.0):
-            if ev is not None and ev[1] == EVENT_DONE:
-                return ev[2]
-            if time.monotonic() > deadline:
-                return None
-        return self.store.get_job(seq_id)
+    def is_over(self, seq_id: str, after: str) -> bool:
+        """True when a reader resumed after `after` has had everything, done event included."""
+        rec = self.store.get_record(seq_id)
+        return rec is not None and self._has_ended(rec, seq_id, after)
+
+    def _has_ended(self, rec: dict, seq_id: str, after: str) -> bool:
+        # The done event is written with the final status, in one script: a finished record
+        # with no entry after `after` means the done event is at or before it.
+        return (SequenceStatus(rec["status"]).is_finished
+                and not self.store.read_events(seq_id, after, count=1))
+
+    def context_length(self) -> int | None:
+        """The context per sequence the live workers report (the smallest: any of them may
+        take what is accepted), re-read every few seconds; None before any has reported."""
+        now = time.monotonic()
+        if now >= self._context_checked_at + CONTEXT_RECHECK_S:
+            lens = [int(w["max_model_len"]) for w in
+                    self.store.live_workers(self.settings.worker_stale_s)
+                    if w.get("max_model_len", "").isdigit() and int(w["max_model_len"]) > 0]
+            self._context_len = min(lens) if lens else None
+            self._context_checked_at = now
+        return self._context_len

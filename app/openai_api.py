@@ -12,11 +12,12 @@ from typing import Any, Iterator, Literal
 from flask import Blueprint, Response, g, jsonify, stream_with_context
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from common.protocol import EVENT_DONE, EVENT_TOKEN
+from common.protocol import EVENT_DONE, EVENT_RESET, EVENT_TOKEN
 
-from .api_server import APIError, engine, parse_json_body, settings, submit
-from .client_connection import client_gone
+from .api_server import engine, parse_json_body, settings, submit
+from .errors import APIError, failure_of
 from .schemas import SamplingFields
+from .waiting import Abandoned, cancel_all, follow, wait_or_cancel
 
 bp = Blueprint("openai", __name__)
 
@@ -103,13 +104,13 @@ def _parse(model_cls):
     if req.model is not None and req.model not in served:
         raise APIError(404, f"The model `{req.model}` does not exist.", "invalid_request_error",
                        param="model", code="model_not_found")
-    s = settings()
-    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
-    if max_tokens is not None and max_tokens > s.max_tokens_limit:
-        raise _error(f"max_tokens must be at most {s.max_tokens_limit}", param="max_tokens")
-    if len(req.stop) > s.max_stop:
-        raise _error(f"at most {s.max_stop} stop strings", param="stop")
-    return req
+    if req.request_id is not None:
+        # vLLM runs the request under the caller's id; llmq's ids are its own (one key must
+        # never name, or collide with, another's sequences), so it is refused, not ignored.
+        raise _error("'request_id' is not supported: llmq assigns each request its id (the "
+                     "response's `id` and its X-Request-Id header)", param="request_id",
+                     code="unsupported_parameter")
+    return req   # lengths, counts and the context are submit()'s check_limits
 
 
 def served_model_names() -> list[str]:
@@ -145,8 +146,9 @@ def _usage(jobs: list[dict]) -> dict:
 
 
 def _finish_reason(job: dict) -> str | None:
+    """OpenAI's finish reason; a failure or a timeout never gets here (see failure_of)."""
     reason = job.get("finish_reason")
-    return {"cancelled": "abort", "timeout": "abort"}.get(reason, reason)
+    return "abort" if reason == "cancelled" else reason
 
 
 # --- routes -----------------------------------------------------------------------------------
@@ -163,8 +165,6 @@ def completions():
     prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     if not prompts or any(not p for p in prompts):
         raise _error("prompt must be a non-empty string or list of strings", param="prompt")
-    if len(prompts) > settings().max_prompts:
-        raise _error(f"at most {settings().max_prompts} prompts", param="prompt")
     if req.stream and len(prompts) > 1:
         raise _error("streaming takes a single prompt", param="prompt")
     jobs = submit([{"prompt": p} for p in prompts], req, default_max_tokens=16)
@@ -176,7 +176,9 @@ def chat_completions():
     req = _parse(ChatCompletionRequest)
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": _text_content(m.content)} for m in req.messages]
-    jobs = submit([{"messages": messages}], req, max_tokens=req.max_completion_tokens)
+    jobs = submit([{"messages": messages}], req, max_tokens=req.max_completion_tokens,
+                  max_tokens_param="max_completion_tokens" if req.max_completion_tokens
+                  else "max_tokens")
     return _respond(req, jobs, chat=True)
 
 
@@ -187,7 +189,12 @@ def _respond(req: _Common, jobs: list[dict], chat: bool):
         gen = _stream_chunks(jobs[0], chat, include_usage)
         return Response(stream_with_context(gen), mimetype="text/event-stream",
                         headers={**headers, "Cache-Control": "no-cache"})
-    finals = [_wait_or_cancel(j["id"]) for j in jobs]
+    try:
+        # A sequence that failed fails the request (its status and error, see failure_of).
+        finals = wait_or_cancel([j["id"] for j in jobs], fail_fast=True)
+    except APIError as err:
+        err.headers = {**headers, **err.headers}
+        raise
     created = int(time.time())
     if chat:
         choices = [{"index": 0, "message": {"role": "assistant", "content": finals[0]["text"]},
@@ -200,28 +207,44 @@ def _respond(req: _Common, jobs: list[dict], chat: bool):
     return jsonify(body), 200, headers
 
 
-def _wait_or_cancel(seq_id: str) -> dict:
-    """Waits for the sequence; if the client hangs up meanwhile, cancels it."""
-    eng = engine()
-    deadline = time.monotonic() + settings().wait_timeout_s
-    next_check = time.monotonic() + 0.5
-    for ev in eng.events(seq_id, keepalive_s=0.5):
-        if ev is not None and ev[1] == EVENT_DONE:
-            return ev[2]
-        # Checked every half second whether or not tokens are flowing: a sequence that is
-        # generating never leaves the event stream idle, so checking only on idle (as before)
-        # missed hang-ups and the deadline for as long as it ran.
-        now = time.monotonic()
-        if ev is None or now >= next_check:
-            next_check = now + 0.5
-            if client_gone() or now > deadline:
-                eng.cancel(seq_id, g.owner)
-                raise APIError(408 if now > deadline else 499,
-                               "request ended before the sequence finished", "timeout_error")
-    job = eng.get(seq_id, g.owner)
-    if job is None:
-        raise APIError(404, "the sequence expired", "not_found_error")
-    return job
+class SentText:
+    """What an OpenAI stream has sent, kept true across a `reset` (the worker running the
+    sequence was lost and another runs it again from the start). Text sent cannot be taken
+    back, so the re-run's text is held until it passes what the client has: a re-run that
+    repeats it (greedy decoding, or a `seed`) continues the stream seamlessly; one that
+    differs ends it with an error."""
+
+    def __init__(self):
+        self.sent = ""
+        self.rerun: str | None = None   # the re-run's text while it is behind `sent`
+        self.was_reset = False
+
+    def reset(self) -> None:
+        self.rerun, self.was_reset = "", True
+
+    def piece(self, text: str) -> str:
+        """What to send for a token event's text ("" while a re-run is catching up)."""
+        if self.rerun is None:
+            self.sent += text
+            return text
+        self.rerun += text
+        return self._catch_up(self.rerun)
+
+    def rest(self, final_text: str) -> str:
+        """At the end: what the client still lacks (only a re-run can leave anything)."""
+        return self._catch_up(final_text) if self.was_reset else ""
+
+    def _catch_up(self, text: str) -> str:
+        n = min(len(text), len(self.sent))
+        if text[:n] != self.sent[:n]:
+            raise APIError(500, "the worker running this request was lost and the re-run "
+                           "produced different text from what was already streamed; retry the "
+                           "request (with temperature 0 or a seed, a re-run repeats itself)",
+                           "server_error", code="stream_diverged")
+        if len(text) <= len(self.sent):
+            return ""
+        out, self.sent, self.rerun = text[len(self.sent):], text, None
+        return out
 
 
 def _stream_chunks(job: dict, chat: bool, include_usage: bool) -> Iterator[str]:
@@ -240,19 +263,21 @@ def _stream_chunks(job: dict, chat: bool, include_usage: bool) -> Iterator[str]:
         return _data({"id": seq_id, "object": obj, "created": created, "model": model,
                       "choices": [choice]})
 
-    finished = False
+    finished, text = False, SentText()
     try:
         if chat:
             yield chunk(None, None, role=True)
-        for ev in eng.events(seq_id, keepalive_s=1.0):
-            if ev is None:
-                if client_gone():
-                    return
-                continue
-            _id, kind, data = ev
-            if kind == EVENT_TOKEN and data["text"]:
-                yield chunk(data["text"], None)
+        for _id, kind, data in follow(seq_id):
+            if kind == EVENT_RESET:
+                text.reset()
+            elif kind == EVENT_TOKEN and (piece := text.piece(data["text"])):
+                yield chunk(piece, None)
             elif kind == EVENT_DONE:
+                if err := failure_of(data):
+                    finished = True
+                    raise err
+                if rest := text.rest(data["text"]):
+                    yield chunk(rest, None)
                 finished = True
                 yield chunk(None if chat else "", _finish_reason(data))
                 if include_usage:
@@ -260,9 +285,16 @@ def _stream_chunks(job: dict, chat: bool, include_usage: bool) -> Iterator[str]:
                                  "choices": [], "usage": _usage([data])})
                 yield "data: [DONE]\n\n"
                 return
+    except Abandoned:
+        return   # nobody is reading (finally cancels)
+    except APIError as err:
+        # The status line went out with the first chunk: the error is the last chunk, as vLLM
+        # sends it (the openai client raises APIError from it).
+        yield err.sse_chunk()
+        yield "data: [DONE]\n\n"
     finally:
-        if not finished:   # the client went away (or the server is stopping): stop generating
-            eng.cancel(seq_id, owner)
+        if not finished:   # the client went away, the server is stopping, or the text broke
+            cancel_all(eng, [seq_id], owner)
 
 
 def _data(obj: dict) -> str:

@@ -21,8 +21,10 @@ class ErrorBody(BaseModel):
 
 
 class ErrorOut(BaseModel):
-    """Every error: 4xx for bad input, 401 without a valid key, 404 unknown id, 429 overload,
-    503 while Redis is unreachable."""
+    """Every error: 4xx for bad input (400 for a prompt past the context), 401 without a valid
+    key, 404 unknown id, 429 overload, 503 while Redis is unreachable; on the routes that wait
+    for a result, 500 for a sequence that failed while running and 504 for a timeout
+    (/v1/generate adds the failed `job`, or `results` for `prompts`)."""
     error: ErrorBody
 
 
@@ -121,6 +123,8 @@ class ModelList(BaseModel):
 
 _ERRORS = {"HTTP_400": ErrorOut, "HTTP_401": ErrorOut, "HTTP_413": ErrorOut,
            "HTTP_429": ErrorOut, "HTTP_503": ErrorOut}
+# what a route that waits for the result adds (app/errors.py: failure_of)
+_FAILED = {"HTTP_500": ErrorOut, "HTTP_504": ErrorOut}
 
 # endpoint -> (request body model, responses, tag). The routes are plain Flask views; their
 # documentation lives here, in one table. Validation stays in the views (skip_validation) so
@@ -129,16 +133,19 @@ ROUTES: dict[str, tuple[type | None, dict, str]] = {
     "api.create_jobs": (JobRequest, {"HTTP_202": JobOut, **_ERRORS}, "jobs"),
     "api.get_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
     "api.cancel_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
-    "api.stream_job": (None, {"HTTP_200": None, "HTTP_400": ErrorOut, "HTTP_404": ErrorOut},
-                       "jobs"),
-    "api.generate": (JobRequest, {"HTTP_200": JobOut, **_ERRORS}, "jobs"),
+    # 204: resumed at the done event, nothing follows (EventSource stops reconnecting)
+    "api.stream_job": (None, {"HTTP_200": None, "HTTP_204": None, "HTTP_400": ErrorOut,
+                              "HTTP_404": ErrorOut}, "jobs"),
+    # 202: still running after LLMQ_WAIT_TIMEOUT (the job as it stands)
+    "api.generate": (JobRequest, {"HTTP_200": JobOut, "HTTP_202": JobOut, **_ERRORS,
+                                  **_FAILED}, "jobs"),
     "api.healthz": (None, {"HTTP_200": Health}, "operations"),
     "api.readyz": (None, {"HTTP_200": Health, "HTTP_503": Health}, "operations"),
     "openai.completions": (CompletionRequest, {"HTTP_200": CompletionOut, "HTTP_404": ErrorOut,
-                                               **_ERRORS}, "openai"),
+                                               **_ERRORS, **_FAILED}, "openai"),
     "openai.chat_completions": (ChatCompletionRequest, {"HTTP_200": ChatCompletionOut,
-                                                        "HTTP_404": ErrorOut, **_ERRORS},
-                                "openai"),
+                                                        "HTTP_404": ErrorOut, **_ERRORS,
+                                                        **_FAILED}, "openai"),
     "openai.list_models": (None, {"HTTP_200": ModelList}, "openai"),
     "metrics.metrics": (None, {"HTTP_200": None}, "operations"),
 }

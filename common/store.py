@@ -166,6 +166,7 @@ def job_from_record(rec: dict[str, str]) -> dict[str, Any]:
     prompt_tokens = _num(rec.get("prompt_tokens"), int) or 0
     completion_tokens = _num(rec.get("completion_tokens"), int) or 0
     error = rec.get("error") or None
+    error_code = rec.get("error_code") or None
     job = {
         "id": rec["id"],
         "object": "job",
@@ -180,7 +181,8 @@ def job_from_record(rec: dict[str, str]) -> dict[str, Any]:
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": _num(rec.get("cached_tokens"), int) or 0},
         },
-        "error": {"message": error} if error else None,
+        "error": ({"message": error, **({"code": error_code} if error_code else {})}
+                  if error else None),
         "model": rec.get("model") or None,
         "created_at": _num(rec.get("created_at")),
         "started_at": _num(rec.get("started_at")),
@@ -208,6 +210,7 @@ class Finish:
     text: str | None = None
     completion_tokens: int | None = None
     error: str | None = None
+    error_code: str | None = None      # a bad input's kind ("context_length_exceeded", ...)
     cached_tokens: int | None = None   # prompt tokens the prefix cache gave
     only_if: tuple[SequenceStatus, ...] = (SequenceStatus.QUEUED, SequenceStatus.RUNNING)
     attempt: int | None = None   # set: only if the record still runs that start
@@ -368,6 +371,7 @@ class SequenceStore:
 
     def finish(self, seq_id: str, reason: FinishReason, *, text: str | None = None,
                completion_tokens: int | None = None, error: str | None = None,
+               error_code: str | None = None,
                only_if: tuple[SequenceStatus, ...] = (SequenceStatus.QUEUED,
                                                       SequenceStatus.RUNNING),
                attempt: int | None = None) -> bool:
@@ -376,7 +380,8 @@ class SequenceStore:
         result for a sequence taken over elsewhere is refused)."""
         return self.finish_many([Finish(seq_id, reason, text=text,
                                         completion_tokens=completion_tokens, error=error,
-                                        only_if=only_if, attempt=attempt)])[0]
+                                        error_code=error_code, only_if=only_if,
+                                        attempt=attempt)])[0]
 
     def finish_many(self, items: list["Finish"]) -> list[bool]:
         """finish() for many sequences in two round trips: the records, then every script.
@@ -401,6 +406,8 @@ class SequenceStore:
                 fields["completion_tokens"] = str(it.completion_tokens)
             if it.error:
                 fields["error"] = it.error
+            if it.error_code:
+                fields["error_code"] = it.error_code
             if it.cached_tokens is not None:
                 fields["cached_tokens"] = str(it.cached_tokens)
             job = job_from_record({**rec, **fields})

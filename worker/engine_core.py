@@ -190,17 +190,19 @@ class EngineCore:
         if not attempt:
             return None   # finished, cancelled while queued, or expired: nothing to do twice
         req = self.store.load_request(seq_id)
+        code = "invalid_prompt"   # the record says it was the input (-> a 400 on the API)
         try:
             ids = self._tokenize(req)
             if len(ids) >= self.executor.info.max_model_len:
+                code = "context_length_exceeded"
                 raise ValueError(f"prompt is {len(ids)} tokens; the model's context is "
                                  f"{self.executor.info.max_model_len}")
             if not ids:
                 raise ValueError("prompt is empty after tokenization")
         except Exception as exc:  # noqa: BLE001 - bad input fails this sequence alone
             log.warning("sequence rejected: %s", exc, extra={"seq_id": seq_id})
-            self.store.finish(seq_id, FinishReason.ERROR, error=str(exc), text="",
-                              completion_tokens=0, only_if=(SequenceStatus.RUNNING,),
+            self.store.finish(seq_id, FinishReason.ERROR, error=str(exc), error_code=code,
+                              text="", completion_tokens=0, only_if=(SequenceStatus.RUNNING,),
                               attempt=attempt)
             return None
         self.store.set_prompt_tokens(seq_id, len(ids))
@@ -509,6 +511,8 @@ class EngineCore:
         return {"model": self.executor.info.name if self.executor.info else "",
                 "device": self.executor.info.device if self.executor.info else "",
                 "model_loaded": int(self.executor.info is not None),
+                # the API refuses prompts past it before they queue
+                "max_model_len": self.executor.info.max_model_len if self.executor.info else 0,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "num_steps": st.num_steps, "num_prefilled": st.num_prefilled,
                 "num_joined_running_batch": st.num_joined_running_batch,

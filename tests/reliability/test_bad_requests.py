@@ -41,13 +41,21 @@ def test_prompt_longer_than_the_context_fails_alone_with_a_clear_error(live):
     r = world.client()
     starts = _model_starts(world, worker)
     poison = " ".join(["hello"] * 700)             # 700 tokens: past the 512 positions
-    jobs = api.submit_many(["Short one", poison, "Another short one"], **OK)
+    # The API counts the tokens and refuses the batch before anything is queued ...
+    refused = api.request("POST", "/v1/jobs", json={"prompts": ["Short one", poison], **OK})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    # ... and an API that cannot see the model's files (a hub id it has not cached) leaves it
+    # to the worker, which refuses it at admission: it fails alone.
+    blind = world.api(model="llmq-tests/not-a-local-model")
+    jobs = blind.submit_many(["Short one", poison, "Another short one"], **OK)
     bad, good = jobs[1]["id"], [jobs[0]["id"], jobs[2]["id"]]
 
     failed = api.wait_job(bad, 60)
     assert failed["status"] == "failed" and failed["finish_reason"] == "error", failed
     message = failed["error"]["message"]
     assert "context" in message and str(CONTEXT) in message and "700" in message, message
+    assert failed["error"]["code"] == "context_length_exceeded"
     assert failed["text"] == "" and failed["usage"]["completion_tokens"] == 0
     assert stream_kinds(r, bad) == ["done"]        # no tokens, one done event
 
@@ -57,11 +65,15 @@ def test_prompt_longer_than_the_context_fails_alone_with_a_clear_error(live):
 
 def test_prompt_that_nearly_fills_the_context_stops_at_its_end(live):
     world, _worker, api = live
-    job = api.submit(prompt=" ".join(["hello"] * 470), max_tokens=200, ignore_eos=True)
+    prompt = " ".join(["hello"] * 470)
+    # An explicit max_tokens that does not fit beside the prompt is refused (as vLLM does) ...
+    refused = api.request("POST", "/v1/jobs", json={"prompt": prompt, "max_tokens": 200})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    job = api.submit(prompt=prompt, ignore_eos=True)
     final = api.wait_job(job["id"], 60)
     used = final["usage"]
     assert used["prompt_tokens"] == 470, final
-    # max_tokens is cut to the room left in the context: it ends at the last position.
+    # ... an unset one (the default, 256) is cut to the room left: it ends at the last position.
     assert final["status"] == "succeeded" and final["finish_reason"] == "length", final
     assert used["completion_tokens"] == CONTEXT - 470 and used["total_tokens"] == CONTEXT
 

@@ -1,0 +1,400 @@
+"""Failures over HTTP on fakeredis: the limits check, the failure mapping, the OpenAI streams'
+error chunk and `reset` handling, and the one wait-or-cancel (hang-ups cancel everything)."""
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import fakeredis
+import pytest
+
+from common.protocol import FinishReason
+from common.store import CANCELLED_KEY, TokenDelta
+
+from .factories import RecordingCelery, make_settings
+
+pytest.importorskip("lupa", reason="fakeredis needs lupa to run the store's Lua scripts")
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+CONTEXT = 64   # the context the fake worker reports
+
+
+class FinishingCelery(RecordingCelery):
+    """Stands in for Celery and a worker: each sequence sent ends at once as `outcome` says."""
+
+    def __init__(self):
+        super().__init__()
+        self.store = None
+        # finish() keywords, or a function of (store, seq_id) that plays what a worker does;
+        # None: the sequence stays queued
+        self.outcome = None
+
+    def send_task(self, name, args=None, kwargs=None, **options):
+        super().send_task(name, args, kwargs, **options)
+        if callable(self.outcome):
+            self.outcome(self.store, args[0])
+        elif self.outcome is not None:
+            self.store.start(args[0], "w1")
+            self.store.finish(args[0], **self.outcome)
+
+
+class Api:
+    """One app on fakeredis whose worker stand-in plays a chosen outcome; reset() per test."""
+
+    def __init__(self, **overrides):
+        from app import create_app
+
+        self.r = fakeredis.FakeRedis(decode_responses=True)
+        self.celery = FinishingCelery()
+        self.settings = make_settings(**{"wait_timeout_s": 5.0, **overrides})
+        self.app = create_app(self.settings, redis_client=self.r, celery=self.celery)
+        self.app.testing = True
+        self.client = self.app.test_client()
+        self.store = self.celery.store = self.app.extensions["llmq"]["store"]
+
+    def reset(self, outcome=None, context: int | None = CONTEXT) -> "Api":
+        self.r.flushall()
+        self.celery.calls.clear()
+        self.celery.outcome = outcome
+        if context:
+            self.store.heartbeat("w1", {"model_loaded": 1, "max_model_len": context}, 60)
+        engine = self.app.extensions["llmq"]["engine"]
+        engine._context_checked_at = -1e9   # re-read the heartbeat now
+        return self
+
+    def seq_ids(self) -> list[str]:
+        return [c["args"][0] for c in self.celery.calls]
+
+    def status(self, seq_id: str) -> str:
+        return self.store.get_job(seq_id)["status"]
+
+
+@pytest.fixture(scope="module")
+def _api(default_model_dir):
+    return Api(model=default_model_dir, max_prompt_chars=2000)
+
+
+@pytest.fixture
+def api(_api):
+    return _api.reset()
+
+
+def error_of(resp, status: int) -> dict:
+    assert resp.status_code == status, resp.get_data(as_text=True)
+    err = resp.get_json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err
+
+
+def stream_datas(resp) -> list:
+    """The `data:` payloads of an OpenAI stream, JSON-decoded ([DONE] kept as a string)."""
+    out = []
+    for block in resp.get_data(as_text=True).split("\n\n"):
+        if block.startswith("data: "):
+            data = block.removeprefix("data: ")
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+LONG = " ".join(["hello"] * 100)   # 100 tokens: past the 64 of CONTEXT
+ROUTES = [("/v1/completions", {"prompt": LONG}, "prompt"),
+          ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]},
+           "messages"),
+          ("/v1/jobs", {"prompt": LONG}, "prompt"),
+          ("/v1/generate", {"messages": [{"role": "user", "content": LONG}]}, "messages")]
+
+
+# --- refused before anything is queued ----------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path,body,param", ROUTES)
+def test_prompt_past_the_context_is_400_before_it_queues(api, path, body, param, stream):
+    if stream and path == "/v1/jobs":
+        pytest.skip("/v1/jobs does not stream")
+    err = error_of(api.client.post(path, json={**body, "stream": stream}), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == param
+    assert f"maximum context length is {CONTEXT} tokens" in err["message"]
+    assert "100 input tokens" in err["message"] or param == "messages"
+    assert api.celery.calls == [] and api.r.dbsize() == 2   # only the heartbeat's keys
+
+
+def test_explicit_max_tokens_past_the_room_is_400_an_unset_one_is_capped(api):
+    prompt = " ".join(["hello"] * 50)
+    err = error_of(api.client.post("/v1/completions", json={"prompt": prompt,
+                                                            "max_tokens": 20}), 400)
+    assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+    assert "(20 > 64 - 50)" in err["message"], err
+    err = error_of(api.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hello"}], "max_completion_tokens": 60}), 400)
+    assert err["param"] == "max_completion_tokens"
+    # Unset: the job is accepted; the worker cuts the default to the room left.
+    assert api.client.post("/v1/jobs", json={"prompt": prompt}).status_code == 202
+
+
+def test_multi_prompt_names_the_prompt_past_the_context(api):
+    err = error_of(api.client.post("/v1/completions", json={"prompt": ["hi", LONG]}), 400)
+    assert err["message"].startswith("prompt 1: ") and api.celery.calls == []
+
+
+def test_without_a_worker_report_the_worker_decides(api):
+    api.reset(context=None)   # no worker has said what its context is
+    assert api.client.post("/v1/jobs", json={"prompt": LONG}).status_code == 202
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("body,param", [
+    ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ({"request_id": "mine-1"}, "request_id"),
+    ({"stop": [str(i) for i in range(17)]}, "stop"),
+])
+def test_openai_routes_share_the_job_routes_limits(api, path, body, param):
+    inp = {"prompt": "hi"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}]}
+    err = error_of(api.client.post(path, json={**inp, **body}), 400)
+    assert err["param"] == param, err
+    assert api.celery.calls == []
+
+
+def test_min_tokens_over_the_default_max_tokens_says_so(api):
+    err = error_of(api.client.post("/v1/completions", json={"prompt": "hi", "min_tokens": 17}),
+                   400)
+    assert "(16, the default)" in err["message"], err
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "x" * 2001}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 1500},
+                                           {"role": "user", "content": "y" * 501}]}),
+])
+def test_openai_routes_apply_max_prompt_chars(api, path, body):
+    err = error_of(api.client.post(path, json=body), 400)
+    assert "2000 characters" in err["message"] and api.celery.calls == []
+
+
+# --- failures while running ---------------------------------------------------------------------
+FAILED = {"reason": FinishReason.ERROR, "error": "index 2147483647 is out of bounds",
+          "text": "", "completion_tokens": 0}
+TIMED_OUT = {"reason": FinishReason.TIMEOUT, "text": "Once", "completion_tokens": 1}
+REFUSED = {"reason": FinishReason.ERROR, "error": "prompt is 700 tokens; the model's context "
+           "is 512", "error_code": "context_length_exceeded", "text": "",
+           "completion_tokens": 0}
+
+
+@pytest.mark.parametrize("outcome,status,type_", [
+    (FAILED, 500, "server_error"), (TIMED_OUT, 504, "timeout_error"),
+    (REFUSED, 400, "invalid_request_error")])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_failed_sequence_is_an_openai_error_not_a_200(api, path, outcome, status, type_):
+    api.reset(outcome)
+    body = {"prompt": "hi"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}]}
+    resp = api.client.post(path, json=body)
+    err = error_of(resp, status)
+    assert err["type"] == type_ and resp.headers["X-Request-Id"] == api.seq_ids()[0]
+    if outcome is FAILED:
+        assert err["code"] == "sequence_failed" and "out of bounds" in err["message"]
+
+
+@pytest.mark.parametrize("outcome,code", [(FAILED, "sequence_failed"), (TIMED_OUT, "timeout")])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_failed_stream_ends_with_an_error_chunk(api, path, outcome, code):
+    api.reset(outcome)
+    body = {"prompt": "hi"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}]}
+    resp = api.client.post(path, json={**body, "stream": True})
+    assert resp.status_code == 200
+    datas = stream_datas(resp)
+    assert datas[-1] == "[DONE]" and datas[-2]["error"]["code"] == code, datas
+    assert not any(c["finish_reason"] == "error" for d in datas[:-1] if "choices" in d
+                   for c in d["choices"])
+
+
+def test_generate_answers_a_failed_job_with_its_status_and_record(api):
+    api.reset(FAILED)
+    resp = api.client.post("/v1/generate", json={"prompt": "hi"})
+    err = error_of(resp, 500)
+    assert err["type"] == "server_error"
+    job = resp.get_json()["job"]
+    assert job["status"] == "failed" and job["id"] == api.seq_ids()[0]
+    api.reset(REFUSED)
+    resp = api.client.post("/v1/generate", json={"prompts": ["a", "b"]})
+    assert error_of(resp, 400)["code"] == "context_length_exceeded"
+    assert [j["status"] for j in resp.get_json()["results"]] == ["failed", "failed"]
+
+
+def test_failure_of_maps_every_finish():
+    from app.errors import failure_of
+
+    def job(reason, error=None):
+        return {"finish_reason": reason, "error": error, "usage": {"completion_tokens": 3}}
+
+    assert failure_of(job("stop")) is None and failure_of(job("length")) is None
+    assert failure_of(job("cancelled")) is None   # OpenAI's "abort", not an error
+    assert failure_of(job("error", {"message": "boom"})).status == 500
+    assert failure_of(job("error", {"message": "x", "code": "invalid_prompt"})).status == 400
+    assert failure_of(job("timeout")).status == 504
+
+
+# --- hang-ups: one wait-or-cancel for every route that waits -----------------------------------
+@pytest.fixture
+def hung_up(monkeypatch):
+    import app.waiting
+
+    monkeypatch.setattr(app.waiting, "client_gone", lambda: True)
+
+
+def test_multi_prompt_completion_whose_client_hangs_up_cancels_every_prompt(api, hung_up):
+    resp = api.client.post("/v1/completions", json={"prompt": ["a", "b", "c"]})
+    assert resp.status_code == 499
+    ids = api.seq_ids()
+    assert len(ids) == 3 and [api.status(s) for s in ids] == ["cancelled"] * 3
+
+
+@pytest.mark.parametrize("body", [{"prompt": "a"}, {"prompts": ["a", "b"]}])
+def test_generate_whose_client_hangs_up_is_cancelled(api, hung_up, body):
+    assert api.client.post("/v1/generate", json=body).status_code == 499
+    assert [api.status(s) for s in api.seq_ids()] == ["cancelled"] * len(api.seq_ids())
+
+
+@pytest.fixture
+def short_wait(_api):
+    """LLMQ_WAIT_TIMEOUT of 0.2 s, for one test."""
+    api = _api.reset()
+    ext = api.app.extensions["llmq"]
+    ext["settings"] = api.settings.replace(wait_timeout_s=0.2)
+    yield api
+    ext["settings"] = api.settings
+
+
+def test_openai_request_past_the_wait_timeout_is_504_and_cancelled(short_wait):
+    err = error_of(short_wait.client.post("/v1/completions", json={"prompt": "a"}), 504)
+    assert err["type"] == "timeout_error"
+    assert short_wait.status(short_wait.seq_ids()[0]) == "cancelled"
+
+
+def test_generate_past_the_wait_timeout_is_202_and_runs_on(short_wait):
+    resp = short_wait.client.post("/v1/generate", json={"prompt": "a"})
+    assert resp.status_code == 202 and resp.get_json()["status"] == "queued"
+    assert resp.headers["Location"] == f"/v1/jobs/{short_wait.seq_ids()[0]}"
+    resp = short_wait.client.post("/v1/generate", json={"prompts": ["a", "b"]})
+    assert resp.status_code == 202
+    assert [j["status"] for j in resp.get_json()["jobs"]] == ["queued", "queued"]
+
+
+# --- streams: reset, resume after the end ------------------------------------------------------
+def _stream_text(datas, chat: bool) -> str:
+    key = (lambda c: c["delta"].get("content") or "") if chat else (lambda c: c["text"])
+    return "".join(key(c) for d in datas if isinstance(d, dict) and "choices" in d
+                   for c in d["choices"])
+
+
+def _lost_and_rerun(store, seq_id):
+    """A worker streams "Hello wor" and is lost; another runs the sequence again."""
+    _, first = store.start(seq_id, "w1")
+    store.publish_deltas([TokenDelta(seq_id, "Hello", "Hello", 1, first),
+                          TokenDelta(seq_id, " wor", "Hello wor", 2, first)])
+    assert store.reclaim("w1") == [seq_id]            # the worker was lost: a reset event
+    _, second = store.start(seq_id, "w2")
+    store.publish_deltas([TokenDelta(seq_id, "Hel", "Hel", 1, second)])
+    store.publish_deltas([TokenDelta(seq_id, "lo world", "Hello world", 2, second)])
+    store.publish_deltas([TokenDelta(seq_id, "!", "Hello world!", 3, second)])
+    store.finish(seq_id, FinishReason.STOP, text="Hello world!", completion_tokens=3)
+
+
+def _lost_and_rerun_differently(store, seq_id):
+    _, first = store.start(seq_id, "w1")
+    store.publish_deltas([TokenDelta(seq_id, "Hello", "Hello", 1, first)])
+    store.reclaim("w1")
+    _, second = store.start(seq_id, "w2")
+    store.publish_deltas([TokenDelta(seq_id, "Goodbye", "Goodbye", 1, second)])
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_openai_stream_after_a_reset_sends_the_text_once(api, chat):
+    api.reset(_lost_and_rerun)
+    path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+                  if chat else ("/v1/completions", {"prompt": "x"}))
+    datas = stream_datas(api.client.post(path, json={**body, "stream": True}))
+    assert _stream_text(datas, chat) == "Hello world!" and datas[-1] == "[DONE]"
+    assert datas[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_openai_stream_whose_rerun_differs_ends_with_an_error_and_cancels(api):
+    api.reset(_lost_and_rerun_differently)
+    datas = stream_datas(api.client.post("/v1/completions", json={"prompt": "x",
+                                                                   "stream": True}))
+    assert _stream_text(datas, False) == "Hello"
+    assert datas[-2]["error"]["code"] == "stream_diverged" and datas[-1] == "[DONE]"
+    assert api.r.sismember(CANCELLED_KEY, api.seq_ids()[0])   # the engine stops it
+
+
+def test_stream_resumed_at_its_done_event_ends_with_204(api):
+    seq_id = api.client.post("/v1/jobs", json={"prompt": "x"}).get_json()["id"]
+    api.store.start(seq_id, "w1")
+    api.store.publish_deltas([TokenDelta(seq_id, "Hi", "Hi", 1)])
+    api.store.finish(seq_id, FinishReason.STOP, text="Hi", completion_tokens=1)
+    done_id = api.store.read_events(seq_id)[-1][0]
+    resp = api.client.get(f"/v1/jobs/{seq_id}/stream", headers={"Last-Event-ID": done_id},
+                          buffered=False)
+    try:
+        assert resp.status_code == 204   # EventSource stops reconnecting
+    finally:
+        resp.close()
+    engine = api.app.extensions["llmq"]["engine"]
+    # The engine's event reader ends too, instead of idling until the record expires.
+    assert list(itertools.islice(engine.events(seq_id, done_id, keepalive_s=0.05), 3)) == []
+
+
+# --- the counter is transformers' count, without torch ------------------------------------------
+def test_prompt_counter_counts_as_the_worker_tokenizes(default_model_dir):
+    from transformers import AutoTokenizer
+
+    from app.prompt_counter import PromptCounter, model_folder
+
+    counter = PromptCounter(model_folder(default_model_dir, "unused"))
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    for prompt in ["Hello", LONG, "émoji 🙂\n\nand tabs\t."]:
+        assert counter.count({"prompt": prompt}) == len(tok(prompt)["input_ids"])
+    for messages in ([{"role": "user", "content": "Hi"}],
+                     [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Tell me"},
+                      {"role": "assistant", "content": "OK"},
+                      {"role": "user", "content": "more 🙂"}]):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert counter.count({"messages": messages}) == len(
+            tok(text, add_special_tokens=False)["input_ids"])
+
+
+_COUNT_WITHOUT_TORCH = """
+import sys, fakeredis
+from app import create_app
+from common.settings import Settings
+app = create_app(Settings(model=sys.argv[1]), redis_client=fakeredis.FakeRedis(
+    decode_responses=True), celery=type("C", (), {"send_task": lambda *a, **k: None})())
+app.extensions["llmq"]["store"].heartbeat("w", {"max_model_len": 64}, 60)
+resp = app.test_client().post("/v1/jobs", json={"prompt": "hello " * 100})
+assert resp.status_code == 400, resp.get_data(as_text=True)
+assert "torch" not in sys.modules and "transformers" not in sys.modules
+print("ok")
+"""
+
+
+def test_counting_in_the_api_imports_no_torch(default_model_dir):
+    proc = subprocess.run([sys.executable, "-c", _COUNT_WITHOUT_TORCH, default_model_dir],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_a_default_model_converted_after_the_api_started_is_counted_later(tmp_path,
+                                                                          default_model_dir):
+    import shutil
+
+    from app.prompt_counter import LazyPromptCounter
+
+    lazy = LazyPromptCounter("smollm2", str(tmp_path))
+    lazy.RETRY_S = 0.0
+    assert lazy.get() is None               # the first worker has not converted it yet
+    shutil.copytree(default_model_dir, tmp_path / "SmolLM2-135M-Instruct",
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    assert lazy.get().count({"prompt": "hello world"}) == 2
