@@ -13,7 +13,9 @@ from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
 
 from common.protocol import EVENT_DONE
+from common.webhook_guard import WebhookURLError
 
+from . import submit_hooks
 from .llm_engine import Overloaded
 from .schemas import JobRequest, SamplingFields
 
@@ -127,7 +129,18 @@ def submit(inputs: list[dict[str, Any]], req: SamplingFields,
     """Queues one sequence per input with the request's sampling and queueing fields, owned by
     the caller (every submitting route, OpenAI's included, comes through here)."""
     params = req.sampling_params(default_max_tokens or settings().default_max_tokens, max_tokens)
-    return engine().submit(inputs, params, g.owner, req.timeout, req.priority)
+    hook = checked_webhook(req)
+    jobs = engine().submit(inputs, params, g.owner, req.timeout, req.priority)
+    submit_hooks.after_submit(current_app.extensions["llmq"], g.owner, jobs, hook)
+    return jobs
+
+
+def checked_webhook(req) -> tuple[str, list[str]] | None:
+    """The request's webhook (url, events), or None; a 400 when it is not allowed."""
+    try:
+        return submit_hooks.checked_webhook(req, settings())
+    except WebhookURLError as exc:
+        raise APIError(400, str(exc), param="webhook") from None
 
 
 def find_job(seq_id: str) -> dict:
