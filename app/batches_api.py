@@ -21,7 +21,8 @@ from common.batch_store import (BATCH_TASK, DISPATCH_GRACE_S, BatchStore, line_r
                                 new_batch_id)
 
 from .api_server import APIError, _describe, checked_webhook, engine, parse_json_body, settings
-from .files_api import file_store, list_params, page_json
+from .files_api import file_store
+from .listing import list_params, page_json
 from .openai_api import (ChatCompletionRequest, CompletionRequest, model_id, to_sequences,
                          validate_request)
 from .schemas import WebhookFields

@@ -8,9 +8,9 @@ from __future__ import annotations
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 
 from common.file_store import FileStore
-from common.owner_index import UnknownCursor
 
 from .api_server import APIError, settings
+from .listing import list_params, page_json
 
 bp = Blueprint("files", __name__)
 
@@ -20,25 +20,6 @@ _MULTIPART_OVERHEAD = 64 * 1024
 
 def file_store() -> FileStore:
     return current_app.extensions["llmq"]["files"]
-
-
-def list_params(default_limit: int, max_limit: int) -> tuple[str | None, int]:
-    """`after` and `limit` of a list route, as OpenAI takes them."""
-    after = request.args.get("after") or None
-    try:
-        limit = int(request.args.get("limit", default_limit))
-    except ValueError:
-        raise APIError(400, "'limit' must be an integer", param="limit") from None
-    if not 1 <= limit <= max_limit:
-        raise APIError(400, f"'limit' must be between 1 and {max_limit}", param="limit")
-    return after, limit
-
-
-def page_json(page_fn, *args, **kwargs):
-    try:
-        return jsonify(page_fn(*args, **kwargs).as_json())
-    except UnknownCursor as exc:
-        raise APIError(400, str(exc), param="after") from None
 
 
 def no_such_file(file_id: str) -> APIError:

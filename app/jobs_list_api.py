@@ -13,7 +13,7 @@ from common.store import job_from_record, record_key
 from common.webhook_store import WebhookStore
 
 from .api_server import APIError
-from .files_api import list_params, page_json
+from .listing import list_params, page_json
 
 bp = Blueprint("jobs_list", __name__)
 

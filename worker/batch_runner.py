@@ -31,7 +31,12 @@ from .services import Services, services, start_loop
 log = logging.getLogger("llmq.batch")
 
 STEP_S = 0.2            # between two looks at the lines in flight
+RENEW_S = 0.5           # the lease is renewed at least this often, also inside a long step
 SUPERVISE_S = 1.0       # between two looks for batches without a live driver
+
+
+class LeaseLost(Exception):
+    """Another driver has the batch now (this one was too slow, or taken for dead)."""
 
 
 @shared_task(name=BATCH_TASK, bind=True)
@@ -47,13 +52,31 @@ class BatchDriver:
         self.svc, self.batch_id, self.token = svc, batch_id, token
         self.batches, self.seqs = svc.batches, svc.sequences
         self.lease_s = svc.settings.worker_stale_s
+        # A line still queued this long may have had its message taken by a worker that died
+        # before starting it (the broker gives such a message back only after
+        # LLMQ_VISIBILITY_TIMEOUT): it is queued once more.
+        self.requeue_after_s = max(60.0, 4 * svc.settings.worker_stale_s)
+        self.queued_at: dict[int, float] = {}
+        self.renewed = 0.0
         self.h: dict[str, str] = {}
 
     def run(self) -> dict:
+        try:
+            return self._run()
+        except LeaseLost:
+            return {"batch_id": self.batch_id, "outcome": "not the batch's driver (any more)"}
+
+    def keep_lease(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.renewed >= RENEW_S:
+            if not self.batches.renew(self.batch_id, self.token, self.lease_s):
+                raise LeaseLost
+            self.renewed = now
+
+    def _run(self) -> dict:
         result = {"batch_id": self.batch_id}
         while not self.svc.stopping.is_set():
-            if not self.batches.renew(self.batch_id, self.token, self.lease_s):
-                return {**result, "outcome": "not the batch's driver (any more)"}
+            self.keep_lease(force=True)
             self.h = self.batches.record(self.batch_id)
             status = self.h.get("status")
             if status in TERMINAL or not status:
@@ -91,6 +114,19 @@ class BatchDriver:
                 continue        # not queued yet: submit_more takes it (a driver died there)
             if SequenceStatus(rec["status"]).is_finished:
                 self.answer(i, rec)
+            elif rec["status"] == SequenceStatus.QUEUED.value and i in sent:
+                since = self.queued_at.setdefault(i, float(rec["created_at"]))
+                if time.time() - since > self.requeue_after_s:
+                    log.warning("batch line queued again", extra={"seq_id": rec["id"]})
+                    self.queue_again(rec["id"])
+                    self.queued_at[i] = time.time()
+
+    def queue_again(self, seq_id: str) -> None:
+        """Another message for a queued record: the first to start it runs it, a later one
+        finds it started or ended and does nothing."""
+        self.svc.celery.send_task(GENERATE_TASK, args=[seq_id], task_id=seq_id,
+                                  queue=self.svc.settings.queue,
+                                  priority=self.svc.settings.batch_priority)
 
     def submit_more(self) -> bool:
         """Queues lines while there is room; True once every line has been queued."""
@@ -98,6 +134,7 @@ class BatchDriver:
         room = self.svc.settings.batch_max_inflight - self.batches.total_inflight()
         submitter = None
         while i < total and room > 0:
+            self.keep_lease()
             spec = self.batches.line(self.batch_id, i)
             if spec.get("error"):   # answered with an error line at create
                 self.batches.skip_line(self.batch_id, i)
@@ -116,10 +153,7 @@ class BatchDriver:
                     self.batches.untake_line(self.batch_id, i)
                     return False
             elif rec["status"] == SequenceStatus.QUEUED.value and i not in self.sent():
-                # Created by a driver that died before queueing it: queue it (once more).
-                self.svc.celery.send_task(GENERATE_TASK, args=[seq_id], task_id=seq_id,
-                                          queue=self.svc.settings.queue,
-                                          priority=self.priority(spec))
+                self.queue_again(seq_id)   # created by a driver that died before queueing it
             self.batches.line_sent(self.batch_id, i)
             i += 1
             room -= 1
@@ -182,6 +216,7 @@ class BatchDriver:
             self.answer_error(i, code, message)
         start = int(self.h["next_line"])
         for offset, spec in enumerate(self.batches.lines_from(self.batch_id, start)):
+            self.keep_lease()
             if not spec.get("error"):
                 self.answer_error(start + offset, code, message, spec["custom_id"])
         return self.finalize(status)

@@ -76,6 +76,10 @@ def deliver(self, event_id_: str) -> dict:
         return {**outcome, "outcome": "expired"}
     if event.get("delivered_at"):
         return {**outcome, "outcome": "delivered before"}
+    if not s.webhook_secret:   # set on the API but not on this worker: nothing to sign with
+        store.record_attempt(event_id_, "refused: LLMQ_WEBHOOK_SECRET is not set", False)
+        log.error("webhook not sent: LLMQ_WEBHOOK_SECRET is not set on this worker")
+        return {**outcome, "outcome": "refused"}
     try:
         target = check_url(event["url"], s.webhook_allowed_hosts)
         timestamp, body = int(time.time()), event["body"].encode()
