@@ -33,6 +33,7 @@ log = logging.getLogger("llmq.batch")
 STEP_S = 0.2            # between two looks at the lines in flight
 RENEW_S = 0.5           # the lease is renewed at least this often, also inside a long step
 SUPERVISE_S = 1.0       # between two looks for batches without a live driver
+BUSY_RETRY_S = 2.0      # a batch refused by a busy worker is due again after this
 
 
 class LeaseLost(Exception):
@@ -42,7 +43,16 @@ class LeaseLost(Exception):
 @shared_task(name=BATCH_TASK, bind=True)
 def run_batch(self, batch_id: str, token: str) -> dict:
     """Drives one batch until it ends, the worker stops, or another driver takes over."""
-    return BatchDriver(services(self.app), batch_id, token).run()
+    svc = services(self.app)
+    if not svc.driver_slots.acquire(blocking=False):
+        # This worker drives enough batches: this one is due again shortly (here or on
+        # another worker) instead of holding a task thread its lines may need.
+        svc.batches.renew(batch_id, token, BUSY_RETRY_S)
+        return {"batch_id": batch_id, "outcome": "worker busy with other batches; later"}
+    try:
+        return BatchDriver(svc, batch_id, token).run()
+    finally:
+        svc.driver_slots.release()
 
 
 class BatchDriver:
@@ -122,8 +132,9 @@ class BatchDriver:
                     self.queued_at[i] = time.time()
 
     def queue_again(self, seq_id: str) -> None:
-        """Another message for a queued record: the first to start it runs it, a later one
-        finds it started or ended and does nothing."""
+        """Another message for a queued record: the first to start it runs it; a later one
+        finds it ended (or running elsewhere) and does nothing, or restarts it on the worker
+        running it: wasted work, never a second answer."""
         self.svc.celery.send_task(GENERATE_TASK, args=[seq_id], task_id=seq_id,
                                   queue=self.svc.settings.queue,
                                   priority=self.svc.settings.batch_priority)

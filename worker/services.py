@@ -19,6 +19,11 @@ from common.webhook_store import WebhookStore
 log = logging.getLogger("llmq.worker")
 _lock = threading.Lock()
 
+# Batch drivers run in the worker's task threads, the ones its sequences need: at most this
+# many at once per worker, so that batches can never hold every thread while their lines wait
+# for one (more drivers would add nothing: LLMQ_BATCH_MAX_INFLIGHT bounds all batches' lines).
+MAX_DRIVERS = 2
+
 
 @dataclass
 class Services:
@@ -31,6 +36,8 @@ class Services:
     batches: BatchStore
     webhooks: WebhookStore
     stopping: threading.Event = field(default_factory=threading.Event)
+    driver_slots: threading.BoundedSemaphore = field(
+        default_factory=lambda: threading.BoundedSemaphore(MAX_DRIVERS))
 
     def submitter(self):
         """The API's engine (admission control, records, send_task), for batch lines."""

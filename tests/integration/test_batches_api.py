@@ -2,8 +2,10 @@
 batches) against the real HTTP app, a real redis-server and a real Celery worker on the tiny
 model, with a webhook receiver on loopback that checks every signature.
 
-One world (redis-server, worker, APIs) serves the whole module; the worker takes at most
-INFLIGHT batch lines at once, so a batch of more lines has lines waiting (to cancel, to expire).
+One world (redis-server, worker, APIs) serves the whole module. At most INFLIGHT batch lines
+are queued or running at once, so a batch of more lines has lines waiting (to cancel, to
+expire); the worker has SLOTS task threads, one of which a batch's driver holds, so while a
+batch runs one of its lines waits in the broker (to be overtaken by an interactive request).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ pytestmark = pytest.mark.integration
 
 KEYS = ("key-one", "key-two")
 INFLIGHT = 4
+SLOTS = 4
 SECRET = new_secret()
 CHAT = "/v1/chat/completions"
 
@@ -33,7 +36,7 @@ def world(tmp_path_factory, tiny_model_dir):
     try:
         w.start_redis()
         w.worker("w1", LLMQ_WEBHOOK_SECRET=SECRET, LLMQ_WEBHOOK_ALLOWED_HOSTS="127.0.0.1",
-                 LLMQ_BATCH_MAX_INFLIGHT=str(INFLIGHT), LLMQ_MAX_NUM_SEQS="8")
+                 LLMQ_BATCH_MAX_INFLIGHT=str(INFLIGHT), LLMQ_MAX_NUM_SEQS=str(SLOTS))
         yield w
     finally:
         w.close()
@@ -221,6 +224,29 @@ def test_cancel_ends_queued_lines_and_cancels_running_ones(api, model):
     # The line that was running was stopped, not left to finish its 400 tokens.
     job = one.wait_job(first_line)
     assert job["status"] == "cancelled" and job["usage"]["completion_tokens"] < 400
+
+
+def test_an_interactive_request_overtakes_the_batch_lines_waiting_for_a_slot(api, model):
+    client, one = sdk(api), api.with_key(KEYS[0])
+    batch, ids = long_batch(client, model, "prio")
+    lines = [line_seq_id(batch.id, i) for i in range(len(ids))]
+
+    def waiting_behind_a_full_worker():
+        jobs = [one.request("GET", f"/v1/jobs/{s}").json() for s in lines[:INFLIGHT]]
+        running = [j for j in jobs if j.get("status") == "running"]
+        queued = [j["id"] for j in jobs if j.get("status") == "queued"]
+        return queued if len(running) == SLOTS - 1 and queued else None
+
+    waiting = wait_until(waiting_behind_a_full_worker, 60, "batch lines waiting for a slot")
+    job = one.submit(prompt="Interactive", max_tokens=2)
+    overtaken = [s for s in waiting if one.job(s)["status"] == "queued"]
+    assert overtaken, "the waiting lines started before the interactive request was queued"
+    started = one.wait_job(job["id"])["started_at"]
+    for seq_id in overtaken:
+        line = one.job(seq_id)
+        assert line["started_at"] is None or line["started_at"] > started
+    client.batches.cancel(batch.id)
+    wait_batch(client, batch.id)
 
 
 def test_completion_window_expires_the_batch_keeping_what_finished(api, model):

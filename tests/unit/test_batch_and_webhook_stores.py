@@ -231,3 +231,28 @@ def test_a_batch_counts_its_malformed_lines_as_failed_from_the_start(api):
     assert r.status_code == 200, r.json
     assert r.json["request_counts"] == {"total": 4, "completed": 0, "failed": 3}
     assert [c["name"] for c in celery.calls] == ["llmq.batch"]   # its driver, nothing else yet
+
+
+def test_delivery_resolves_again_and_never_connects_to_a_private_address(r, monkeypatch):
+    """DNS rebinding: the host passed the check at submit and now resolves to 10.0.0.7."""
+    from common.batch_store import BatchStore as _Batches
+    from common.file_store import FileStore
+    from common.store import SequenceStore
+    from worker import webhooks
+    from worker.celery_app import create_celery
+    from worker.services import Services
+
+    from .factories import RecordingCelery, make_settings
+
+    settings = make_settings(webhook_secret="whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+    app = create_celery(settings)
+    store = WebhookStore(r, 60)
+    app.llmq_services = Services(settings, RecordingCelery(), SequenceStore(r), FileStore(r, 60),
+                                 _Batches(r, 60), store)
+    store.put_event("msg_1", "http://hooks.example.com/in", "{}")
+    monkeypatch.setattr(webhooks, "check_url", lambda url, allowed: check_url(
+        url, allowed, resolve=resolver("10.0.0.7")))
+    monkeypatch.setattr(webhooks, "post", lambda *a, **k: pytest.fail("it connected"))
+    result = app.tasks["llmq.webhook"].apply(args=["msg_1"]).get()
+    assert result["outcome"] == "refused"
+    assert store.get_event("msg_1")["last_result"].startswith("refused")
