@@ -1,6 +1,8 @@
 """Every LLMQ_* setting, read from the environment in this one place."""
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -84,9 +86,6 @@ class Settings:
 
     def webhook_key(self) -> bytes:
         """The HMAC key: the base64 part of LLMQ_WEBHOOK_SECRET (`whsec_<base64>`)."""
-        import base64
-        import binascii
-
         prefix, _, b64 = self.webhook_secret.partition("_")
         try:
             key = base64.b64decode(b64, validate=True)

@@ -26,7 +26,7 @@ from common.protocol import GENERATE_TASK, SamplingParams, SequenceStatus
 from common.store import job_from_record, record_key
 from common.webhook_store import WEBHOOK_TASK, event_body, event_id
 
-from .services import Services, services, start_loop
+from .services import BatchLineSender, Services, services, start_loop
 
 log = logging.getLogger("llmq.batch")
 
@@ -135,9 +135,9 @@ class BatchDriver:
         """Another message for a queued record: the first to start it runs it; a later one
         finds it ended (or running elsewhere) and does nothing, or restarts it on the worker
         running it: wasted work, never a second answer."""
-        self.svc.celery.send_task(GENERATE_TASK, args=[seq_id], task_id=seq_id,
-                                  queue=self.svc.settings.queue,
-                                  priority=self.svc.settings.batch_priority)
+        BatchLineSender(self.svc.celery).send_task(
+            GENERATE_TASK, args=[seq_id], task_id=seq_id, queue=self.svc.settings.queue,
+            priority=self.svc.settings.batch_priority)
 
     def submit_more(self) -> bool:
         """Queues lines while there is room; True once every line has been queued."""

@@ -43,7 +43,20 @@ class Services:
         """The API's engine (admission control, records, send_task), for batch lines."""
         from app.llm_engine import LLMEngine
 
-        return LLMEngine(self.settings, self.sequences, self.celery)
+        return LLMEngine(self.settings, self.sequences, BatchLineSender(self.celery))
+
+
+class BatchLineSender:
+    """Sends the generate task as batch lines are sent: the same task, shown in Flower and in
+    the worker's logs as `llmq.batch_line` (Celery's `shadow` name)."""
+
+    NAME = "llmq.batch_line"
+
+    def __init__(self, celery):
+        self.celery = celery
+
+    def send_task(self, name: str, **options):
+        return self.celery.send_task(name, shadow=self.NAME, **options)
 
 
 def services(app) -> Services:

@@ -126,8 +126,8 @@ def test_file_over_the_size_cap_is_413_and_over_the_line_cap_is_400(world):
 
 
 # --- batches ----------------------------------------------------------------------------------
-def test_batch_runs_through_the_sdk_with_a_malformed_line_and_signed_webhooks(api, model,
-                                                                             receiver):
+def test_batch_runs_through_the_sdk_with_a_malformed_line_and_signed_webhooks(
+        world, api, model, receiver):
     client = sdk(api)
     prompts = {f"req-{i}": f"Say something about the number {i}." for i in range(6)}
     lines = [chat_line(cid, p, model) for cid, p in prompts.items()]
@@ -171,6 +171,12 @@ def test_batch_runs_through_the_sdk_with_a_malformed_line_and_signed_webhooks(ap
     assert completed[0].body["data"]["output_file_id"] == done.output_file_id
     assert completed[0].body["data"]["request_counts"] == {"total": 9, "completed": 6,
                                                            "failed": 3}
+
+    # Celery (and so Flower) names them: the driver, each line, each delivery.
+    log = world.workers[0].log_path.read_text()
+    assert "Task llmq.batch[" in log
+    assert f"Task llmq.batch_line[{out[0]['response']['request_id']}] received" in log
+    assert f"Task llmq.webhook[{completed[0].webhook_id}] received" in log
 
 
 def test_batch_of_completions_and_its_listing(api, model):
