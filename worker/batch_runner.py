@@ -95,9 +95,9 @@ class BatchDriver:
                 self.batches.set_fields(self.batch_id, status="in_progress",
                                         in_progress_at=time.time())
                 log.info("batch started", extra={"batch_id": self.batch_id})
-                self.emit("started", {**self.h, "status": "in_progress",
-                                      "in_progress_at": str(time.time())})
                 continue
+            if status == "in_progress":   # (again, if a driver died before it was sent)
+                self.emit("started", self.h)
             self.collect()
             if status == "cancelling":
                 return {**result, "outcome": self.end("cancelled", "batch_cancelled")}
@@ -261,15 +261,17 @@ class BatchDriver:
         url = self.h.get("webhook")
         if not url or event not in self.h.get("webhook_events", "").split(","):
             return
-        if self.batches.record(self.batch_id).get(f"webhook_{event}") == "sent":
+        if self.h.get(f"webhook_{event}") == "sent":
             return
-        obj = batch_object(h)
+        obj = batch_object(h, None if event == "completed" else
+                           self.batches.live_counts(self.batch_id))
         kind = f"batch.{obj['status']}" if event == "completed" else f"batch.{event}"
         eid = event_id(self.batch_id, event)
         self.svc.webhooks.put_event(eid, url, event_body(kind, obj))
         self.svc.celery.send_task(WEBHOOK_TASK, args=[eid], task_id=eid,
                                   queue=self.svc.settings.queue, priority=0)
         self.batches.set_fields(self.batch_id, **{f"webhook_{event}": "sent"})
+        self.h[f"webhook_{event}"] = "sent"
 
 
 # --- supervisor -------------------------------------------------------------------------------
