@@ -13,7 +13,7 @@ def create_app(settings: Settings | None = None, *, redis_client=None, celery=No
     from common.store import SequenceStore
 
     from .api_server import bp, register_error_handlers
-    from . import metrics, openapi
+    from . import batches_api, files_api, jobs_list_api, metrics, openapi
     from .llm_engine import LLMEngine
     from .openai_api import bp as openai_bp
 
@@ -32,6 +32,8 @@ def create_app(settings: Settings | None = None, *, redis_client=None, celery=No
                               "engine": LLMEngine(settings, store, celery)}
     app.register_blueprint(bp)
     app.register_blueprint(openai_bp)
+    for feature in (jobs_list_api, files_api, batches_api):
+        feature.init_app(app)
     metrics.init_app(app)
     openapi.init_app(app)
 

@@ -13,7 +13,9 @@ from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
 
 from common.protocol import EVENT_DONE
+from common.webhook_guard import WebhookURLError
 
+from . import submit_hooks
 from .errors import APIError, error_response, failure_of
 from .limits import check_limits
 from .llm_engine import Overloaded
@@ -96,16 +98,28 @@ def inputs_of(req: JobRequest) -> list[dict[str, Any]]:
 def submit(inputs: list[dict[str, Any]], req: SamplingFields,
            default_max_tokens: int | None = None, max_tokens: int | None = None,
            max_tokens_param: str = "max_tokens") -> list[dict]:
-    """Checks the request's limits, then queues one sequence per input with its sampling and
-    queueing fields, owned by the caller (every submitting route, OpenAI's included, comes
-    through here). `max_tokens` overrides the field (OpenAI's max_completion_tokens)."""
+    """Checks the request's limits and webhook, then queues one sequence per input with its
+    sampling and queueing fields, owned by the caller (every submitting route, OpenAI's
+    included, comes through here). `max_tokens` overrides the field (OpenAI's
+    max_completion_tokens)."""
     s, eng = settings(), engine()
     default_max_tokens = default_max_tokens or s.default_max_tokens
     check_limits(s, req, inputs, max_tokens=max_tokens or req.max_tokens,
                  default_max_tokens=default_max_tokens, counter=eng.prompt_counter.get(),
                  context_len=eng.context_length(), max_tokens_param=max_tokens_param)
+    hook = checked_webhook(req)
     params = req.sampling_params(default_max_tokens, max_tokens)
-    return eng.submit(inputs, params, g.owner, req.timeout, req.priority)
+    jobs = eng.submit(inputs, params, g.owner, req.timeout, req.priority)
+    submit_hooks.after_submit(current_app.extensions["llmq"], g.owner, jobs, hook)
+    return jobs
+
+
+def checked_webhook(req) -> tuple[str, list[str]] | None:
+    """The request's webhook (url, events), or None; a 400 when it is not allowed."""
+    try:
+        return submit_hooks.checked_webhook(req, settings())
+    except WebhookURLError as exc:
+        raise APIError(400, str(exc), param="webhook") from None
 
 
 def find_job(seq_id: str) -> dict:

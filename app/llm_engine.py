@@ -48,15 +48,19 @@ class LLMEngine:
         self._context_checked_at = -CONTEXT_RECHECK_S
 
     def submit(self, inputs: list[dict[str, Any]], params: SamplingParams, owner: str = "",
-               timeout_s: float | None = None, priority: int | None = None) -> list[dict[str, Any]]:
+               timeout_s: float | None = None, priority: int | None = None,
+               seq_ids: list[str] | None = None) -> list[dict[str, Any]]:
         """One sequence per input ({"prompt": str} or {"messages": [...]}), queued in order.
+        `seq_ids` names them (a batch line's id is derived from its batch), else new ids.
 
         Raises Overloaded (-> 429) when the queue is full or the caller is over its rate limit;
         nothing is written in that case, and nothing accepted is ever dropped."""
         self._admission_control(len(inputs), params.max_tokens * len(inputs), owner)
         deadline = time.time() + timeout_s if timeout_s else None
-        reqs = [SequenceRequest(seq_id=new_seq_id(), params=params, owner=owner,
-                                deadline=deadline, priority=priority, **inp) for inp in inputs]
+        seq_ids = seq_ids or [new_seq_id() for _ in inputs]
+        reqs = [SequenceRequest(seq_id=seq_id, params=params, owner=owner,
+                                deadline=deadline, priority=priority, **inp)
+                for seq_id, inp in zip(seq_ids, inputs)]
         jobs = self.store.create(reqs, model=self.settings.model)
         try:
             for req in reqs:

@@ -83,7 +83,11 @@ def _error(message: str, param: str | None = None, code: str | None = None,
 
 
 def _parse(model_cls):
-    body = parse_json_body()
+    return validate_request(model_cls, parse_json_body())
+
+
+def validate_request(model_cls, body: dict):
+    """A request body checked as the route checks it (batch lines are checked with it too)."""
     unknown = sorted(set(body) - set(model_cls.model_fields))
     if unknown:
         raise _error(f"unsupported parameter(s): {', '.join(unknown)}", param=unknown[0],
@@ -162,24 +166,33 @@ def list_models():
 @bp.post("/v1/completions")
 def completions():
     req = _parse(CompletionRequest)
-    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-    if not prompts or any(not p for p in prompts):
-        raise _error("prompt must be a non-empty string or list of strings", param="prompt")
-    if req.stream and len(prompts) > 1:
-        raise _error("streaming takes a single prompt", param="prompt")
-    jobs = submit([{"prompt": p} for p in prompts], req, default_max_tokens=16)
-    return _respond(req, jobs, chat=False)
+    inputs, options = to_sequences(req)
+    return _respond(req, submit(inputs, req, **options), chat=False)
 
 
 @bp.post("/v1/chat/completions")
 def chat_completions():
     req = _parse(ChatCompletionRequest)
-    messages = [{"role": "system" if m.role == "developer" else m.role,
-                 "content": _text_content(m.content)} for m in req.messages]
-    jobs = submit([{"messages": messages}], req, max_tokens=req.max_completion_tokens,
-                  max_tokens_param="max_completion_tokens" if req.max_completion_tokens
-                  else "max_tokens")
-    return _respond(req, jobs, chat=True)
+    inputs, options = to_sequences(req)
+    return _respond(req, submit(inputs, req, **options), chat=True)
+
+
+def to_sequences(req: _Common) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The sequences a request becomes, and submit()'s max_tokens options for them (routes and
+    batch lines alike)."""
+    if isinstance(req, ChatCompletionRequest):
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": _text_content(m.content)} for m in req.messages]
+        return [{"messages": messages}], {
+            "max_tokens": req.max_completion_tokens,
+            "max_tokens_param": "max_completion_tokens" if req.max_completion_tokens
+            else "max_tokens"}
+    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if not prompts or any(not p for p in prompts):
+        raise _error("prompt must be a non-empty string or list of strings", param="prompt")
+    if req.stream and len(prompts) > 1:
+        raise _error("streaming takes a single prompt", param="prompt")
+    return [{"prompt": p} for p in prompts], {"default_max_tokens": 16}
 
 
 def _respond(req: _Common, jobs: list[dict], chat: bool):
@@ -195,16 +208,20 @@ def _respond(req: _Common, jobs: list[dict], chat: bool):
     except APIError as err:
         err.headers = {**headers, **err.headers}
         raise
-    created = int(time.time())
+    return jsonify(response_body(finals, chat, model_id())), 200, headers
+
+
+def response_body(finals: list[dict], chat: bool, model: str) -> dict:
+    """The completion (or chat completion) object of finished jobs (batch output lines too)."""
     if chat:
         choices = [{"index": 0, "message": {"role": "assistant", "content": finals[0]["text"]},
                     "logprobs": None, "finish_reason": _finish_reason(finals[0])}]
     else:
         choices = [{"index": i, "text": f["text"], "logprobs": None,
                     "finish_reason": _finish_reason(f)} for i, f in enumerate(finals)]
-    body = {"id": jobs[0]["id"], "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model_id(), "choices": choices, "usage": _usage(finals)}
-    return jsonify(body), 200, headers
+    return {"id": finals[0]["id"], "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": _usage(finals)}
 
 
 class SentText:

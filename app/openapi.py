@@ -9,6 +9,7 @@ from flask import jsonify, redirect
 from pydantic import BaseModel
 from spectree import Response, SpecTree
 
+from .batches_api import BatchCreate
 from .openai_api import ChatCompletionRequest, CompletionRequest
 from .schemas import JobRequest
 
@@ -121,6 +122,73 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class JobPage(BaseModel):
+    """A page of the caller's jobs (GET /v1/jobs), OpenAI's list shape."""
+    object: Literal["list"] = "list"
+    data: list[JobOut]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
+class FileOut(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["processed"]
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class FilePage(JobPage):
+    data: list[FileOut]
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchOut(BaseModel):
+    """OpenAI's batch object (docs/batches.md)."""
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    model: str | None = None
+    errors: dict[str, Any] | None = None
+    input_file_id: str
+    completion_window: str
+    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired",
+                    "cancelling", "cancelled"]
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None = None
+
+
+class BatchPage(JobPage):
+    data: list[BatchOut]
+
+
 _ERRORS = {"HTTP_400": ErrorOut, "HTTP_401": ErrorOut, "HTTP_413": ErrorOut,
            "HTTP_429": ErrorOut, "HTTP_503": ErrorOut}
 # what a route that waits for the result adds (app/errors.py: failure_of)
@@ -148,6 +216,18 @@ ROUTES: dict[str, tuple[type | None, dict, str]] = {
                                                         **_FAILED}, "openai"),
     "openai.list_models": (None, {"HTTP_200": ModelList}, "openai"),
     "metrics.metrics": (None, {"HTTP_200": None}, "operations"),
+    "jobs_list.list_jobs": (None, {"HTTP_200": JobPage, **_ERRORS}, "jobs"),
+    # The upload is multipart (file, purpose); documented by its answers.
+    "files.upload_file": (None, {"HTTP_200": FileOut, **_ERRORS}, "files"),
+    "files.list_files": (None, {"HTTP_200": FilePage, **_ERRORS}, "files"),
+    "files.retrieve_file": (None, {"HTTP_200": FileOut, "HTTP_404": ErrorOut}, "files"),
+    "files.file_content": (None, {"HTTP_200": None, "HTTP_404": ErrorOut}, "files"),
+    "files.delete_file": (None, {"HTTP_200": FileDeleted, "HTTP_404": ErrorOut}, "files"),
+    "batches.create_batch": (BatchCreate, {"HTTP_200": BatchOut, "HTTP_404": ErrorOut,
+                                           **_ERRORS}, "batches"),
+    "batches.list_batches": (None, {"HTTP_200": BatchPage, **_ERRORS}, "batches"),
+    "batches.retrieve_batch": (None, {"HTTP_200": BatchOut, "HTTP_404": ErrorOut}, "batches"),
+    "batches.cancel_batch": (None, {"HTTP_200": BatchOut, "HTTP_404": ErrorOut}, "batches"),
 }
 
 

@@ -59,7 +59,17 @@ class SamplingFields(BaseModel):
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, cache_salt=self.cache_salt)
 
 
-class JobRequest(SamplingFields):
+class WebhookFields(BaseModel):
+    """Where to tell the caller about a job's (or a batch's) progress, as Replicate does."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    webhook: str | None = Field(None, min_length=1, max_length=2048)
+    webhook_events: list[Literal["started", "completed"]] = Field(
+        default_factory=lambda: ["completed"], min_length=1, max_length=2)
+
+
+class JobRequest(SamplingFields, WebhookFields):
     """Exactly one of prompt, messages or prompts."""
 
     prompt: str | None = None

@@ -23,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 
 from . import report
+from .batch import batch_phase
 from .loadgen import closed_loop, open_loop
 from .prefix import prefix_phase
 from .raw import run_raw, run_raw_backend, short_prompts
@@ -88,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="SSE streams to hold open at once (default 256; quick 64; 0 skips)")
     p.add_argument("--prefix-requests", type=int, default=None,
                    help="chat requests per prefix-caching run (default 32; quick 16; 0 skips)")
+    p.add_argument("--batch-lines", type=int, default=None,
+                   help="lines of the Batch API phase (default 1000, quick 200; 0 skips it)")
     p.add_argument("--backend", default="transformers", choices=["transformers", "llama_cpp"],
                    help="LLMQ_BACKEND of the worker; the raw phase is then model.generate "
                         "(transformers) or the backend stepped in-process (llama_cpp)")
@@ -325,6 +328,11 @@ def main(argv=None) -> int:
                      f"concurrency {c}, without and with reuse")
             result["prefix"] = prefix_phase(stack, c, args.prefix_requests, 8 if args.quick else 16,
                                             progress=progress)
+        batch_lines = args.batch_lines if args.batch_lines is not None else (
+            200 if args.quick else 1000)
+        if batch_lines and budget.allows("batch API", 60):
+            progress(f"phase 2d: a batch of {batch_lines} lines, interactive TTFT meanwhile")
+            result["batch"] = batch_phase(stack.url, batch_lines, progress=progress)
         if not args.skip_mixed:
             progress("phase 3/3: mixed workload, continuous vs static batching")
             mixed = mixed_phase(stack, args, result["served"], budget)

@@ -1,6 +1,8 @@
 """Every LLMQ_* setting, read from the environment in this one place."""
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -67,6 +69,34 @@ class Settings:
     api_keys: tuple[str, ...] = field(default_factory=tuple)
     wait_timeout_s: float = 600.0
     sse_keepalive_s: float = 15.0
+    # Files and batches (kept in Redis: every API replica and worker reads them).
+    file_max_bytes: int = 32 * 1024 * 1024
+    file_max_lines: int = 50_000
+    file_ttl_s: int = 30 * 24 * 3600
+    batch_priority: int = 9          # Celery priority of batch lines (0 first ... 9 last)
+    batch_max_inflight: int = 32     # batch lines queued or running at once, all batches together
+    # Webhooks (Standard Webhooks signatures).
+    webhook_secret: str = ""         # whsec_<base64>; webhooks are refused while unset
+    webhook_allowed_hosts: tuple[str, ...] = field(default_factory=tuple)
+    webhook_timeout_s: float = 10.0
+    webhook_max_attempts: int = 10
+
+    def __post_init__(self):
+        if self.webhook_secret:
+            self.webhook_key()   # a malformed secret stops the process at start, not at send
+        if not 0 <= self.batch_priority <= 9:
+            raise ValueError("LLMQ_BATCH_PRIORITY must be 0..9")
+
+    def webhook_key(self) -> bytes:
+        """The HMAC key: the base64 part of LLMQ_WEBHOOK_SECRET (`whsec_<base64>`)."""
+        prefix, _, b64 = self.webhook_secret.partition("_")
+        try:
+            key = base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError):
+            key = b""
+        if prefix != "whsec" or len(key) < 16:
+            raise ValueError("LLMQ_WEBHOOK_SECRET must be whsec_<base64 of at least 16 bytes>")
+        return key
 
     @classmethod
     def from_env(cls, **overrides) -> "Settings":
@@ -109,6 +139,16 @@ class Settings:
             port=_int("LLMQ_PORT", d.port),
             api_keys=tuple(k for k in _env("LLMQ_API_KEYS", "").split(",") if k.strip()),
             wait_timeout_s=_float("LLMQ_WAIT_TIMEOUT", d.wait_timeout_s),
+            file_max_bytes=_int("LLMQ_FILE_MAX_BYTES", d.file_max_bytes),
+            file_max_lines=_int("LLMQ_FILE_MAX_LINES", d.file_max_lines),
+            file_ttl_s=_int("LLMQ_FILE_TTL", d.file_ttl_s),
+            batch_priority=_int("LLMQ_BATCH_PRIORITY", d.batch_priority),
+            batch_max_inflight=_int("LLMQ_BATCH_MAX_INFLIGHT", d.batch_max_inflight),
+            webhook_secret=_env("LLMQ_WEBHOOK_SECRET", d.webhook_secret),
+            webhook_allowed_hosts=tuple(h.strip().lower() for h in _env(
+                "LLMQ_WEBHOOK_ALLOWED_HOSTS", "").split(",") if h.strip()),
+            webhook_timeout_s=_float("LLMQ_WEBHOOK_TIMEOUT", d.webhook_timeout_s),
+            webhook_max_attempts=_int("LLMQ_WEBHOOK_MAX_ATTEMPTS", d.webhook_max_attempts),
         )
         values.update(overrides)
         return cls(**values)

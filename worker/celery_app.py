@@ -24,7 +24,7 @@ log = logging.getLogger("llmq.worker")
 
 
 def create_celery(settings: Settings) -> Celery:
-    app = Celery("llmq", include=["worker.tasks"])
+    app = Celery("llmq", include=["worker.tasks", "worker.batch_runner", "worker.webhooks"])
     app.conf.update(celery_config(settings))
     app.llmq_settings = settings
     app.llmq_engine = None

@@ -1,0 +1,101 @@
+"""OpenAI's /v1/files: upload (multipart, purpose "batch"), list, retrieve, content, delete.
+
+Files live in Redis (common/file_store.py says why and what that limits). Another API key's
+file answers 404, as if it did not exist.
+"""
+from __future__ import annotations
+
+from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
+
+from common.file_store import FileStore
+
+from .api_server import APIError, settings
+from .listing import list_params, page_json
+
+bp = Blueprint("files", __name__)
+
+# Room for the multipart framing and the other form fields around the file itself.
+_MULTIPART_OVERHEAD = 64 * 1024
+
+
+def file_store() -> FileStore:
+    return current_app.extensions["llmq"]["files"]
+
+
+def no_such_file(file_id: str) -> APIError:
+    return APIError(404, f"No such File object: {file_id}", "not_found_error", param="id")
+
+
+def find_file(file_id: str) -> dict:
+    obj = file_store().get(file_id, g.owner)
+    if obj is None:
+        raise no_such_file(file_id)
+    return obj
+
+
+@bp.before_request
+def _allow_large_upload():
+    # The app-wide body limit (LLMQ_MAX_BODY_BYTES) is for JSON requests; an upload may be as
+    # big as a file may be, and is checked exactly below.
+    if request.method == "POST" and request.path == "/v1/files":
+        request.max_content_length = settings().file_max_bytes + _MULTIPART_OVERHEAD
+
+
+@bp.post("/v1/files")
+def upload_file():
+    s = settings()
+    purpose = request.form.get("purpose")
+    if purpose != "batch":
+        raise APIError(400, "'purpose' must be 'batch' (the only purpose this server takes)",
+                       param="purpose")
+    upload = request.files.get("file")
+    if upload is None:
+        raise APIError(400, "a multipart field 'file' is required", param="file")
+    raw = upload.stream.read(s.file_max_bytes + 1)
+    if len(raw) > s.file_max_bytes:
+        raise APIError(413, f"the file is larger than {s.file_max_bytes} bytes "
+                            "(LLMQ_FILE_MAX_BYTES)", param="file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError(400, "the file must be UTF-8 text (JSON Lines)", param="file") from None
+    num_lines = sum(1 for line in text.splitlines() if line.strip())
+    if num_lines == 0:
+        raise APIError(400, "the file is empty", param="file")
+    if num_lines > s.file_max_lines:
+        raise APIError(400, f"the file has {num_lines} lines; at most {s.file_max_lines} "
+                            "(LLMQ_FILE_MAX_LINES)", param="file")
+    obj = file_store().put(g.owner, purpose, upload.filename or "upload.jsonl", text)
+    return jsonify(obj)
+
+
+@bp.get("/v1/files")
+def list_files():
+    after, limit = list_params(10_000, 10_000)
+    return page_json(file_store().list, g.owner, after, limit, request.args.get("purpose"))
+
+
+@bp.get("/v1/files/<file_id>")
+def retrieve_file(file_id: str):
+    return jsonify(find_file(file_id))
+
+
+@bp.get("/v1/files/<file_id>/content")
+def file_content(file_id: str):
+    content = file_store().content(file_id, g.owner)
+    if content is None:
+        raise no_such_file(file_id)
+    return Response(content, mimetype="application/jsonl")
+
+
+@bp.delete("/v1/files/<file_id>")
+def delete_file(file_id: str):
+    if not file_store().delete(file_id, g.owner):
+        raise no_such_file(file_id)
+    return jsonify({"id": file_id, "object": "file", "deleted": True})
+
+
+def init_app(app: Flask) -> None:
+    ext = app.extensions["llmq"]
+    ext["files"] = FileStore(ext["store"].r, ext["settings"].file_ttl_s)
+    app.register_blueprint(bp)

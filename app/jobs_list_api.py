@@ -1,0 +1,49 @@
+"""GET /v1/jobs: the caller's jobs, newest first, with cursor pagination and a status filter.
+
+Submissions index each job under its owner (app/submit_hooks.py), so a list reads only the caller's
+own index: another key's jobs are never read, let alone shown.
+"""
+from __future__ import annotations
+
+from flask import Blueprint, Flask, current_app, g, request
+
+from common.owner_index import OwnerIndex
+from common.protocol import SequenceStatus
+from common.store import job_from_record, record_key
+from common.webhook_store import WebhookStore
+
+from .api_server import APIError
+from .listing import list_params, page_json
+
+bp = Blueprint("jobs_list", __name__)
+
+
+def jobs_index() -> OwnerIndex:
+    return current_app.extensions["llmq"]["jobs_index"]
+
+
+@bp.get("/v1/jobs")
+def list_jobs():
+    after, limit = list_params(20, 100)
+    status = request.args.get("status")
+    if status is not None and status not in {s.value for s in SequenceStatus}:
+        raise APIError(400, "'status' must be one of "
+                       + ", ".join(s.value for s in SequenceStatus), param="status")
+    index, owner = jobs_index(), g.owner
+
+    def load(ids):
+        pipe = index.r.pipeline(transaction=False)
+        for i in ids:
+            pipe.hgetall(record_key(i))
+        return [job_from_record(rec) if rec and rec.get("owner", "") == owner else None
+                for rec in pipe.execute()]
+
+    return page_json(index.page, owner, load, after, limit,
+                     keep=lambda job: status is None or job["status"] == status)
+
+
+def init_app(app: Flask) -> None:
+    ext = app.extensions["llmq"]
+    ext["jobs_index"] = OwnerIndex(ext["store"].r, "jobs", ext["settings"].pending_ttl_s)
+    ext["webhooks"] = WebhookStore(ext["store"].r, ext["settings"].pending_ttl_s)
+    app.register_blueprint(bp)

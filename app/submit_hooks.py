@@ -1,0 +1,28 @@
+"""What a submission does besides queueing its sequences: checks and registers its webhook, and
+indexes its jobs under their owner for GET /v1/jobs.
+
+A webhook URL the SSRF guard refuses (common/webhook_guard.py) is refused before anything is
+queued; delivery (worker/webhooks.py) checks it again.
+"""
+from __future__ import annotations
+
+from common.webhook_guard import WebhookURLError, check_url
+
+
+def checked_webhook(req, settings) -> tuple[str, list[str]] | None:
+    """(url, events) of a request that asks for a webhook, or None. Raises WebhookURLError
+    when webhooks are off or the URL is not allowed."""
+    url = getattr(req, "webhook", None)
+    if url is None:
+        return None
+    if not settings.webhook_secret:
+        raise WebhookURLError("webhooks are not enabled on this server (LLMQ_WEBHOOK_SECRET)")
+    check_url(url, settings.webhook_allowed_hosts)
+    return url, list(req.webhook_events)
+
+
+def after_submit(extensions: dict, owner: str, jobs: list[dict],
+                 hook: tuple[str, list[str]] | None) -> None:
+    extensions["jobs_index"].add(owner, {j["id"]: j["created_at"] for j in jobs})
+    if hook is not None:
+        extensions["webhooks"].register_jobs([j["id"] for j in jobs], *hook)

@@ -1,0 +1,268 @@
+"""Batches (OpenAI's /v1/batches) in Redis: the batch, its parsed lines, their answers, and the
+lease that lets exactly one driver run a batch at a time.
+
+Every write a driver makes is idempotent by line: a line's sequence id is derived from the
+batch id and the line's index, a line is answered once (the first answer wins), and the output
+files get ids derived from the batch id. So a driver that dies anywhere is replaced by another
+that picks up where the record says, and nothing is lost or written twice.
+
+Keys:
+  llmq:batch:<id>             hash  the batch (status, times, counts, endpoint, driver lease token)
+  llmq:batch:<id>:lines       list  one parsed request per input line (JSON), or {"error": ...}
+  llmq:batch:<id>:inflight    set   line indexes submitted and not yet answered
+  llmq:batch:<id>:sent        set   line indexes whose sequence was queued
+  llmq:batch:<id>:out         hash  line index -> output line (JSON)
+  llmq:batch:<id>:err         hash  line index -> error line (JSON)
+  llmq:batches:active         zset  batch id -> lease expiry (unix s): batches a driver must run
+  llmq:owner:<owner>:batches  zset  see owner_index
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from typing import Any
+
+import redis
+
+from .owner_index import OwnerIndex
+
+PREFIX = "llmq"
+ACTIVE_KEY = f"{PREFIX}:batches:active"
+BATCH_TASK = "llmq.batch"   # the Celery task that drives one batch (sent by name)
+DISPATCH_GRACE_S = 60.0     # a dispatched driver has this long to start before another is sent
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+_TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
+          "failed_at", "expired_at", "cancelling_at", "cancelled_at")
+
+
+def batch_key(batch_id: str, part: str = "") -> str:
+    return f"{PREFIX}:batch:{batch_id}" + (f":{part}" if part else "")
+
+
+def new_batch_id() -> str:
+    return f"batch_{uuid.uuid4().hex}"
+
+
+def line_seq_id(batch_id: str, index: int) -> str:
+    """The sequence id of a line: the same on every try, so a line is never queued twice."""
+    return f"seq-{uuid.uuid5(uuid.NAMESPACE_URL, f'{batch_id}/{index}').hex}"
+
+
+def line_request_id(batch_id: str, index: int) -> str:
+    return f"batch_req_{uuid.uuid5(uuid.NAMESPACE_URL, f'{batch_id}#{index}').hex}"
+
+
+def output_file_id(batch_id: str, kind: str) -> str:
+    return f"file-{uuid.uuid5(uuid.NAMESPACE_URL, f'{batch_id}.{kind}').hex}"
+
+
+# Dispatch: take a batch whose lease has run out (or that nobody drove yet) for a new driver.
+# KEYS: active, batch. ARGV: id, now, new expiry, token.
+_CLAIM = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score or tonumber(score) > tonumber(ARGV[2]) then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('ZREM', KEYS[1], ARGV[1]) return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+redis.call('HSET', KEYS[2], 'driver', ARGV[4])
+return 1
+"""
+
+# The driver keeps its lease while its token is the batch's; expiry 0 hands it back at once.
+# KEYS: active, batch. ARGV: id, token, new expiry.
+_RENEW = """
+if redis.call('HGET', KEYS[2], 'driver') ~= ARGV[2] then return 0 end
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+return 1
+"""
+
+# A line's answer, once: the first of output or error wins. KEYS: out, err, inflight, target.
+_ANSWER = """
+redis.call('SREM', KEYS[3], ARGV[1])
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
+  return 0
+end
+redis.call('HSET', KEYS[4], ARGV[1], ARGV[2])
+return 1
+"""
+
+# Cancel: only a batch that has not ended. KEYS: batch. ARGV: now.
+_CANCEL = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if st == 'validating' or st == 'in_progress' then
+  redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[1])
+end
+return 1
+"""
+
+
+def batch_object(h: dict[str, str], counts: tuple[int, int] | None = None) -> dict[str, Any]:
+    """OpenAI's batch object; counts (completed, failed) are live until the batch has ended."""
+    completed, failed = counts if counts else (int(h.get("completed_count") or 0),
+                                               int(h.get("failed_count") or 0))
+    obj: dict[str, Any] = {"id": h["id"], "object": "batch", "endpoint": h["endpoint"],
+                           "model": h.get("model") or None,
+                           "errors": json.loads(h["errors"]) if h.get("errors") else None,
+                           "input_file_id": h["input_file_id"],
+                           "completion_window": h["completion_window"], "status": h["status"],
+                           "output_file_id": h.get("output_file_id") or None,
+                           "error_file_id": h.get("error_file_id") or None}
+    for name in _TIMES:
+        obj[name] = int(float(h[name])) if h.get(name) else None
+    obj["request_counts"] = {"total": int(h.get("total") or 0), "completed": completed,
+                             "failed": failed}
+    obj["metadata"] = json.loads(h["metadata"]) if h.get("metadata") else None
+    return obj
+
+
+class BatchStore:
+    """Reads and writes batches; the API creates and cancels them, a driver runs them."""
+
+    def __init__(self, client: redis.Redis, ttl_s: int):
+        self.r, self.ttl_s = client, ttl_s
+        self.index = OwnerIndex(client, "batches", ttl_s)
+        self._claim = client.register_script(_CLAIM)
+        self._renew = client.register_script(_RENEW)
+        self._answer = client.register_script(_ANSWER)
+        self._cancel = client.register_script(_CANCEL)
+
+    # --- API side ----------------------------------------------------------------------------
+    def create(self, fields: dict[str, Any], lines: list[str], errors: dict[int, str]) -> dict:
+        """Stores a new batch with its parsed lines and the error lines of malformed ones, and
+        marks it due for a driver."""
+        batch_id = fields["id"]
+        ttl = int(float(fields["expires_at"]) - time.time()) + self.ttl_s
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(batch_key(batch_id), mapping={**fields, "total": len(lines), "next_line": 0})
+        for start in range(0, len(lines), 1000):
+            pipe.rpush(batch_key(batch_id, "lines"), *lines[start:start + 1000])
+        if errors:
+            pipe.hset(batch_key(batch_id, "err"), mapping={str(i): e for i, e in errors.items()})
+        for part in ("", "lines", "err"):
+            pipe.expire(batch_key(batch_id, part), ttl)
+        pipe.zadd(ACTIVE_KEY, {batch_id: 0})
+        self.index.add(fields["owner"], {batch_id: float(fields["created_at"])}, pipe)
+        pipe.execute()
+        return self.get(batch_id, fields["owner"])
+
+    def get(self, batch_id: str, owner: str) -> dict | None:
+        h = self.record(batch_id)
+        if not h or not secrets.compare_digest(h.get("owner", ""), owner):
+            return None   # another key's batch does not exist for this caller
+        return batch_object(h, None if h["status"] in TERMINAL else self.live_counts(batch_id))
+
+    def list(self, owner: str, after: str | None, limit: int):
+        def load(ids):
+            pipe = self.r.pipeline(transaction=False)
+            for i in ids:
+                pipe.hgetall(batch_key(i))
+                pipe.hlen(batch_key(i, "out"))
+                pipe.hlen(batch_key(i, "err"))
+            res = pipe.execute()
+            return [batch_object(h, None if h["status"] in TERMINAL else (n_out, n_err))
+                    if h else None for h, n_out, n_err in zip(res[::3], res[1::3], res[2::3])]
+
+        return self.index.page(owner, load, after, limit)
+
+    def request_cancel(self, batch_id: str) -> None:
+        self._cancel(keys=[batch_key(batch_id)], args=[time.time()])
+
+    # --- driver side -------------------------------------------------------------------------
+    def record(self, batch_id: str) -> dict[str, str]:
+        return self.r.hgetall(batch_key(batch_id))
+
+    def live_counts(self, batch_id: str) -> tuple[int, int]:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hlen(batch_key(batch_id, "out"))
+        pipe.hlen(batch_key(batch_id, "err"))
+        n_out, n_err = pipe.execute()
+        return n_out, n_err
+
+    def due(self, limit: int = 16) -> list[str]:
+        """Batches whose lease ran out (their driver died) or that no driver took yet."""
+        return self.r.zrangebyscore(ACTIVE_KEY, "-inf", time.time(), start=0, num=limit)
+
+    def claim(self, batch_id: str, token: str, grace_s: float) -> bool:
+        now = time.time()
+        return bool(self._claim(keys=[ACTIVE_KEY, batch_key(batch_id)],
+                                args=[batch_id, now, now + grace_s, token]))
+
+    def renew(self, batch_id: str, token: str, lease_s: float) -> bool:
+        """Keeps the lease (False: another driver has it, stop); lease_s 0 hands it back."""
+        expiry = time.time() + lease_s if lease_s else 0
+        return bool(self._renew(keys=[ACTIVE_KEY, batch_key(batch_id)],
+                                args=[batch_id, token, expiry]))
+
+    def total_inflight(self) -> int:
+        """Lines of every running batch that are queued or running now."""
+        ids = self.r.zrange(ACTIVE_KEY, 0, -1)
+        pipe = self.r.pipeline(transaction=False)
+        for i in ids:
+            pipe.scard(batch_key(i, "inflight"))
+        return sum(pipe.execute()) if ids else 0
+
+    def line(self, batch_id: str, index: int) -> dict[str, Any]:
+        return json.loads(self.r.lindex(batch_key(batch_id, "lines"), index))
+
+    def lines_from(self, batch_id: str, start: int) -> list[dict[str, Any]]:
+        return [json.loads(x) for x in self.r.lrange(batch_key(batch_id, "lines"), start, -1)]
+
+    def inflight(self, batch_id: str) -> tuple[set[int], set[int]]:
+        """(lines in flight, of all lines those whose sequence was queued)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.smembers(batch_key(batch_id, "inflight"))
+        pipe.smembers(batch_key(batch_id, "sent"))
+        flying, sent = pipe.execute()
+        return {int(i) for i in flying}, {int(i) for i in sent}
+
+    def take_line(self, batch_id: str, index: int) -> None:
+        """Marks a line in flight before its sequence exists (a driver that dies next finds it)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.sadd(batch_key(batch_id, "inflight"), index)
+        pipe.expire(batch_key(batch_id, "inflight"), self.ttl_s)
+        pipe.execute()
+
+    def untake_line(self, batch_id: str, index: int) -> None:
+        self.r.srem(batch_key(batch_id, "inflight"), index)
+
+    def line_sent(self, batch_id: str, index: int) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.sadd(batch_key(batch_id, "sent"), index)
+        pipe.expire(batch_key(batch_id, "sent"), self.ttl_s)
+        pipe.hset(batch_key(batch_id), "next_line", index + 1)
+        pipe.execute()
+
+    def skip_line(self, batch_id: str, index: int) -> None:
+        self.r.hset(batch_key(batch_id), "next_line", index + 1)
+
+    def answer(self, batch_id: str, index: int, ok: bool, line: dict[str, Any]) -> bool:
+        """Records a line's output (ok) or error line, unless it has one already."""
+        target = batch_key(batch_id, "out" if ok else "err")
+        written = self._answer(
+            keys=[batch_key(batch_id, "out"), batch_key(batch_id, "err"),
+                  batch_key(batch_id, "inflight"), target],
+            args=[index, json.dumps(line, ensure_ascii=False)])
+        if written:
+            self.r.expire(target, self.ttl_s)
+        return bool(written)
+
+    def answered(self, batch_id: str, kind: str) -> list[str]:
+        """The output ("out") or error ("err") lines, in input order."""
+        lines = self.r.hgetall(batch_key(batch_id, kind))
+        return [lines[k] for k in sorted(lines, key=int)]
+
+    def set_fields(self, batch_id: str, **fields: Any) -> None:
+        self.r.hset(batch_key(batch_id), mapping={k: "" if v is None else v
+                                                  for k, v in fields.items()})
+
+    def finish(self, batch_id: str, final: dict[str, Any]) -> None:
+        """The batch's end: final status, times and counts; out of the active set; its work
+        keys gone (the output files hold the answers now)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(batch_key(batch_id), mapping={**final, "driver": ""})
+        pipe.zrem(ACTIVE_KEY, batch_id)
+        pipe.delete(*(batch_key(batch_id, p) for p in ("lines", "inflight", "sent", "out", "err")))
+        pipe.expire(batch_key(batch_id), self.ttl_s)
+        pipe.execute()

@@ -1,0 +1,85 @@
+"""The SSRF guard of webhooks: which URLs llmq may call, checked at submit and again at delivery.
+
+A webhook URL is the caller's choice of where the service connects to, so without a guard any
+API key could make the workers probe the private network (cloud metadata at 169.254.169.254,
+Redis on 127.0.0.1). The host is resolved and every address it resolves to must be public;
+loopback, private, link-local, shared, reserved and multicast addresses are refused unless the
+host is listed in LLMQ_WEBHOOK_ALLOWED_HOSTS. Delivery resolves again, checks again and
+connects to the address it checked (a host that re-resolves to 127.0.0.1 after passing the
+check at submit, DNS rebinding, gets nowhere).
+"""
+from __future__ import annotations
+
+import ipaddress
+import socket
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+MAX_URL_CHARS = 2048
+
+
+class WebhookURLError(ValueError):
+    """A webhook URL llmq will not call; the message says why."""
+
+
+class WebhookUnresolvable(WebhookURLError):
+    """The host does not resolve (now): at delivery, worth another try later."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A checked webhook URL: where to connect (addresses) and what to ask for."""
+
+    scheme: str
+    host: str
+    port: int
+    path: str                      # path and query
+    addresses: tuple[str, ...]     # every address the host resolved to, all allowed
+
+    @property
+    def host_header(self) -> str:
+        default = 443 if self.scheme == "https" else 80
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port == default else f"{host}:{self.port}"
+
+
+def _blocked(addr: str) -> bool:
+    ip = ipaddress.ip_address(addr.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    # is_global is False for loopback, private, link-local, shared (100.64/10), reserved
+    # and unspecified addresses; multicast is refused as well.
+    return not ip.is_global or ip.is_multicast
+
+
+def check_url(url: str, allowed_hosts: tuple[str, ...] = (), resolve=socket.getaddrinfo
+              ) -> Target:
+    """Parses, resolves and checks a webhook URL; raises WebhookURLError when not allowed."""
+    if not isinstance(url, str) or len(url) > MAX_URL_CHARS:
+        raise WebhookURLError(f"webhook must be a URL of at most {MAX_URL_CHARS} characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise WebhookURLError(f"webhook is not a valid URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise WebhookURLError("webhook must be an http:// or https:// URL with a host")
+    if parts.username or parts.password:
+        raise WebhookURLError("webhook URL must not carry credentials")
+    host = parts.hostname.lower()
+    port = port or (443 if parts.scheme == "https" else 80)
+    try:
+        infos = resolve(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, OSError) as exc:
+        raise WebhookUnresolvable(f"webhook host {host!r} does not resolve: {exc}") from None
+    addresses = tuple(dict.fromkeys(info[4][0] for info in infos))
+    if not addresses:
+        raise WebhookUnresolvable(f"webhook host {host!r} does not resolve")
+    if host not in allowed_hosts:
+        bad = [a for a in addresses if _blocked(a)]
+        if bad:
+            raise WebhookURLError(
+                f"webhook host {host!r} resolves to a non-public address ({bad[0]}); list "
+                "the host in LLMQ_WEBHOOK_ALLOWED_HOSTS to allow it")
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return Target(parts.scheme, host, port, path, addresses)

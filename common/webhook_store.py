@@ -1,0 +1,149 @@
+"""Webhook registrations and events in Redis: what to send where, and what has been sent.
+
+A job's webhook is registered at submit. Workers scan the registrations (`due_job_events`): an
+event is due once its job has started (`started`) or ended (`completed`), and is marked
+"dispatching" before its delivery task is queued and "sent" after. A dispatcher that dies in
+between leaves the mark, which turns due again after a while: every event is queued at least
+once, always under the same id (`event_id`), which receivers use to drop repeats.
+
+Keys:
+  llmq:webhook:job:<seq_id>   hash  url, events ("started,completed"), and per event its state
+                                    ("" due when it happens, "d:<unix s>" dispatching, "sent")
+  llmq:webhooks:watch         set   seq ids whose registration still has events to send
+  llmq:webhook:event:<id>     hash  one event to deliver: url, body; attempts, delivered_at
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Any
+
+import redis
+
+PREFIX = "llmq"
+WATCH_KEY = f"{PREFIX}:webhooks:watch"
+WEBHOOK_TASK = "llmq.webhook"   # the Celery task that delivers one event (sent by name)
+EVENTS = ("started", "completed")        # in the order they happen
+EVENT_TTL_S = 3 * 24 * 3600              # longer than any retry schedule
+
+
+def registration_key(seq_id: str) -> str:
+    return f"{PREFIX}:webhook:job:{seq_id}"
+
+
+def event_key(event_id: str) -> str:
+    return f"{PREFIX}:webhook:event:{event_id}"
+
+
+def event_id(subject_id: str, event_type: str) -> str:
+    """The stable id of one event (the `webhook-id` header), the same on every attempt."""
+    return f"msg_{uuid.uuid5(uuid.NAMESPACE_URL, f'{subject_id}/{event_type}').hex}"
+
+
+def event_body(event_type: str, data: dict[str, Any]) -> str:
+    """The payload, as Standard Webhooks suggests: {"type", "timestamp", "data"}."""
+    stamp = datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return json.dumps({"type": event_type, "timestamp": stamp, "data": data},
+                      ensure_ascii=False, separators=(",", ":"))
+
+
+# Finds due job events and marks them dispatching. KEYS: watch. ARGV: registration prefix,
+# record prefix, now, redispatch-before (a "d:" mark older than this is retried).
+_DUE = """
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local hook = ARGV[1] .. id
+  local events = redis.call('HGET', hook, 'events')
+  local rec = redis.call('HMGET', ARGV[2] .. id, 'status', 'started_at')
+  if not events or not rec[1] then
+    redis.call('SREM', KEYS[1], id)
+    redis.call('DEL', hook)
+  else
+    local ended = rec[1] == 'succeeded' or rec[1] == 'failed' or rec[1] == 'cancelled'
+    local started = rec[2] and rec[2] ~= ''
+    for ev in string.gmatch(events, '[^,]+') do
+      local st = redis.call('HGET', hook, ev) or ''
+      local due = (ev == 'started' and started) or (ev == 'completed' and ended)
+      local stale = string.sub(st, 1, 2) == 'd:' and tonumber(string.sub(st, 3)) < tonumber(ARGV[4])
+      if due and (st == '' or stale) then
+        redis.call('HSET', hook, ev, 'd:' .. ARGV[3])
+        table.insert(out, id)
+        table.insert(out, ev)
+      end
+    end
+  end
+end
+return out
+"""
+
+# An event was queued: mark it. The registration goes once nothing more can be due: every
+# event sent, or never due by the time `completed` was sent (a job cancelled before it
+# started). KEYS: watch, registration. ARGV: id, event.
+_SENT = """
+redis.call('HSET', KEYS[2], ARGV[2], 'sent')
+local completed_sent = redis.call('HGET', KEYS[2], 'completed') == 'sent'
+for ev in string.gmatch(redis.call('HGET', KEYS[2], 'events') or '', '[^,]+') do
+  local st = redis.call('HGET', KEYS[2], ev) or ''
+  if st ~= 'sent' and not (st == '' and completed_sent) then return 0 end
+end
+redis.call('SREM', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[2])
+return 1
+"""
+
+
+class WebhookStore:
+    """Registrations of job webhooks, and the events waiting for (or after) delivery."""
+
+    def __init__(self, client: redis.Redis, ttl_s: int):
+        self.r, self.ttl_s = client, ttl_s
+        self._due = client.register_script(_DUE)
+        self._sent = client.register_script(_SENT)
+
+    def register_jobs(self, seq_ids: list[str], url: str, events: list[str]) -> None:
+        wanted = ",".join(e for e in EVENTS if e in events)
+        pipe = self.r.pipeline(transaction=True)
+        for seq_id in seq_ids:
+            pipe.hset(registration_key(seq_id), mapping={"url": url, "events": wanted})
+            pipe.expire(registration_key(seq_id), self.ttl_s)
+        pipe.sadd(WATCH_KEY, *seq_ids)
+        pipe.execute()
+
+    def due_job_events(self, redispatch_after_s: float = 60.0) -> list[tuple[str, str, str]]:
+        """(seq_id, event, url) of job events to queue now, marked dispatching."""
+        now = time.time()
+        flat = self._due(keys=[WATCH_KEY],
+                         args=[registration_key(""), f"{PREFIX}:seq:", now,
+                               now - redispatch_after_s])
+        pairs = list(zip(flat[::2], flat[1::2]))
+        pipe = self.r.pipeline(transaction=False)
+        for seq_id, _ev in pairs:
+            pipe.hget(registration_key(seq_id), "url")
+        return [(s, e, u) for (s, e), u in zip(pairs, pipe.execute() if pairs else []) if u]
+
+    def job_event_sent(self, seq_id: str, event: str) -> None:
+        self._sent(keys=[WATCH_KEY, registration_key(seq_id)], args=[seq_id, event])
+
+    def put_event(self, event_id_: str, url: str, body: str) -> None:
+        """Stores an event for its delivery task (kept if already there: a redispatch sends the
+        body first built, so every attempt signs the same bytes)."""
+        key = event_key(event_id_)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hsetnx(key, "url", url)
+        pipe.hsetnx(key, "body", body)
+        pipe.expire(key, EVENT_TTL_S)
+        pipe.execute()
+
+    def get_event(self, event_id_: str) -> dict[str, str] | None:
+        return self.r.hgetall(event_key(event_id_)) or None
+
+    def record_attempt(self, event_id_: str, result: str, delivered: bool) -> None:
+        fields = {"last_result": result}
+        if delivered:
+            fields["delivered_at"] = str(time.time())
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hincrby(event_key(event_id_), "attempts", 1)
+        pipe.hset(event_key(event_id_), mapping=fields)
+        pipe.execute()

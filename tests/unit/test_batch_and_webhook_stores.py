@@ -1,0 +1,258 @@
+"""The pieces under the Batch API and webhooks, on fakeredis: the SSRF guard (with a resolver
+that lies, as DNS rebinding does), the Standard Webhooks signature (the spec's own test vector),
+webhook events becoming due exactly when their job starts or ends, a batch line answered once,
+the driver lease, and cursor pagination."""
+from __future__ import annotations
+
+import io
+import json
+import socket
+
+import fakeredis
+import pytest
+
+from common.batch_store import BatchStore, line_seq_id
+from common.owner_index import OwnerIndex, UnknownCursor
+from common.settings import Settings
+from common.store import record_key
+from common.webhook_guard import WebhookUnresolvable, WebhookURLError, check_url
+from common.webhook_store import WATCH_KEY, WebhookStore, registration_key
+
+pytest.importorskip("lupa", reason="fakeredis needs lupa to run the stores' Lua scripts")
+
+
+@pytest.fixture
+def r():
+    return fakeredis.FakeRedis(decode_responses=True)
+
+
+def resolver(*addresses: str):
+    def resolve(host, port, type=None):
+        if not addresses:
+            raise socket.gaierror("no such host")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port)) for a in addresses]
+    return resolve
+
+
+# --- SSRF guard -------------------------------------------------------------------------------
+def test_a_public_host_is_allowed_and_keeps_its_path_and_port():
+    t = check_url("https://hooks.example.com:8443/in?x=1", resolve=resolver("93.184.216.34"))
+    assert (t.scheme, t.host, t.port, t.path, t.addresses) == (
+        "https", "hooks.example.com", 8443, "/in?x=1", ("93.184.216.34",))
+    assert t.host_header == "hooks.example.com:8443"
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "10.0.0.5", "172.16.3.4", "192.168.1.1",
+                                     "169.254.169.254", "100.64.0.1", "0.0.0.0", "::1",
+                                     "fe80::1", "fc00::1", "::ffff:127.0.0.1", "224.0.0.1"])
+def test_a_host_resolving_to_a_non_public_address_is_refused(address):
+    with pytest.raises(WebhookURLError, match="non-public"):
+        check_url("http://hooks.example.com/", resolve=resolver(address))
+
+
+def test_every_address_is_checked_not_just_the_first():
+    with pytest.raises(WebhookURLError, match="10.0.0.1"):
+        check_url("http://hooks.example.com/", resolve=resolver("93.184.216.34", "10.0.0.1"))
+
+
+def test_an_allowed_host_may_be_private_and_nothing_else_is():
+    allowed = ("127.0.0.1", "receiver.internal")
+    assert check_url("http://receiver.internal/", allowed, resolve=resolver("10.0.0.9"))
+    with pytest.raises(WebhookURLError):
+        check_url("http://other.internal/", allowed, resolve=resolver("10.0.0.9"))
+
+
+@pytest.mark.parametrize("url", ["ftp://example.com/", "http:///nohost", "not a url",
+                                 "http://user:pw@example.com/", "http://example.com:99999/",
+                                 "http://e.com/" + "x" * 3000])
+def test_malformed_urls_are_refused(url):
+    with pytest.raises(WebhookURLError):
+        check_url(url, resolve=resolver("93.184.216.34"))
+
+
+def test_an_unresolvable_host_is_told_apart_so_delivery_retries_it():
+    with pytest.raises(WebhookUnresolvable):
+        check_url("http://gone.example.com/", resolve=resolver())
+
+
+# --- signature and secret -----------------------------------------------------------------------
+def test_signature_matches_the_standard_webhooks_test_vector():
+    from worker.webhooks import sign
+
+    key = Settings(webhook_secret="whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").webhook_key()
+    assert sign(key, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330,
+                b'{"test": 2432232314}') == "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+
+
+@pytest.mark.parametrize("secret", ["s3cret", "whsec_not*base64", "whsec_c2hvcnQ=",
+                                    "wh_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"])
+def test_a_malformed_webhook_secret_stops_the_settings(secret):
+    with pytest.raises(ValueError, match="LLMQ_WEBHOOK_SECRET"):
+        Settings(webhook_secret=secret)
+
+
+# --- job webhook events -------------------------------------------------------------------------
+def test_job_events_become_due_when_the_job_starts_and_ends_and_are_sent_once(r):
+    store = WebhookStore(r, 3600)
+    r.hset(record_key("s1"), mapping={"status": "queued", "started_at": ""})
+    store.register_jobs(["s1"], "http://h/", ["completed", "started"])
+    assert store.due_job_events() == []
+    r.hset(record_key("s1"), mapping={"status": "running", "started_at": "1.0"})
+    assert store.due_job_events() == [("s1", "started", "http://h/")]
+    assert store.due_job_events() == []          # dispatching: not handed out twice
+    store.job_event_sent("s1", "started")
+    r.hset(record_key("s1"), "status", "succeeded")
+    assert store.due_job_events() == [("s1", "completed", "http://h/")]
+    store.job_event_sent("s1", "completed")
+    assert not r.exists(registration_key("s1")) and not r.sismember(WATCH_KEY, "s1")
+
+
+def test_an_event_whose_dispatcher_died_is_due_again_later(r):
+    store = WebhookStore(r, 3600)
+    r.hset(record_key("s1"), mapping={"status": "succeeded", "started_at": "1.0"})
+    store.register_jobs(["s1"], "http://h/", ["completed"])
+    assert store.due_job_events() == [("s1", "completed", "http://h/")]
+    assert store.due_job_events(redispatch_after_s=60) == []
+    assert store.due_job_events(redispatch_after_s=-1) == [("s1", "completed", "http://h/")]
+
+
+def test_a_job_cancelled_before_it_started_sends_completed_only(r):
+    store = WebhookStore(r, 3600)
+    r.hset(record_key("s1"), mapping={"status": "cancelled", "started_at": ""})
+    store.register_jobs(["s1"], "http://h/", ["started", "completed"])
+    assert store.due_job_events() == [("s1", "completed", "http://h/")]
+    store.job_event_sent("s1", "completed")
+    assert not r.sismember(WATCH_KEY, "s1")
+
+
+# --- batches ------------------------------------------------------------------------------------
+def new_batch(store: BatchStore, lines: int = 3) -> str:
+    store.create({"id": "batch_1", "owner": "o", "status": "validating",
+                  "endpoint": "/v1/completions", "input_file_id": "file-1",
+                  "completion_window": "24h", "created_at": 1.0, "expires_at": 9e9},
+                 ['{"custom_id": "a"}'] * lines, {})
+    return "batch_1"
+
+
+def test_a_line_is_answered_once_whatever_comes_later(r):
+    store = BatchStore(r, 3600)
+    b = new_batch(store)
+    store.take_line(b, 0)
+    assert store.answer(b, 0, True, {"n": 1})
+    assert not store.answer(b, 0, True, {"n": 2})
+    assert not store.answer(b, 0, False, {"n": 3})
+    assert store.answered(b, "out") == ['{"n": 1}'] and store.answered(b, "err") == []
+    assert store.inflight(b)[0] == set()
+    assert store.get(b, "o")["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
+    assert store.get(b, "someone else") is None
+
+
+def test_the_lease_has_one_holder_until_it_runs_out(r):
+    store = BatchStore(r, 3600)
+    b = new_batch(store)
+    assert store.due() == [b]
+    assert store.claim(b, "t1", 60)
+    assert not store.claim(b, "t2", 60)          # dispatched and not yet run out
+    assert store.renew(b, "t1", 15) and not store.renew(b, "t2", 15)
+    assert store.due() == []
+    assert store.renew(b, "t1", 0)               # handed back: due at once
+    assert store.due() == [b] and store.claim(b, "t2", 60)
+    assert not store.renew(b, "t1", 15)          # the old driver stops
+
+
+def test_line_sequence_ids_are_stable_and_distinct():
+    assert line_seq_id("batch_1", 0) == line_seq_id("batch_1", 0)
+    assert len({line_seq_id("batch_1", i) for i in range(100)} |
+               {line_seq_id("batch_2", 0)}) == 101
+    assert line_seq_id("batch_1", 0).startswith("seq-")
+
+
+# --- pagination ---------------------------------------------------------------------------------
+def test_pages_run_newest_first_and_skip_what_expired(r):
+    index = OwnerIndex(r, "things", 10**10)
+    index.add("o", {f"id{i}": float(i) for i in range(7)})
+    alive = {f"id{i}" for i in range(7)} - {"id4"}
+
+    def load(ids):
+        return [{"id": i} if i in alive else None for i in ids]
+
+    first = index.page("o", load, limit=3, chunk=2)
+    assert [x["id"] for x in first.data] == ["id6", "id5", "id3"] and first.has_more
+    rest = index.page("o", load, after="id3", limit=10, chunk=2)
+    assert [x["id"] for x in rest.data] == ["id2", "id1", "id0"] and not rest.has_more
+    assert index.page("other", load).data == []
+    with pytest.raises(UnknownCursor):
+        index.page("other", load, after="id3")
+
+
+# --- the routes' refusals (Flask app on fakeredis) ------------------------------------------------
+@pytest.fixture
+def api():
+    from app import create_app
+
+    from .factories import RecordingCelery, make_settings
+
+    celery = RecordingCelery()
+    app = create_app(make_settings(), redis_client=fakeredis.FakeRedis(decode_responses=True),
+                     celery=celery)
+    return app.test_client(), celery
+
+
+def test_a_webhook_without_a_server_secret_is_400_and_queues_nothing(api):
+    client, celery = api
+    r = client.post("/v1/jobs", json={"prompt": "x", "webhook": "https://example.com/h"})
+    assert r.status_code == 400 and r.json["error"]["param"] == "webhook"
+    assert "LLMQ_WEBHOOK_SECRET" in r.json["error"]["message"]
+    assert celery.calls == []
+
+
+@pytest.mark.parametrize("data", [
+    {"purpose": "batch", "file": (io.BytesIO(b"\xff\xfe{}"), "x.jsonl")},
+    {"purpose": "batch", "file": (io.BytesIO(b"\n \n"), "x.jsonl")},
+    {"purpose": "batch"},
+    {"file": (io.BytesIO(b"{}\n"), "x.jsonl")},
+])
+def test_bad_uploads_are_400(api, data):
+    client, _ = api
+    r = client.post("/v1/files", data=data)
+    assert r.status_code == 400 and r.json["error"]["type"] == "invalid_request_error"
+
+
+def test_a_batch_counts_its_malformed_lines_as_failed_from_the_start(api):
+    client, celery = api
+    good = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "hi", "max_tokens": 2}}
+    raw = "\n".join([json.dumps(good), "{oops", json.dumps(
+        {**good, "custom_id": "a"}), "[1, 2]"]).encode()
+    f = client.post("/v1/files", data={"purpose": "batch", "file": (io.BytesIO(raw), "x.jsonl")})
+    r = client.post("/v1/batches", json={"input_file_id": f.json["id"],
+                                         "endpoint": "/v1/completions",
+                                         "completion_window": "24h"})
+    assert r.status_code == 200, r.json
+    assert r.json["request_counts"] == {"total": 4, "completed": 0, "failed": 3}
+    assert [c["name"] for c in celery.calls] == ["llmq.batch"]   # its driver, nothing else yet
+
+
+def test_delivery_resolves_again_and_never_connects_to_a_private_address(r, monkeypatch):
+    """DNS rebinding: the host passed the check at submit and now resolves to 10.0.0.7."""
+    from common.batch_store import BatchStore as _Batches
+    from common.file_store import FileStore
+    from common.store import SequenceStore
+    from worker import webhooks
+    from worker.celery_app import create_celery
+    from worker.services import Services
+
+    from .factories import RecordingCelery, make_settings
+
+    settings = make_settings(webhook_secret="whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+    app = create_celery(settings)
+    store = WebhookStore(r, 60)
+    app.llmq_services = Services(settings, RecordingCelery(), SequenceStore(r), FileStore(r, 60),
+                                 _Batches(r, 60), store)
+    store.put_event("msg_1", "http://hooks.example.com/in", "{}")
+    monkeypatch.setattr(webhooks, "check_url", lambda url, allowed: check_url(
+        url, allowed, resolve=resolver("10.0.0.7")))
+    monkeypatch.setattr(webhooks, "post", lambda *a, **k: pytest.fail("it connected"))
+    result = app.tasks["llmq.webhook"].apply(args=["msg_1"]).get()
+    assert result["outcome"] == "refused"
+    assert store.get_event("msg_1")["last_result"].startswith("refused")

@@ -1,0 +1,86 @@
+"""What the batch driver and the webhook sender share inside a worker: the Redis stores, an
+API-side engine to submit sequences with, and background loops that end with the worker.
+
+Built once per Celery app (`services(app)`), on the engine's own Redis client when the worker
+has one.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from common.batch_store import BatchStore
+from common.file_store import FileStore
+from common.store import SequenceStore
+from common.webhook_store import WebhookStore
+
+log = logging.getLogger("llmq.worker")
+_lock = threading.Lock()
+
+# Batch drivers run in the worker's task threads, the ones its sequences need: at most this
+# many at once per worker, so that batches can never hold every thread while their lines wait
+# for one (more drivers would add nothing: LLMQ_BATCH_MAX_INFLIGHT bounds all batches' lines).
+MAX_DRIVERS = 2
+
+
+@dataclass
+class Services:
+    """The stores and clients of one worker's batch and webhook work."""
+
+    settings: object
+    celery: object
+    sequences: SequenceStore
+    files: FileStore
+    batches: BatchStore
+    webhooks: WebhookStore
+    stopping: threading.Event = field(default_factory=threading.Event)
+    driver_slots: threading.BoundedSemaphore = field(
+        default_factory=lambda: threading.BoundedSemaphore(MAX_DRIVERS))
+
+    def submitter(self):
+        """The API's engine (admission control, records, send_task), for batch lines."""
+        from app.llm_engine import LLMEngine
+
+        return LLMEngine(self.settings, self.sequences, BatchLineSender(self.celery))
+
+
+class BatchLineSender:
+    """Sends the generate task as batch lines are sent: the same task, shown in Flower and in
+    the worker's logs as `llmq.batch_line` (Celery's `shadow` name)."""
+
+    NAME = "llmq.batch_line"
+
+    def __init__(self, celery):
+        self.celery = celery
+
+    def send_task(self, name: str, **options):
+        return self.celery.send_task(name, shadow=self.NAME, **options)
+
+
+def services(app) -> Services:
+    with _lock:
+        svc = getattr(app, "llmq_services", None)
+        if svc is None:
+            s = app.llmq_settings
+            engine = getattr(app, "llmq_engine", None)
+            seqs = engine.store if engine is not None else SequenceStore.from_settings(s)
+            svc = Services(s, app, seqs, FileStore(seqs.r, s.file_ttl_s),
+                           BatchStore(seqs.r, s.file_ttl_s),
+                           WebhookStore(seqs.r, s.pending_ttl_s))
+            app.llmq_services = svc
+        return svc
+
+
+def start_loop(svc: Services, name: str, interval_s: float, fn: Callable[[], None]) -> None:
+    """Runs fn every interval_s in a daemon thread until the worker stops; an error (Redis
+    restarting) is logged and the loop goes on."""
+    def loop():
+        while not svc.stopping.wait(interval_s):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - see above
+                log.warning("%s failed; retrying", name, exc_info=True)
+
+    threading.Thread(target=loop, name=name, daemon=True).start()

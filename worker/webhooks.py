@@ -1,0 +1,129 @@
+"""Webhook delivery: the Celery task `llmq.webhook` that posts one signed event, with retries
+and backoff, and the loop in every worker that queues job events as they become due.
+
+Signatures follow Standard Webhooks (standardwebhooks.com): `webhook-id` (the event's stable
+id: a receiver drops repeats by it), `webhook-timestamp` (unix seconds of this attempt) and
+`webhook-signature: v1,<base64 HMAC-SHA256 of "id.timestamp.body">`, keyed with the base64
+part of LLMQ_WEBHOOK_SECRET (`whsec_<base64>`). Every attempt resolves the host again, checks
+every address (common/webhook_guard.py) and connects to a checked address: DNS rebinding
+after the check at submit reaches nothing private. Redirects are not followed.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import logging
+import random
+import time
+
+import urllib3
+from celery import shared_task, signals
+
+from common.store import job_from_record
+from common.webhook_guard import Target, WebhookUnresolvable, WebhookURLError, check_url
+from common.webhook_store import WEBHOOK_TASK, event_body, event_id
+
+from .services import Services, services, start_loop
+
+log = logging.getLogger("llmq.webhooks")
+
+DISPATCH_S = 0.5         # between two looks for due job events
+MAX_BACKOFF_S = 600.0
+
+
+def sign(key: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
+    mac = hmac.new(key, f"{msg_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(mac).decode()
+
+
+def backoff_s(retries: int) -> float:
+    """1, 2, 4, ... seconds up to 10 minutes, with jitter so retries do not arrive together."""
+    return min(MAX_BACKOFF_S, 2.0 ** retries) * random.uniform(1.0, 1.25)
+
+
+def post(target: Target, body: bytes, headers: dict[str, str], timeout_s: float) -> int:
+    """POSTs to the checked addresses in turn (the first that answers); returns the status."""
+    last: Exception | None = None
+    for addr in target.addresses:
+        if target.scheme == "https":
+            pool = urllib3.HTTPSConnectionPool(addr, target.port, timeout=timeout_s,
+                                               retries=False, server_hostname=target.host,
+                                               assert_hostname=target.host)
+        else:
+            pool = urllib3.HTTPConnectionPool(addr, target.port, timeout=timeout_s,
+                                              retries=False)
+        try:
+            with pool:
+                resp = pool.urlopen("POST", target.path, body=body, redirect=False,
+                                    headers={**headers, "Host": target.host_header},
+                                    assert_same_host=False, preload_content=True)
+                return resp.status
+        except urllib3.exceptions.HTTPError as exc:
+            last = exc
+    raise last or OSError("no address to connect to")
+
+
+@shared_task(name=WEBHOOK_TASK, bind=True)
+def deliver(self, event_id_: str) -> dict:
+    """One attempt to deliver an event; a failure is retried later (backoff), at most
+    LLMQ_WEBHOOK_MAX_ATTEMPTS attempts in all."""
+    svc = services(self.app)
+    s, store = svc.settings, svc.webhooks
+    event = store.get_event(event_id_)
+    outcome = {"event_id": event_id_}
+    if event is None:
+        return {**outcome, "outcome": "expired"}
+    if event.get("delivered_at"):
+        return {**outcome, "outcome": "delivered before"}
+    if not s.webhook_secret:   # set on the API but not on this worker: nothing to sign with
+        store.record_attempt(event_id_, "refused: LLMQ_WEBHOOK_SECRET is not set", False)
+        log.error("webhook not sent: LLMQ_WEBHOOK_SECRET is not set on this worker")
+        return {**outcome, "outcome": "refused"}
+    try:
+        target = check_url(event["url"], s.webhook_allowed_hosts)
+        timestamp, body = int(time.time()), event["body"].encode()
+        status = post(target, body, {
+            "Content-Type": "application/json", "User-Agent": "llmq-webhooks",
+            "webhook-id": event_id_, "webhook-timestamp": str(timestamp),
+            "webhook-signature": sign(s.webhook_key(), event_id_, timestamp, body)},
+            s.webhook_timeout_s)
+        result = f"HTTP {status}"
+    except WebhookUnresolvable as exc:
+        result, status = str(exc), None
+    except WebhookURLError as exc:   # now resolves to a refused address: never sent there
+        store.record_attempt(event_id_, f"refused: {exc}", delivered=False)
+        log.warning("webhook refused: %s", exc, extra={"event_id": event_id_})
+        return {**outcome, "outcome": "refused"}
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        result, status = f"error: {exc}", None
+    delivered = status is not None and 200 <= status < 300
+    store.record_attempt(event_id_, result, delivered)
+    if delivered:
+        return {**outcome, "outcome": "delivered"}
+    attempt = self.request.retries + 1
+    if attempt >= s.webhook_max_attempts:
+        log.error("webhook given up after %d attempts: %s", attempt, result,
+                  extra={"event_id": event_id_})
+        return {**outcome, "outcome": f"given up: {result}"}
+    log.warning("webhook attempt %d failed: %s", attempt, result, extra={"event_id": event_id_})
+    raise self.retry(countdown=backoff_s(self.request.retries), max_retries=None)
+
+
+def dispatch_job_events(svc: Services) -> None:
+    """Queues a delivery for every job event that became due (see common/webhook_store.py)."""
+    for seq_id, event, url in svc.webhooks.due_job_events():
+        rec = svc.sequences.get_record(seq_id)
+        if rec:
+            kind = f"job.{event}"
+            eid = event_id(seq_id, kind)
+            svc.webhooks.put_event(eid, url, event_body(kind, job_from_record(rec)))
+            svc.celery.send_task(WEBHOOK_TASK, args=[eid], task_id=eid,
+                                 queue=svc.settings.queue, priority=0)
+        svc.webhooks.job_event_sent(seq_id, event)
+
+
+@signals.worker_ready.connect
+def _start_dispatcher(sender=None, **_kw):
+    svc = services(sender.app)
+    start_loop(svc, "llmq-webhooks", DISPATCH_S, lambda: dispatch_job_events(svc))
