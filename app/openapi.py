@@ -65,8 +65,7 @@ class ResultListOut(BaseModel):
 
 class Health(BaseModel):
     status: str
-    reason: str | None = None
-    workers: list[dict[str, Any]] | None = None
+    workers: list[dict[str, Any]] | None = None   # only to a caller with a key (or no keys set)
 
 
 class CompletionChoice(BaseModel):
@@ -129,9 +128,10 @@ ROUTES: dict[str, tuple[type | None, dict, str]] = {
     "api.create_jobs": (JobRequest, {"HTTP_202": JobOut, **_ERRORS}, "jobs"),
     "api.get_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
     "api.cancel_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
-    "api.stream_job": (None, {"HTTP_200": None, "HTTP_400": ErrorOut, "HTTP_404": ErrorOut},
-                       "jobs"),
+    "api.stream_job": (None, {"HTTP_200": None, "HTTP_400": ErrorOut, "HTTP_404": ErrorOut,
+                              "HTTP_429": ErrorOut}, "jobs"),
     "api.generate": (JobRequest, {"HTTP_200": JobOut, **_ERRORS}, "jobs"),
+    "api.health": (None, {"HTTP_200": None, "HTTP_503": None}, "operations"),
     "api.healthz": (None, {"HTTP_200": Health}, "operations"),
     "api.readyz": (None, {"HTTP_200": Health, "HTTP_503": Health}, "operations"),
     "openai.completions": (CompletionRequest, {"HTTP_200": CompletionOut, "HTTP_404": ErrorOut,
