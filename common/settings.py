@@ -66,6 +66,7 @@ class Settings:
     owner_secret: str = ""           # HMAC secret naming owners in records and logs
     share_prefix_cache: bool = False  # let different keys reuse each other's cached prefixes
     health_timeout_s: float = 2.0    # Redis round trips of the health routes give up after this
+    header_timeout_s: float = 10.0   # gunicorn (app/http_worker.py): time to send the headers
     max_stop_chars: int = 256        # longest stop string
     # API.
     host: str = "127.0.0.1"
@@ -120,6 +121,7 @@ class Settings:
             owner_secret=_env("LLMQ_OWNER_SECRET", d.owner_secret),
             share_prefix_cache=_int("LLMQ_SHARE_PREFIX_CACHE", int(d.share_prefix_cache)) != 0,
             health_timeout_s=_float("LLMQ_HEALTH_TIMEOUT", d.health_timeout_s),
+            header_timeout_s=_float("LLMQ_HEADER_TIMEOUT", d.header_timeout_s),
             max_stop_chars=_int("LLMQ_MAX_STOP_CHARS", d.max_stop_chars),
             wait_timeout_s=_float("LLMQ_WAIT_TIMEOUT", d.wait_timeout_s),
         )

@@ -39,7 +39,7 @@ for i in $(seq 0 $(( WORKERS - 1 ))); do
   pids+=($!)
   echo "worker: llmq-$dev (log run/worker$i.log)"
 done
-.venv/bin/gunicorn --bind "$LLMQ_HOST:$LLMQ_PORT" --worker-class gthread --workers 2 --threads 256 \
+.venv/bin/gunicorn --bind "$LLMQ_HOST:$LLMQ_PORT" --worker-class app.http_worker.ThreadWorker --workers 2 --threads 256 \
   --timeout 0 --graceful-timeout 30 app.wsgi:application >run/api.log 2>&1 &
 pids+=($!)
 .venv/bin/celery -A worker.celery_app flower --address=127.0.0.1 --port="$FLOWER_PORT" \
