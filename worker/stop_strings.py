@@ -35,21 +35,35 @@ class StopStringMatcher:
 
     def feed(self, text: str) -> tuple[int, int] | None:
         """Reads `text`; at the first stop string it completes, returns (the index in `text`
-        just past it, its length) and stops reading. When several end at the same character,
-        the longest (the one that began first) wins."""
-        stops, fails, matched = self.stops, self.fails, self.matched
-        for i, c in enumerate(text):
-            found = 0
-            for k, s in enumerate(stops):
-                m = matched[k]
-                while m and s[m] != c:
-                    m = fails[k][m - 1]
-                if s[m] == c:
-                    m += 1
-                    if m == len(s):
-                        found = max(found, m)
-                        m = fails[k][m - 1]
-                matched[k] = m
-            if found:
-                return i + 1, found
+        just past it, its length); the sequence then ends and nothing more is fed. When several
+        end at the same character, the longest (the one that began first) wins."""
+        hit: tuple[int, int] | None = None
+        for k, s in enumerate(self.stops):
+            end = self._feed_one(k, s, text)
+            if end is not None and (hit is None or (end, -len(s)) < (hit[0], -hit[1])):
+                hit = (end, len(s))
+        return hit
+
+    def _feed_one(self, k: int, s: str, text: str) -> int | None:
+        """Advances stop string k over `text`; returns where it first completes, if it does."""
+        m, start = self.matched[k], 0
+        if m == 0:
+            start = text.find(s[0])         # nothing of it can start before its first character
+            if start < 0:
+                return None                 # (the usual case: no part of it here)
+        if s[m:m + len(text)] == text:      # the held match simply grows (both in C)
+            m += len(text)
+            self.matched[k] = m if m < len(s) else self.fails[k][m - 1]
+            return len(text) if m == len(s) else None
+        fail = self.fails[k]
+        for i in range(start, len(text)):   # KMP, a character at a time
+            c = text[i]
+            while m and s[m] != c:
+                m = fail[m - 1]
+            if s[m] == c:
+                m += 1
+                if m == len(s):
+                    self.matched[k] = fail[m - 1]
+                    return i + 1
+        self.matched[k] = m
         return None
