@@ -55,7 +55,7 @@ def settings():
 # --- auth -------------------------------------------------------------------------------------
 @bp.before_app_request
 def _authenticate():
-    g.owner = ""
+    g.owner, g.has_key = "", False
     keys = settings().api_keys
     if not keys:
         return None
@@ -63,11 +63,13 @@ def _authenticate():
     given = header[7:].strip() if header.lower().startswith("bearer ") else ""
     # Compare against every key in constant time, so timing tells nothing about which matched.
     matched = [hmac.compare_digest(given.encode(), k.encode()) for k in keys]
-    if given and any(matched):
-        g.owner = owner_id(given)
-    elif not (request.path in _OPEN_PATHS or request.path.startswith("/static/")):
+    g.has_key = bool(given) and any(matched)
+    if request.path in _OPEN_PATHS or request.path.startswith("/static/"):
+        return None   # open; a valid key only shows more (no Redis round trip for the owner)
+    if not g.has_key:
         raise APIError(401, "missing or invalid API key", "authentication_error",
                        {"WWW-Authenticate": "Bearer"})
+    g.owner = owner_id(given)
     return None
 
 
@@ -90,7 +92,7 @@ def owner_id(key: str) -> str:
 
 def authenticated() -> bool:
     """Whether this request may see service details: a valid key, or no keys configured."""
-    return bool(g.get("owner")) or not settings().api_keys
+    return g.get("has_key", False) or not settings().api_keys
 
 
 # --- parsing ----------------------------------------------------------------------------------
