@@ -41,5 +41,5 @@ USER llmq
 EXPOSE 8000 5555
 
 # The API, as `make api` starts it but listening on every interface inside the container.
-CMD ["gunicorn", "--bind", "0.0.0.0:8000", "--worker-class", "gthread", "--workers", "2", \
+CMD ["gunicorn", "--bind", "0.0.0.0:8000", "--worker-class", "app.http_worker.ThreadWorker", "--workers", "2", \
      "--threads", "256", "--timeout", "0", "--graceful-timeout", "30", "app.wsgi:application"]

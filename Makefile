@@ -64,7 +64,7 @@ run: setup
 	bash scripts/run.sh
 
 api: venv
-	$(BIN)/gunicorn --bind $(LLMQ_HOST):$(LLMQ_PORT) --worker-class gthread --workers 2 \
+	$(BIN)/gunicorn --bind $(LLMQ_HOST):$(LLMQ_PORT) --worker-class app.http_worker.ThreadWorker --workers 2 \
 	  --threads 256 --timeout 0 --graceful-timeout 30 app.wsgi:application
 
 worker: venv

@@ -12,7 +12,7 @@ def create_app(settings: Settings | None = None, *, redis_client=None, celery=No
 
     from common.store import SequenceStore
 
-    from .api_server import bp, register_error_handlers
+    from .api_server import bp, health_store, register_error_handlers
     from . import batches_api, files_api, jobs_list_api, metrics, openapi
     from .llm_engine import LLMEngine
     from .openai_api import bp as openai_bp
@@ -29,7 +29,8 @@ def create_app(settings: Settings | None = None, *, redis_client=None, celery=No
         celery = Celery("llmq-api")
         celery.conf.update(celery_config(settings))
     app.extensions["llmq"] = {"settings": settings, "store": store,
-                              "engine": LLMEngine(settings, store, celery)}
+                              "engine": LLMEngine(settings, store, celery),
+                              "health_store": health_store(settings, redis_client)}
     app.register_blueprint(bp)
     app.register_blueprint(openai_bp)
     for feature in (jobs_list_api, files_api, batches_api):

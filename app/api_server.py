@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import re
+import time
 from typing import Any
 
 import redis
@@ -15,17 +15,18 @@ from werkzeug.exceptions import HTTPException
 from common.protocol import EVENT_DONE
 from common.webhook_guard import WebhookURLError
 
+from common.store import SequenceStore, is_seq_id, valid_stream_id
+
 from . import submit_hooks
 from .errors import APIError, error_response, failure_of
 from .limits import check_limits
-from .llm_engine import Overloaded
+from .llm_engine import Overloaded, TooLarge
 from .schemas import JobRequest, SamplingFields
 from .waiting import WaitTimedOut, wait_or_cancel
 
 bp = Blueprint("api", __name__)
 
-_STREAM_ID = re.compile(r"^\d+-\d+$")
-_OPEN_PATHS = {"/healthz", "/readyz", "/"}   # and /static/: the playground page
+_OPEN_PATHS = {"/health", "/healthz", "/readyz", "/"}   # and /static/: the playground page
 
 
 def engine():
@@ -39,19 +40,44 @@ def settings():
 # --- auth -------------------------------------------------------------------------------------
 @bp.before_app_request
 def _authenticate():
-    g.owner = ""
+    g.owner, g.has_key = "", False
     keys = settings().api_keys
-    if not keys or request.path in _OPEN_PATHS or request.path.startswith("/static/"):
+    if not keys:
         return None
     header = request.headers.get("Authorization", "")
     given = header[7:].strip() if header.lower().startswith("bearer ") else ""
     # Compare against every key in constant time, so timing tells nothing about which matched.
     matched = [hmac.compare_digest(given.encode(), k.encode()) for k in keys]
-    if not given or not any(matched):
+    g.has_key = bool(given) and any(matched)
+    if request.path in _OPEN_PATHS or request.path.startswith("/static/"):
+        return None   # open; a valid key only shows more (no Redis round trip for the owner)
+    if not g.has_key:
         raise APIError(401, "missing or invalid API key", "authentication_error",
                        {"WWW-Authenticate": "Bearer"})
-    g.owner = hashlib.sha256(given.encode()).hexdigest()[:32]
+    g.owner = owner_id(given)
     return None
+
+
+def owner_id(key: str) -> str:
+    """The name a key's records, rate windows and log lines carry: HMAC-SHA256 under the
+    server's secret (LLMQ_OWNER_SECRET, else one made once in Redis), so a leaked log or record
+    cannot be checked against guessed keys offline."""
+    secret = settings().owner_secret
+    if not secret:
+        # Read again now and then: a Redis that lost it gets this one back (SET NX), and every
+        # API replica converges on the one Redis holds.
+        ext, now = current_app.extensions["llmq"], time.monotonic()
+        cached, read_at = ext.get("owner_secret", ("", -1e9))
+        if now - read_at > 30:
+            cached = ext["store"].owner_secret(cached or None)
+            ext["owner_secret"] = (cached, now)
+        secret = cached
+    return hmac.new(secret.encode(), key.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def authenticated() -> bool:
+    """Whether this request may see service details: a valid key, or no keys configured."""
+    return g.get("has_key", False) or not settings().api_keys
 
 
 # --- parsing ----------------------------------------------------------------------------------
@@ -109,6 +135,12 @@ def submit(inputs: list[dict[str, Any]], req: SamplingFields,
                  context_len=eng.context_length(), max_tokens_param=max_tokens_param)
     hook = checked_webhook(req)
     params = req.sampling_params(default_max_tokens, max_tokens)
+    if g.owner and not s.share_prefix_cache:
+        # Cached prefixes are shared only within a key (cached_tokens would otherwise tell one
+        # key what another sent); the request's own salt still splits a key's cache further.
+        params.cache_salt = g.owner + ("/" + params.cache_salt if params.cache_salt else "")
+    if getattr(req, "stream", False):
+        take_stream_slot()
     jobs = eng.submit(inputs, params, g.owner, req.timeout, req.priority)
     submit_hooks.after_submit(current_app.extensions["llmq"], g.owner, jobs, hook)
     return jobs
@@ -123,7 +155,9 @@ def checked_webhook(req) -> tuple[str, list[str]] | None:
 
 
 def find_job(seq_id: str) -> dict:
-    job = engine().get(seq_id, g.owner)
+    # Checked by shape before it becomes part of a Redis key name ("<id>:events" names a
+    # stream): a malformed id is unknown like any other.
+    job = engine().get(seq_id, g.owner) if is_seq_id(seq_id) else None
     if job is None:
         raise APIError(404, f"no job with id {seq_id!r}", "not_found_error")
     return job
@@ -158,12 +192,14 @@ def cancel_job(seq_id: str):
 def stream_job(seq_id: str):
     find_job(seq_id)
     last = request.headers.get("Last-Event-ID") or request.args.get("last_event_id") or "0-0"
-    if not _STREAM_ID.match(last):
-        raise APIError(400, "Last-Event-ID must be a stream id like 1700000000000-0")
+    if not valid_stream_id(last):
+        raise APIError(400, "Last-Event-ID must be a stream id like 1700000000000-0",
+                       param="last_event_id")
     if engine().is_over(seq_id, last):
         # Resumed at (or past) the done event, as EventSource does after the server closed:
         # nothing will follow, and 204 is what tells EventSource to stop reconnecting.
         return Response(status=204, headers={"X-Request-Id": seq_id})
+    take_stream_slot()
     return sse_response(seq_id, last)
 
 
@@ -195,6 +231,17 @@ def generate():
     return jsonify(results[0])
 
 
+# --- health -----------------------------------------------------------------------------------
+# Open to anyone, so they say only ready or not: no counters (a request's size could be read off
+# them), worker names, hosts or error text. An authenticated caller also gets the workers. Their
+# Redis round trips give up after LLMQ_HEALTH_TIMEOUT, so a hung Redis is a fast 503.
+@bp.get("/health")
+def health():
+    """vLLM's route (its benchmark client polls it): 200 with an empty body when ready."""
+    ready, _workers = _readiness()
+    return Response(status=200 if ready else 503)
+
+
 @bp.get("/healthz")
 def healthz():
     return jsonify({"status": "ok"})
@@ -202,17 +249,32 @@ def healthz():
 
 @bp.get("/readyz")
 def readyz():
-    s = settings()
+    ready, workers = _readiness()
+    body: dict[str, Any] = {"status": "ready" if ready else "unavailable"}
+    if authenticated() and workers is not None:
+        body["workers"] = workers
+    return jsonify(body), 200 if ready else 503
+
+
+def _readiness() -> tuple[bool, list[dict] | None]:
+    """(ready, the workers with the model loaded; None when Redis did not answer)."""
+    ext = current_app.extensions["llmq"]
     try:
-        engine().store.r.ping()
-        workers = engine().store.live_workers(s.worker_stale_s)
+        workers = ext["health_store"].live_workers(settings().worker_stale_s)
     except redis.RedisError as exc:
-        return jsonify({"status": "unavailable", "reason": f"redis: {exc}"}), 503
+        current_app.logger.warning("readiness: redis unavailable: %s", exc)
+        return False, None
     loaded = [w for w in workers if w.get("model_loaded") == "1"]
-    if not loaded:
-        return jsonify({"status": "unavailable", "reason": "no worker with the model loaded",
-                        "workers": workers}), 503
-    return jsonify({"status": "ready", "workers": loaded})
+    return bool(loaded), loaded
+
+
+def health_store(s, client=None) -> SequenceStore:
+    """A store whose Redis client gives up after LLMQ_HEALTH_TIMEOUT (the main one waits out
+    long stream reads)."""
+    client = client or redis.Redis.from_url(
+        s.redis_url, decode_responses=True, socket_timeout=s.health_timeout_s,
+        socket_connect_timeout=s.health_timeout_s, retry_on_timeout=False, max_connections=64)
+    return SequenceStore(client)
 
 
 # --- SSE --------------------------------------------------------------------------------------
@@ -238,6 +300,66 @@ def sse_response(seq_id: str, after: str) -> Response:
                              "X-Request-Id": seq_id})
 
 
+# --- per-key stream cap ------------------------------------------------------------------------
+class StreamSlot:
+    """One of a key's LLMQ_KEY_MAX_STREAMS open streams. Taken before the route does anything
+    (a streamed submission is refused before its job exists) and held by the response until it
+    ends. Slots are leases in Redis, renewed as the stream runs, so those of an API process
+    that died free themselves."""
+
+    def __init__(self, store: SequenceStore, owner: str, token: str, lease_s: float):
+        self.store, self.owner, self.token, self.lease_s = store, owner, token, lease_s
+
+    def hold(self, chunks):
+        """The response body, passed through; the slot lives until the body is closed (the
+        stream ended or its client went away)."""
+        renewed = time.monotonic()
+        try:
+            for chunk in chunks:
+                if time.monotonic() - renewed > self.lease_s / 3:   # keep-alives come often
+                    renewed = time.monotonic()
+                    self.store.renew_stream(self.owner, self.token, self.lease_s)
+                yield chunk
+        finally:
+            if hasattr(chunks, "close"):
+                chunks.close()   # the route's own clean-up (a hang-up cancels its job)
+            self.close()
+
+    def close(self) -> None:
+        try:
+            self.store.close_stream(self.owner, self.token)
+        except redis.RedisError:
+            pass   # the lease runs out by itself
+
+
+def take_stream_slot() -> None:
+    """Takes a stream slot for the caller's key (429 when it has LLMQ_KEY_MAX_STREAMS open);
+    the response holds it. Keys only: without them there are no tenants to keep apart."""
+    s = settings()
+    if not (g.owner and s.key_max_streams) or "stream_slot" in g:
+        return
+    lease = 3 * s.sse_keepalive_s + 10   # a stream writes at least every keep-alive
+    store = engine().store
+    token = store.open_stream(g.owner, s.key_max_streams, lease)
+    if token is None:
+        raise APIError(429, f"this key has {s.key_max_streams} streams open "
+                            "(LLMQ_KEY_MAX_STREAMS); close one first", "rate_limit_error",
+                       {"Retry-After": "5"}, code="too_many_streams")
+    g.stream_slot = StreamSlot(store, g.owner, token, lease)
+
+
+@bp.after_app_request
+def _hand_stream_slot_to_response(resp: Response) -> Response:
+    slot = g.pop("stream_slot", None)
+    if slot is None:
+        return resp
+    if resp.is_streamed and resp.mimetype == "text/event-stream":
+        resp.response = slot.hold(resp.response)
+    else:
+        slot.close()   # an error, or an answer that was not a stream after all
+    return resp
+
+
 # --- errors -----------------------------------------------------------------------------------
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(APIError)
@@ -249,6 +371,10 @@ def register_error_handlers(app: Flask) -> None:
         kind = {404: "not_found_error", 405: "invalid_request_error",
                 413: "invalid_request_error"}.get(exc.code, "invalid_request_error")
         return error_response(exc.code or 400, exc.description or exc.name, kind)
+
+    @app.errorhandler(TooLarge)
+    def _too_large(exc: TooLarge):
+        return error_response(400, str(exc), "invalid_request_error", code="request_too_large")
 
     @app.errorhandler(Overloaded)
     def _overloaded(exc: Overloaded):

@@ -35,6 +35,10 @@ def check_limits(settings, req: SamplingFields, inputs: list[dict[str, Any]], *,
                       f"({effective}{default})", "min_tokens")
     if len(req.stop) > s.max_stop:
         raise _refuse(f"at most {s.max_stop} stop strings", "stop")
+    # Stop strings are matched against the text at every token: their number and length bound
+    # that work, whatever route they came through.
+    if any(len(x) > s.max_stop_chars for x in req.stop):
+        raise _refuse(f"stop strings are at most {s.max_stop_chars} characters", "stop")
     for inp in inputs:
         if _num_chars(inp) > s.max_prompt_chars:
             raise _refuse(f"prompt too long (at most {s.max_prompt_chars} characters each)",

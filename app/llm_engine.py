@@ -32,6 +32,14 @@ class Overloaded(Exception):
         self.retry_after_s = retry_after_s
 
 
+class TooLarge(Exception):
+    """A request that could never pass a limit, however long it waits (-> 400)."""
+
+
+# Priority steps (of Celery's 0..9) a key's sequences beyond its fair share fall behind.
+FAIR_DEMOTION = 5
+
+
 def new_seq_id() -> str:
     return f"seq-{uuid.uuid4().hex}"
 
@@ -55,17 +63,19 @@ class LLMEngine:
 
         Raises Overloaded (-> 429) when the queue is full or the caller is over its rate limit;
         nothing is written in that case, and nothing accepted is ever dropped."""
-        self._admission_control(len(inputs), params.max_tokens * len(inputs), owner)
         deadline = time.time() + timeout_s if timeout_s else None
         seq_ids = seq_ids or [new_seq_id() for _ in inputs]
         reqs = [SequenceRequest(seq_id=seq_id, params=params, owner=owner,
                                 deadline=deadline, priority=priority, **inp)
                 for seq_id, inp in zip(seq_ids, inputs)]
-        jobs = self.store.create(reqs, model=self.settings.model)
+        unfinished = self._admission_control(reqs, owner)
+        charged_to = self._charge_rate_limits(reqs, owner)
+        jobs = self.store.create(reqs, model=self.settings.model, charged_to=charged_to)
         try:
-            for req in reqs:
+            for i, req in enumerate(reqs):
                 self.celery.send_task(GENERATE_TASK, args=[req.seq_id], task_id=req.seq_id,
-                                      queue=self.settings.queue, priority=priority)
+                                      queue=self.settings.queue,
+                                      priority=self._fair_priority(priority, unfinished + i))
         except Exception:
             # The broker went away mid-batch: end what was not queued instead of leaving
             # records that no worker will ever take; the caller gets a 503.
@@ -81,20 +91,59 @@ class LLMEngine:
             log.info("sequence queued", extra={"seq_id": job["id"], "owner": owner or None})
         return jobs
 
-    def _admission_control(self, num_seqs: int, num_tokens: int, owner: str) -> None:
-        s = self.settings
+    def _admission_control(self, reqs: list[SequenceRequest], owner: str) -> int:
+        """Refuses (429) what the queue cannot take: past LLMQ_MAX_QUEUED in all, or, with API
+        keys, past one key's share of it. Returns the key's unfinished sequences (0 without
+        keys)."""
+        s, n = self.settings, len(reqs)
         depth = self.store.queue_depth(s.queue)
-        if depth + num_seqs > s.max_queued:
+        if depth + n > s.max_queued:
             raise Overloaded(f"the queue is full ({depth} sequences waiting); retry later", 2)
-        if s.rate_limit_rpm or s.rate_limit_tpm:
-            used_requests, used_tokens, retry_after = self.store.count_usage(
-                owner or "anonymous", 1, num_tokens)
-            if s.rate_limit_rpm and used_requests > s.rate_limit_rpm:
-                raise Overloaded(f"rate limit: {s.rate_limit_rpm} requests per minute",
-                                 retry_after)
-            if s.rate_limit_tpm and used_tokens > s.rate_limit_tpm:
-                raise Overloaded(f"rate limit: {s.rate_limit_tpm} tokens per minute",
-                                 retry_after)
+        if not (owner and s.api_keys):
+            return 0
+        unfinished = self.store.unfinished_of(owner)
+        cap = max(1, int(s.max_queued * s.key_queue_share))
+        if unfinished + n > cap:
+            raise Overloaded(f"this key has {unfinished} unfinished sequences, its share of "
+                             f"the queue is {cap} (LLMQ_KEY_QUEUE_SHARE); retry later", 2)
+        return unfinished
+
+    def _charge_rate_limits(self, reqs: list[SequenceRequest], owner: str) -> str:
+        """Charges the key's minute with its sequences (RPM) and their tokens (TPM: max_tokens
+        plus the prompt, settled with the real counts when each ends). Returns the window
+        charged ("" with no limits set)."""
+        s = self.settings
+        if not (s.rate_limit_rpm or s.rate_limit_tpm):
+            return ""
+        from common.store import reserved_tokens
+
+        tokens = sum(reserved_tokens(r) for r in reqs)
+        if s.rate_limit_tpm and tokens > s.rate_limit_tpm:
+            raise TooLarge(f"this request may use {tokens} tokens (prompt + max_tokens), more "
+                           f"than the key's {s.rate_limit_tpm} tokens per minute "
+                           "(LLMQ_RATE_LIMIT_TPM)")
+        if s.rate_limit_rpm and len(reqs) > s.rate_limit_rpm:
+            raise TooLarge(f"this request has {len(reqs)} sequences, more than the key's "
+                           f"{s.rate_limit_rpm} per minute (LLMQ_RATE_LIMIT_RPM)")
+        hit, retry_after, window = self.store.reserve_usage(
+            owner or "anonymous", len(reqs), tokens, s.rate_limit_rpm, s.rate_limit_tpm)
+        if hit == "rpm":
+            raise Overloaded(f"rate limit reached: {s.rate_limit_rpm} sequences per minute "
+                             "for this key (LLMQ_RATE_LIMIT_RPM)", retry_after)
+        if hit == "tpm":
+            raise Overloaded(f"rate limit reached: {s.rate_limit_tpm} tokens per minute for "
+                             "this key (LLMQ_RATE_LIMIT_TPM; this request reserves "
+                             f"{tokens})", retry_after)
+        return window
+
+    def _fair_priority(self, priority: int | None, num_before: int) -> int | None:
+        """A key's sequences past its fair share of a worker's batch queue behind every other
+        key's (FAIR_DEMOTION priority steps lower), so one key's flood cannot stand between
+        another key and the next free slot. Without API keys nothing is demoted."""
+        s = self.settings
+        if not s.api_keys or num_before < max(1, int(s.max_num_seqs * s.key_batch_share)):
+            return priority
+        return min(9, (priority or 0) + FAIR_DEMOTION)
 
     def get(self, seq_id: str, owner: str = "") -> dict[str, Any] | None:
         rec = self.store.get_record(seq_id)

@@ -68,8 +68,7 @@ class ResultListOut(BaseModel):
 
 class Health(BaseModel):
     status: str
-    reason: str | None = None
-    workers: list[dict[str, Any]] | None = None
+    workers: list[dict[str, Any]] | None = None   # only to a caller with a key (or no keys set)
 
 
 class CompletionChoice(BaseModel):
@@ -203,10 +202,11 @@ ROUTES: dict[str, tuple[type | None, dict, str]] = {
     "api.cancel_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
     # 204: resumed at the done event, nothing follows (EventSource stops reconnecting)
     "api.stream_job": (None, {"HTTP_200": None, "HTTP_204": None, "HTTP_400": ErrorOut,
-                              "HTTP_404": ErrorOut}, "jobs"),
+                              "HTTP_404": ErrorOut, "HTTP_429": ErrorOut}, "jobs"),
     # 202: still running after LLMQ_WAIT_TIMEOUT (the job as it stands)
     "api.generate": (JobRequest, {"HTTP_200": JobOut, "HTTP_202": JobOut, **_ERRORS,
                                   **_FAILED}, "jobs"),
+    "api.health": (None, {"HTTP_200": None, "HTTP_503": None}, "operations"),
     "api.healthz": (None, {"HTTP_200": Health}, "operations"),
     "api.readyz": (None, {"HTTP_200": Health, "HTTP_503": Health}, "operations"),
     "openai.completions": (CompletionRequest, {"HTTP_200": CompletionOut, "HTTP_404": ErrorOut,

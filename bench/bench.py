@@ -4,6 +4,7 @@ Phases, all on the default model, greedy, with the output length forced:
   1. raw      model.generate in this process (before the stack starts, then freed)
   2. served   own redis-server + one worker + gunicorn API; closed-loop SSE clients per level
   2c. prefix  chat requests sharing the template's system turn: TTFT without, then with reuse
+  2d. stops   the same requests plain, then with worst-case stop strings: engine step time
   3. mixed    prompts 10-400 tokens, outputs 8-256, Poisson arrivals near saturation:
               continuous batching, then the worker restarted with LLMQ_BATCH_POLICY=static
 Writes <out>/<timestamp>.json and .png and prints a summary table with the targets.
@@ -28,6 +29,7 @@ from .loadgen import closed_loop, open_loop
 from .prefix import prefix_phase
 from .raw import run_raw, run_raw_backend, short_prompts
 from .stack import ROOT, Stack
+from .stop_strings import stop_strings_phase
 from .streams import streams_phase
 from .workload import mixed_requests, poisson_offsets
 
@@ -328,10 +330,15 @@ def main(argv=None) -> int:
                      f"concurrency {c}, without and with reuse")
             result["prefix"] = prefix_phase(stack, c, args.prefix_requests, 8 if args.quick else 16,
                                             progress=progress)
+        if args.backend == "transformers" and budget.allows("stop strings", 60):
+            c, n = (8, 16) if args.quick else (16, 32)
+            progress(f"phase 2d: stop strings, {n} requests at concurrency {c}, plain then "
+                     "with 16 stop strings of 256 characters that hold all their text back")
+            result["stop_strings"] = stop_strings_phase(stack, c, n, 32, progress=progress)
         batch_lines = args.batch_lines if args.batch_lines is not None else (
             200 if args.quick else 1000)
         if batch_lines and budget.allows("batch API", 60):
-            progress(f"phase 2d: a batch of {batch_lines} lines, interactive TTFT meanwhile")
+            progress(f"phase 2e: a batch of {batch_lines} lines, interactive TTFT meanwhile")
             result["batch"] = batch_phase(stack.url, batch_lines, progress=progress)
         if not args.skip_mixed:
             progress("phase 3/3: mixed workload, continuous vs static batching")
@@ -353,7 +360,8 @@ def main(argv=None) -> int:
         result["error"] = error
     result["ratios"] = report.compute_ratios(result.get("raw"), result["served"], result.get("mixed"))
     result["targets"] = report.targets(result["served"], result["ratios"], result.get("mixed"),
-                                       result.get("prefix"), result.get("raw"))
+                                       result.get("prefix"), result.get("raw"),
+                                       result.get("stop_strings"))
     json_path = out_dir / f"{stamp}.json"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     png_path = out_dir / f"{stamp}.png"

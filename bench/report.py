@@ -122,7 +122,8 @@ def _p99_all(s: dict):
 
 
 def targets(served: list[dict], ratios: dict, mixed: dict | None,
-            prefix: dict | None = None, raw: dict | None = None) -> list[dict]:
+            prefix: dict | None = None, raw: dict | None = None,
+            stop_strings: dict | None = None) -> list[dict]:
     by_c = {lv["concurrency"]: lv for lv in served}
     out = []
     for c in (64, 1):
@@ -150,6 +151,10 @@ def targets(served: list[dict], ratios: dict, mixed: dict | None,
         v = prefix.get("ttft_p50_with_over_without")
         out.append({"name": "stretch: prefix caching, chat TTFT p50 with / without reuse < 1",
                     "value": v, "met": None if v is None else v < 1.0})
+    if stop_strings is not None:
+        v = stop_strings.get("step_worst_over_plain")
+        out.append({"name": "stop strings: engine step with worst-case stops / plain <= 1.1",
+                    "value": v, "met": None if v is None else v <= 1.1})
     return out
 
 

@@ -158,7 +158,7 @@ class Stack:
         wait_until(ping, 15, "redis-server to answer")
         client.close()
         self.api = Proc("api", [sys.executable, "-m", "gunicorn", "--bind", f"{HOST}:{self.api_port}",
-                                "--worker-class", "gthread", "--workers", str(self.api_workers),
+                                "--worker-class", "app.http_worker.ThreadWorker", "--workers", str(self.api_workers),
                                 "--threads", str(self.api_threads), "--timeout", "0",
                                 "--graceful-timeout", "5", self.api_app],
                         self.base_env(), self.workdir / "api.log").start()

@@ -61,8 +61,18 @@ class Settings:
     # floor on the step time), so the suite can run with a slow engine on a fast machine.
     test_step_delay_s: float = 0.0
     max_queued: int = 1024
-    rate_limit_rpm: int = 0          # requests per minute per API key (0 = off)
-    rate_limit_tpm: int = 0          # max_tokens per minute per API key (0 = off)
+    rate_limit_rpm: int = 0          # sequences per minute per API key (0 = off)
+    rate_limit_tpm: int = 0          # prompt + completion tokens per minute per key (0 = off)
+    # Tenants (docs/security.md). Without API keys every sequence has the same owner, so the
+    # shares never apply.
+    key_queue_share: float = 0.5     # of LLMQ_MAX_QUEUED: one key's unfinished sequences
+    key_batch_share: float = 0.5     # of a worker's batch, while other keys' sequences wait
+    key_max_streams: int = 32        # open SSE streams per key (0 = no cap)
+    owner_secret: str = ""           # HMAC secret naming owners in records and logs
+    share_prefix_cache: bool = False  # let different keys reuse each other's cached prefixes
+    health_timeout_s: float = 2.0    # Redis round trips of the health routes give up after this
+    header_timeout_s: float = 10.0   # gunicorn (app/http_worker.py): time to send the headers
+    max_stop_chars: int = 256        # longest stop string
     # API.
     host: str = "127.0.0.1"
     port: int = 8000
@@ -137,7 +147,16 @@ class Settings:
             worker_heartbeat_s=_float("LLMQ_WORKER_HEARTBEAT", d.worker_heartbeat_s),
             host=_env("LLMQ_HOST", d.host),
             port=_int("LLMQ_PORT", d.port),
-            api_keys=tuple(k for k in _env("LLMQ_API_KEYS", "").split(",") if k.strip()),
+            # "key1, key2" is the natural way to write a list: spaces are not part of a key.
+            api_keys=tuple(k.strip() for k in _env("LLMQ_API_KEYS", "").split(",") if k.strip()),
+            key_queue_share=_float("LLMQ_KEY_QUEUE_SHARE", d.key_queue_share),
+            key_batch_share=_float("LLMQ_KEY_BATCH_SHARE", d.key_batch_share),
+            key_max_streams=_int("LLMQ_KEY_MAX_STREAMS", d.key_max_streams),
+            owner_secret=_env("LLMQ_OWNER_SECRET", d.owner_secret),
+            share_prefix_cache=_int("LLMQ_SHARE_PREFIX_CACHE", int(d.share_prefix_cache)) != 0,
+            health_timeout_s=_float("LLMQ_HEALTH_TIMEOUT", d.health_timeout_s),
+            header_timeout_s=_float("LLMQ_HEADER_TIMEOUT", d.header_timeout_s),
+            max_stop_chars=_int("LLMQ_MAX_STOP_CHARS", d.max_stop_chars),
             wait_timeout_s=_float("LLMQ_WAIT_TIMEOUT", d.wait_timeout_s),
             file_max_bytes=_int("LLMQ_FILE_MAX_BYTES", d.file_max_bytes),
             file_max_lines=_int("LLMQ_FILE_MAX_LINES", d.file_max_lines),

@@ -7,10 +7,18 @@ Keys (all names are built here and nowhere else):
   llmq:cancelled           set     ids whose cancellation was asked for; the engine polls it
   llmq:workers             zset    worker name -> last engine heartbeat (unix seconds)
   llmq:worker:<name>       hash    what that worker reports (model, device, counters)
+  llmq:running:<name>      set     ids a worker started and has not finished
+  llmq:rate:<owner>:<min>  hash    a key's sequences and tokens in one minute (rate limits)
+  llmq:owner:<owner>:seqs  zset    a key's unfinished sequences -> created (its queue share)
+  llmq:owner:<owner>:streams zset  a key's open SSE streams -> lease end (its stream cap)
+  llmq:owner-secret        string the HMAC secret naming owners, when no setting gives one
 """
 from __future__ import annotations
 
 import json
+import math
+import re
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -34,6 +42,23 @@ PREFIX = "llmq"
 CANCELLED_KEY = f"{PREFIX}:cancelled"
 WORKERS_KEY = f"{PREFIX}:workers"
 PRIORITY_SEP = "\x06\x16"   # kombu's Redis priority-queue separator
+OWNER_SECRET_KEY = f"{PREFIX}:owner-secret"
+
+# Ids are checked by shape before they become part of a key name: "seq-<id>:events" names a
+# stream, not a record, and a newline or a 23-digit stream id makes Redis itself fail.
+_SEQ_ID = re.compile(r"seq-[0-9a-f]{32}")
+_STREAM_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")   # ASCII digits only
+_U64 = 2**64 - 1
+
+
+def is_seq_id(seq_id: str) -> bool:
+    return bool(_SEQ_ID.fullmatch(seq_id))
+
+
+def valid_stream_id(entry_id: str) -> bool:
+    """A Redis stream entry id (<ms>-<seq>, both 64-bit unsigned), the SSE resume position."""
+    m = _STREAM_ID.fullmatch(entry_id)
+    return bool(m) and int(m[1]) <= _U64 and int(m[2]) <= _U64
 
 
 def record_key(seq_id: str) -> str:
@@ -50,6 +75,26 @@ def channel(seq_id: str) -> str:
 
 def worker_key(name: str) -> str:
     return f"{PREFIX}:worker:{name}"
+
+
+def owner_seqs_key(owner: str) -> str:
+    return f"{PREFIX}:owner:{owner}:seqs"
+
+
+def owner_streams_key(owner: str) -> str:
+    return f"{PREFIX}:owner:{owner}:streams"
+
+
+def rate_key(owner: str, window: int) -> str:
+    return f"{PREFIX}:rate:{owner}:{window}"
+
+
+def reserved_tokens(req: SequenceRequest) -> int:
+    """What a sequence is charged against its key's tokens per minute when it is accepted:
+    max_tokens plus its prompt as OpenAI estimates it (a token per 4 bytes; the API does not
+    tokenize). The end settles the charge with the real prompt and completion counts."""
+    text = req.prompt or "".join(m.get("content", "") for m in req.messages or [])
+    return req.params.max_tokens + math.ceil(len(text.encode("utf-8")) / 4)
 
 
 def running_key(name: str) -> str:
@@ -117,6 +162,40 @@ redis.call('EXPIRE', KEYS[2], ARGV[6])
 redis.call('SREM', KEYS[4], ARGV[7])
 local w = redis.call('HGET', KEYS[1], 'worker')
 if w and w ~= '' then redis.call('SREM', ARGV[8] .. w, ARGV[7]) end
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner and owner ~= '' then redis.call('ZREM', ARGV[10] .. owner .. ':seqs', ARGV[7]) end
+-- Settle the tokens-per-minute charge: the reservation made at submit becomes the real prompt
+-- plus completion count, in the window it was charged to (if that window is still open).
+local rk = redis.call('HGET', KEYS[1], 'rate_key')
+if rk and rk ~= '' and redis.call('EXISTS', rk) == 1 then
+  local used = tonumber(redis.call('HGET', KEYS[1], 'prompt_tokens') or '0')
+             + tonumber(redis.call('HGET', KEYS[1], 'completion_tokens') or '0')
+  local reserved = tonumber(redis.call('HGET', KEYS[1], 'reserved_tokens') or '0')
+  redis.call('HINCRBY', rk, 'tokens', used - reserved)
+end
+return 1
+"""
+
+# Charges a key's minute window with n sequences and t tokens, unless that would pass its
+# limit: nothing is charged for a refused request. Returns the limit hit, or 'ok'.
+_RESERVE = """
+local cur = redis.call('HMGET', KEYS[1], 'seqs', 'tokens')
+local seqs, tokens = tonumber(cur[1] or '0'), tonumber(cur[2] or '0')
+if tonumber(ARGV[3]) > 0 and seqs + tonumber(ARGV[1]) > tonumber(ARGV[3]) then return 'rpm' end
+if tonumber(ARGV[4]) > 0 and tokens + tonumber(ARGV[2]) > tonumber(ARGV[4]) then return 'tpm' end
+redis.call('HINCRBY', KEYS[1], 'seqs', ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'tokens', ARGV[2])
+redis.call('EXPIRE', KEYS[1], 120)
+return 'ok'
+"""
+
+# Opens one of a key's SSE streams if it has fewer than ARGV[3] open (expired leases, left by
+# an API process that died, do not count). ARGV: now, lease end, cap, stream token.
+_OPEN_STREAM = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if tonumber(ARGV[3]) > 0 and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[4])
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) - tonumber(ARGV[1])) + 1)
 return 1
 """
 
@@ -229,6 +308,8 @@ class SequenceStore:
         self._reclaim = client.register_script(_RECLAIM)
         self._finish = client.register_script(_FINISH)
         self._publish = client.register_script(_PUBLISH)
+        self._reserve = client.register_script(_RESERVE)
+        self._open_stream = client.register_script(_OPEN_STREAM)
 
     @classmethod
     def from_settings(cls, settings, client: redis.Redis | None = None) -> "SequenceStore":
@@ -246,11 +327,16 @@ class SequenceStore:
                    pending_ttl_s=settings.pending_ttl_s, stream_maxlen=settings.stream_maxlen)
 
     # --- API side ----------------------------------------------------------------------------
-    def create(self, requests: Iterable[SequenceRequest], model: str = "") -> list[dict[str, Any]]:
-        """Stores new queued records (one round trip for a whole batch) and returns their jobs."""
+    def create(self, requests: Iterable[SequenceRequest], model: str = "",
+               charged_to: str = "") -> list[dict[str, Any]]:
+        """Stores new queued records (one round trip for a whole batch) and returns their jobs.
+        `charged_to`: the rate window their tokens were reserved in (settled at the end)."""
         now = str(_now())
         jobs, pipe = [], self.r.pipeline(transaction=True)
         for req in requests:
+            if req.owner:
+                pipe.zadd(owner_seqs_key(req.owner), {req.seq_id: float(now)})
+                pipe.expire(owner_seqs_key(req.owner), self.pending_ttl_s)
             rec = {
                 "id": req.seq_id,
                 "status": SequenceStatus.QUEUED.value,
@@ -263,6 +349,8 @@ class SequenceStore:
                 "created_at": now,
                 "deadline": "" if req.deadline is None else str(req.deadline),
                 "attempts": 0,
+                "rate_key": charged_to,
+                "reserved_tokens": reserved_tokens(req) if charged_to else 0,
             }
             pipe.hset(record_key(req.seq_id), mapping=rec)
             pipe.expire(record_key(req.seq_id), self.pending_ttl_s)
@@ -312,6 +400,9 @@ class SequenceStore:
             created_at=_num(rec.get("created_at")),
             deadline=_num(rec.get("deadline")),
         )
+
+    def owner_of(self, seq_id: str) -> str:
+        return self.r.hget(record_key(seq_id), "owner") or ""
 
     def start(self, seq_id: str, worker: str, stale_s: float = 15.0) -> tuple[str, int]:
         """Marks a sequence running. Returns (previous status, attempt); attempt 0 = do not run."""
@@ -417,7 +508,8 @@ class SequenceStore:
                 args=[",".join(s.value for s in it.only_if), json.dumps(fields),
                       encode_event(EVENT_DONE, job)["data"], encode_pubsub(EVENT_DONE, job),
                       self.stream_maxlen, self.result_ttl_s, it.seq_id, running_key(""),
-                      "" if it.attempt is None else str(int(it.attempt))],
+                      "" if it.attempt is None else str(int(it.attempt)),
+                      owner_seqs_key("")[:-len(":seqs")]],
                 client=pipe)
             queued.append(i)
         written = [False] * len(items)
@@ -441,18 +533,48 @@ class SequenceStore:
             pipe.llen(f"{queue}{PRIORITY_SEP}{p}")
         return sum(pipe.execute())
 
-    def count_usage(self, owner: str, requests: int, tokens: int) -> tuple[int, int, int]:
-        """Adds to the caller's fixed one-minute window (shared by every API replica) and
-        returns (requests, tokens, seconds until the window ends)."""
+    def reserve_usage(self, owner: str, seqs: int, tokens: int, rpm: int, tpm: int
+                      ) -> tuple[str, int, str]:
+        """Charges the caller's fixed one-minute window (shared by every API replica) with
+        `seqs` sequences and `tokens` tokens unless that passes `rpm` or `tpm` (0 = no limit).
+        Returns (the limit hit: "rpm", "tpm" or "" when charged, seconds until the window
+        ends, the window's key)."""
         now = time.time()
         window = int(now // 60)
-        key = f"{PREFIX}:rate:{owner}:{window}"
+        key = rate_key(owner, window)
+        hit = self._reserve(keys=[key], args=[seqs, tokens, rpm, tpm])
+        return ("" if hit == "ok" else hit), max(1, int((window + 1) * 60 - now) + 1), key
+
+    def unfinished_of(self, owner: str) -> int:
+        """How many sequences of a key are queued or running (records that expired without
+        finishing drop out after the pending TTL)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zremrangebyscore(owner_seqs_key(owner), "-inf", time.time() - self.pending_ttl_s)
+        pipe.zcard(owner_seqs_key(owner))
+        return pipe.execute()[1]
+
+    def open_stream(self, owner: str, cap: int, lease_s: float) -> str | None:
+        """Takes one of a key's `cap` stream slots for `lease_s` seconds (renew it with
+        renew_stream while the stream lives); returns its token, or None when all are taken."""
+        token, now = secrets.token_hex(8), time.time()
+        ok = self._open_stream(keys=[owner_streams_key(owner)],
+                               args=[now, now + lease_s, cap, token])
+        return token if ok else None
+
+    def renew_stream(self, owner: str, token: str, lease_s: float) -> None:
+        self.r.zadd(owner_streams_key(owner), {token: time.time() + lease_s}, xx=True)
+
+    def close_stream(self, owner: str, token: str) -> None:
+        self.r.zrem(owner_streams_key(owner), token)
+
+    def owner_secret(self, known: str | None = None) -> str:
+        """The HMAC secret that names owners, made once and shared by every API replica (for
+        deployments that set no LLMQ_OWNER_SECRET); `known`, the one last read, is put back
+        if Redis lost it."""
         pipe = self.r.pipeline(transaction=True)
-        pipe.hincrby(key, "requests", requests)
-        pipe.hincrby(key, "tokens", tokens)
-        pipe.expire(key, 120)
-        used_requests, used_tokens, _ = pipe.execute()
-        return used_requests, used_tokens, max(1, int((window + 1) * 60 - now) + 1)
+        pipe.set(OWNER_SECRET_KEY, known or secrets.token_hex(32), nx=True)
+        pipe.get(OWNER_SECRET_KEY)
+        return pipe.execute()[1]
 
     # --- workers -----------------------------------------------------------------------------
     def heartbeat(self, name: str, info: dict[str, Any], ttl_s: float) -> None:

@@ -136,7 +136,7 @@ for i in $(seq 0 $(( WORKERS - 1 ))); do
   echo "worker: llmq-$dev (log $RUN/worker$i.log)"
 done
 # The API's graceful timeout is the workers' grace: its streams can follow the drain to its end.
-setsid .venv/bin/gunicorn --bind "$LLMQ_HOST:$LLMQ_PORT" --worker-class gthread --workers 2 \
+setsid .venv/bin/gunicorn --bind "$LLMQ_HOST:$LLMQ_PORT" --worker-class app.http_worker.ThreadWorker --workers 2 \
   --threads 256 --timeout 0 --graceful-timeout "$grace_s" app.wsgi:application \
   >"$RUN/api.log" 2>&1 &
 api+=($!)

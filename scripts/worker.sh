@@ -9,6 +9,9 @@ else
   dev="${LLMQ_WORKER_DEVICE_NAME:-cpu${LLMQ_WORKER_INDEX:-0}}"
 fi
 seqs="${LLMQ_MAX_NUM_SEQS:-64}"
-exec .venv/bin/celery -A worker.celery_app worker --pool threads --concurrency "$seqs" \
+# One task thread per batch slot, plus a quarter more: with API keys, another key's sequence
+# reaches the scheduler (and its fair share) while one key fills the batch (docs/security.md).
+threads="${LLMQ_TASK_THREADS:-$(( seqs + (seqs + 3) / 4 ))}"
+exec .venv/bin/celery -A worker.celery_app worker --pool threads --concurrency "$threads" \
   --queues "${LLMQ_QUEUE:-llmq}" --prefetch-multiplier 1 --task-events \
   --hostname "llmq-${dev}@%h" --loglevel "${LLMQ_LOG_LEVEL:-INFO}"

@@ -138,7 +138,8 @@ class WorkerProcess:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
-             "--pool", "threads", "--concurrency", self.env()["LLMQ_MAX_NUM_SEQS"],
+             "--pool", "threads", "--concurrency",
+             self.env().get("LLMQ_TASK_THREADS", self.env()["LLMQ_MAX_NUM_SEQS"]),
              "--queues", self.env().get("LLMQ_QUEUE", "llmq"), "--prefetch-multiplier", "1",
              "--task-events",
              "--hostname", self.hostname, "--loglevel", "INFO", "--without-mingle",

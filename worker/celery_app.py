@@ -1,8 +1,10 @@
 """The Celery app of the worker, and the signals that build and stop its engine.
 
-`celery -A worker.celery_app worker -P threads -c <max_num_seqs>` names this module. The threads
-pool never forks (CUDA cannot survive a fork); its concurrency equals the engine's batch size,
-so with prefetch 1 a worker reserves only what its running batch can take.
+`celery -A worker.celery_app worker -P threads -c <task threads>` names this module. The threads
+pool never forks (CUDA cannot survive a fork); its concurrency is the engine's batch size plus a
+quarter (scripts/worker.sh), so with prefetch 1 a worker reserves what its running batch can
+take and a few more: with API keys, those let another key's sequence reach the scheduler's fair
+share while one key fills the batch.
 """
 from __future__ import annotations
 
@@ -49,8 +51,9 @@ def build_engine(settings: Settings, name: str):
         tokenizer = manager.load_tokenizer()
         store = SequenceStore.from_settings(settings)
 
-        def requeue(seq_id: str) -> None:
-            celery.send_task(GENERATE_TASK, args=[seq_id], task_id=seq_id, queue=settings.queue)
+        def requeue(seq_id: str, priority: int | None = None) -> None:
+            celery.send_task(GENERATE_TASK, args=[seq_id], task_id=seq_id, queue=settings.queue,
+                             priority=priority)
 
         engine = EngineCore(name, settings, store, executor, tokenizer, requeue=requeue)
         engine.start()

@@ -29,6 +29,7 @@ MAX_RESTARTS_PER_SEQUENCE = 2
 # After the shutdown grace: how long the loop may take to hand the batch back before the task
 # threads are released all the same (the loop is stuck in a step, or Redis does not answer).
 HANDBACK_TIMEOUT_S = 5.0
+FAIR_HANDBACK_S = 0.25   # a task thread waits this long before handing an over-share key's back
 
 
 class StepTiming:
@@ -64,7 +65,7 @@ class EngineCore:
 
     def __init__(self, name: str, settings, store: SequenceStore, executor: ModelExecutor,
                  tokenizer, scheduler: WorkloadManager | None = None,
-                 requeue: Callable[[str], None] | None = None):
+                 requeue: Callable[..., None] | None = None):
         self.name = name
         self.settings = settings
         self.store = store
@@ -72,7 +73,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.scheduler = scheduler or WorkloadManager(
             settings.max_num_seqs, settings.max_num_batched_tokens,
-            POLICIES[settings.batch_policy]())
+            POLICIES[settings.batch_policy](), key_share=settings.key_batch_share)
         self.inbox: queue.Queue[Sequence] = queue.Queue()
         # Keyed by the Sequence object, not its id: after this worker was taken for dead, a
         # newer start of the same record can arrive while the stale copy is still here.
@@ -84,7 +85,7 @@ class EngineCore:
         self.num_cached_tokens = 0    # ... of which the model process's prefix cache gave
         self.timing = StepTiming()
         self.last_step_time = time.time()
-        self.requeue = requeue or (lambda seq_id: None)
+        self.requeue = requeue or (lambda seq_id, priority=None: None)
         self._stop = threading.Event()
         self._draining = threading.Event()
         self._handback = threading.Event()
@@ -186,6 +187,12 @@ class EngineCore:
             self._stop.wait(1.0)
             self.requeue(seq_id)
             return None
+        if self._over_fair_share(seq_id):
+            # This key already has its share of a full worker: the task thread is worth more
+            # to another key's sequence (docs/security.md). Back to the queue, behind others.
+            self._stop.wait(FAIR_HANDBACK_S)
+            self.requeue(seq_id, 9)
+            return None
         _prev, attempt = self.store.start(seq_id, self.name, self.settings.worker_stale_s)
         if not attempt:
             return None   # finished, cancelled while queued, or expired: nothing to do twice
@@ -210,12 +217,25 @@ class EngineCore:
                                              "prompt_tokens": len(ids)})
         seq = Sequence(seq_id, ids, self._resolve(req.params, len(ids)),
                        eos_token_ids=self.executor.info.eos_token_ids,
-                       created_at=req.created_at, admitted_at=time.time(), deadline=req.deadline)
+                       created_at=req.created_at, admitted_at=time.time(), deadline=req.deadline,
+                       owner=req.owner)
         self.detokenizers[seq] = IncrementalDetokenizer(self.tokenizer, ids)
         self._attempts[seq] = attempt
         self._all_admitted[seq_id] = seq
         self.inbox.put(seq)
         return seq
+
+    def _over_fair_share(self, seq_id: str) -> bool:
+        """Whether this worker holds a full batch and the sequence's key holds its share of
+        it. Task threads outnumber batch slots (scripts/worker.sh), so another key's sequence
+        can reach the scheduler while one key fills the batch; a key past its share must not
+        take those threads too. Without API keys (no owner) sequences are never handed back,
+        so their queue order holds."""
+        held = list(self._all_admitted.values())
+        if len(held) < self.settings.max_num_seqs:
+            return False
+        owner = self.store.owner_of(seq_id)
+        return bool(owner) and sum(s.owner == owner for s in held) >= self.scheduler.key_cap
 
     # --- the loop -----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -284,7 +304,8 @@ class EngineCore:
             seq = next(s for s in out.prefill + out.decode if s.seq_id == seq_id)
             self.scheduler.abort(seq, FinishReason.ERROR, error)
         for seq in out.prefill:   # counted before update() appends this step's token
-            seq.num_cached_tokens = result.cached_tokens.get(seq.seq_id, 0)
+            if not seq.num_output_tokens:   # not a preempted sequence's second prefill
+                seq.num_cached_tokens = result.cached_tokens.get(seq.seq_id, 0)
             self.num_prefill_tokens += seq.num_tokens
             self.num_cached_tokens += seq.num_cached_tokens
         self.scheduler.update(out, result.token_ids)
@@ -516,7 +537,8 @@ class EngineCore:
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "num_steps": st.num_steps, "num_prefilled": st.num_prefilled,
                 "num_joined_running_batch": st.num_joined_running_batch,
-                "max_running": st.max_running, "num_finished": self.num_finished,
+                "max_running": st.max_running, "num_preempted": st.num_preempted,
+                "num_finished": self.num_finished,
                 "prefill_tokens": self.num_prefill_tokens,
                 "prefix_cached_tokens": self.num_cached_tokens,
                 "model_starts": self.executor.num_starts, "last_step": self.last_step_time,

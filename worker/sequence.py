@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from common.protocol import FinishReason, SamplingParams
 
+from .stop_strings import StopStringMatcher
+
 
 class SequenceState(enum.Enum):
     WAITING = "waiting"     # accepted by this worker, not yet in the batch
@@ -36,7 +38,9 @@ class Sequence:
     created_at: float | None = None   # wall clock: when the API accepted it
     admitted_at: float | None = None  # wall clock: when this worker started it
     deadline: float | None = None     # wall clock: past it, the sequence ends with "timeout"
+    owner: str = ""                   # the API key's owner id: the scheduler's fair share
     done: threading.Event = field(default_factory=threading.Event)
+    _stops: StopStringMatcher | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -87,20 +91,25 @@ class Sequence:
         With stop strings, a tail that could be the start of one is held back, and the text is
         cut just before a stop string when one appears (which ends the sequence). `final`
         releases whatever is held back. The streamed pieces always add up to `self.text`.
+        The matcher reads only `delta`, so the cost per token does not grow with what is held.
         """
-        stops = self.params.stop
+        if not self.params.stop:
+            self.text += delta
+            return delta
+        if self._stops is None:
+            self._stops = StopStringMatcher(self.params.stop)
         buf = self.pending_text + delta
-        cut = min((i for i in (buf.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
-            emit, self.pending_text = buf[:cut], ""
+        hit = self._stops.feed(delta)
+        if hit is not None:
+            end, length = hit
+            emit, self.pending_text = buf[:len(self.pending_text) + end - length], ""
             if self.finish_reason is FinishReason.LENGTH:
                 self.finish_reason = FinishReason.STOP   # the text ends at a stop string
             self.finish(FinishReason.STOP)
-        elif final or not stops:
+        elif final:
             emit, self.pending_text = buf, ""
         else:
-            keep = max((k for s in stops for k in range(min(len(s) - 1, len(buf)), 0, -1)
-                        if s.startswith(buf[len(buf) - k:])), default=0)
+            keep = self._stops.held
             emit, self.pending_text = buf[:len(buf) - keep], buf[len(buf) - keep:]
         self.text += emit
         return emit

@@ -5,7 +5,7 @@ step's work and reports the sampled tokens back through `update()`.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -74,17 +74,22 @@ class SchedulerStats:
     num_prefilled: int = 0
     num_joined_running_batch: int = 0    # prefilled while other sequences were decoding
     max_running: int = 0
+    num_preempted: int = 0               # running sequences that gave their slot to a fair share
 
 
 class WorkloadManager:
-    """FIFO admission bounded by `max_num_seqs` and a per-step token budget (decode tokens
-    first, then prompts; at least one newcomer per step while there is a free slot)."""
+    """Admission bounded by `max_num_seqs` and a per-step token budget (decode tokens first,
+    then prompts; at least one newcomer per step while there is a free slot). FIFO within a
+    key; across keys (sequence owners) the key holding the fewest slots goes first, and while
+    another key waits, none holds more than `key_share` of the batch (docs/security.md)."""
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 policy: BatchPolicy | None = None):
+                 policy: BatchPolicy | None = None, key_share: float = 1.0):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy or ContinuousBatching()
+        # A key's fair share of the batch, in slots (all of them for key_share 1).
+        self.key_cap = max(1, int(max_num_seqs * key_share))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -104,17 +109,19 @@ class WorkloadManager:
         self._remove(seq)
 
     def schedule(self) -> SchedulerOutput:
+        if self.policy.may_admit(len(self.running)):
+            self._preempt_for_fair_share()
         out = SchedulerOutput(decode=list(self.running))
         budget = self.max_num_batched_tokens - len(out.decode)
         if self.policy.may_admit(len(self.running)):
             while self.waiting and len(self.running) + len(out.prefill) < self.max_num_seqs:
-                seq = self.waiting[0]
+                seq = self._next_waiting(out.prefill)
                 # The first newcomer of a step is admitted whatever its size (alone among the
                 # prefills, beside the running batch's decodes): a prompt bigger than what the
                 # budget leaves can neither starve nor make the running batch drain first.
                 if seq.num_tokens > budget and out.prefill:
                     break
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 out.prefill.append(seq)
                 budget -= seq.num_tokens
         out.freed_seq_ids, self._freed = self._freed, []
@@ -153,6 +160,41 @@ class WorkloadManager:
             self.waiting.appendleft(seq)
         self._freed = []
         return seqs
+
+    # --- fair share across keys ------------------------------------------------------------------
+    def _next_waiting(self, joining: list[Sequence]) -> Sequence:
+        """The next newcomer: the oldest waiting sequence of the key that holds the fewest
+        slots (the oldest of all when one key waits, the usual case)."""
+        firsts: dict[str, Sequence] = {}
+        for seq in self.waiting:
+            firsts.setdefault(seq.owner, seq)
+        if len(firsts) == 1:
+            return self.waiting[0]
+        held = Counter(s.owner for s in self.running + joining)
+        return min(firsts.values(), key=lambda s: held[s.owner])   # ties: the oldest
+
+    def _preempt_for_fair_share(self) -> None:
+        """A full batch makes room for waiting keys below their share: the key furthest above
+        its share gives up its newest running sequence, which waits (keeping its tokens) and
+        is prefilled again later from prompt and output, as vLLM preempts by recomputation.
+        An idle service still gives one key everything: nobody waits, nobody is preempted."""
+        if not self.waiting or len(self.running) < self.max_num_seqs:
+            return
+        held = Counter(s.owner for s in self.running)
+        wanting = Counter(s.owner for s in self.waiting)
+        for owner, num_waiting in wanting.items():
+            for _ in range(min(num_waiting, self.key_cap - held[owner])):
+                victim_owner, num_held = max(held.items(), key=lambda kv: kv[1])
+                if num_held <= self.key_cap:
+                    return
+                victim = next(s for s in reversed(self.running) if s.owner == victim_owner)
+                self.running.remove(victim)
+                self._freed.append(victim.seq_id)   # the model process drops its cache
+                victim.state = SequenceState.WAITING
+                self.waiting.appendleft(victim)     # first of its key when its turn comes
+                held[victim_owner] -= 1
+                held[owner] += 1
+                self.stats.num_preempted += 1
 
     def _remove(self, seq: Sequence) -> None:
         if seq in self.running:

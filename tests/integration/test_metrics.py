@@ -172,6 +172,7 @@ ROUTES = {
     "/v1/completions": {"post"},
     "/v1/chat/completions": {"post"},
     "/v1/models": {"get"},
+    "/health": {"get"},
     "/healthz": {"get"},
     "/readyz": {"get"},
     "/metrics": {"get"},
@@ -234,7 +235,7 @@ def test_openapi_errors_have_the_one_error_shape(openapi_doc):
         for method, op in ops.items():
             for status, resp in op["responses"].items():
                 assert status != "422", (method, path)
-                if status.startswith(("4", "5")) and path not in ("/readyz",):
+                if status.startswith(("4", "5")) and path not in ("/readyz", "/health"):
                     schema = _resolve(openapi_doc,
                                       resp["content"]["application/json"]["schema"])
                     error = _resolve(openapi_doc, schema["properties"]["error"])

@@ -78,7 +78,7 @@ def test_per_key_token_rate_limit(world):
 def test_every_route_but_health_and_playground_needs_a_key(world):
     api = world.api(api_keys=("key-a", "key-b"))
     server = world.apis[-1]
-    open_paths = {"/healthz", "/readyz", "/"}
+    open_paths = {"/health", "/healthz", "/readyz", "/"}
     checked = 0
     for rule in server.app.url_map.iter_rules():
         path = rule.rule.replace("<seq_id>", "seq-0").replace("<path:filename>",

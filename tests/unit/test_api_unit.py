@@ -382,3 +382,194 @@ def test_api_side_does_not_import_torch():
     proc = subprocess.run([sys.executable, "-c", _NO_TORCH], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+# --- tenants (docs/security.md) ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def _tenant_api():
+    return Api(api_keys=("k1", "k2"), key_max_streams=2, owner_secret="s1")
+
+
+@pytest.fixture
+def tenants(_tenant_api):
+    return _tenant_api.reset()
+
+
+def _job_of(a: Api, key: str, **body) -> str:
+    resp = a.client.post("/v1/jobs", json={"prompt": "x", **body}, headers=auth(key))
+    assert resp.status_code == 202, resp.get_data(as_text=True)
+    return resp.get_json()["id"]
+
+
+def test_api_keys_written_with_spaces_after_commas_all_authenticate(monkeypatch):
+    """Issue 13, bug 6: "key1, key2" made the second key ' key2', which never matched."""
+    from app import create_app
+    from common.settings import Settings
+
+    monkeypatch.setenv("LLMQ_API_KEYS", "key1, key2 ,key3")
+    settings = Settings.from_env()
+    assert settings.api_keys == ("key1", "key2", "key3")
+    app = create_app(settings, redis_client=fakeredis.FakeRedis(decode_responses=True),
+                     celery=RecordingCelery())
+    client = app.test_client()
+    for key in ("key1", "key2", "key3"):
+        assert client.post("/v1/jobs", json={"prompt": "x"}, headers=auth(key)).status_code == 202
+    assert_error(client.post("/v1/jobs", json={"prompt": "x"}, headers=auth("key")), 401)
+
+
+def test_owner_is_an_hmac_under_the_server_secret_not_a_plain_hash(tenants):
+    import hashlib
+    import hmac
+
+    owner = tenants.r.hget(record_key(_job_of(tenants, "k1")), "owner")
+    assert owner != hashlib.sha256(b"k1").hexdigest()[:32]      # guessable offline
+    assert owner == hmac.new(b"s1", b"k1", hashlib.sha256).hexdigest()[:32]
+    assert tenants.r.hget(record_key(_job_of(tenants, "k2")), "owner") != owner
+
+
+def test_owner_secret_is_made_once_in_redis_when_not_configured():
+    a, b = Api(api_keys=("k1",)), Api(api_keys=("k1",))
+    b.r = b.store.r = a.r   # two API replicas on one Redis
+    b.app.extensions["llmq"]["store"] = a.store
+    jid = a.client.post("/v1/jobs", json={"prompt": "x"}, headers=auth("k1")).get_json()["id"]
+    secret = a.r.get("llmq:owner-secret")
+    assert secret and len(secret) == 64
+    assert b.client.get(f"/v1/jobs/{jid}", headers=auth("k1")).status_code == 200
+
+
+def test_keys_never_share_cached_prefixes_unless_allowed(tenants):
+    """Issue 13, bug 8: the prefix cache's salt carries the owner, so cached_tokens cannot tell
+    one key what another sent; a request's own cache_salt still splits its key's cache."""
+    def salt(key, **body):
+        params = tenants.r.hget(record_key(_job_of(tenants, key, **body)), "params")
+        return json.loads(params)["cache_salt"]
+
+    s1, s2 = salt("k1"), salt("k2")
+    assert s1 and s2 and s1 != s2 and salt("k1") == s1
+    assert salt("k1", cache_salt="mine") not in (s1, None)
+    shared = Api(api_keys=("k1", "k2"), share_prefix_cache=True)
+    for key in ("k1", "k2"):
+        resp = shared.client.post("/v1/jobs", json={"prompt": "x"}, headers=auth(key))
+        params = shared.r.hget(record_key(resp.get_json()["id"]), "params")
+        assert json.loads(params)["cache_salt"] is None
+
+
+def test_health_routes_show_no_details_without_a_key(tenants):
+    tenants.store.heartbeat("w1@secret-host", {"model_loaded": 1, "prefill_tokens": 16}, 10)
+    client = tenants.client
+    resp = client.get("/health")
+    assert resp.status_code == 200 and resp.get_data() == b""
+    resp = client.get("/readyz")
+    assert resp.status_code == 200 and resp.get_json() == {"status": "ready"}
+    assert resp.get_json() == client.get("/readyz", headers=auth("wrong")).get_json()
+    detailed = client.get("/readyz", headers=auth("k1")).get_json()
+    assert [w["name"] for w in detailed["workers"]] == ["w1@secret-host"]
+    tenants.r.flushall()
+    assert client.get("/health").status_code == 503 and client.get("/health").get_data() == b""
+    assert client.get("/readyz").get_json() == {"status": "unavailable"}
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs/{id}:events", "/v1/jobs/{id}:events/stream",
+                                  "/v1/jobs/{id}x", "/v1/jobs/seq-{zeros}0"])
+def test_malformed_job_ids_are_404_before_touching_redis(tenants, path):
+    jid = _job_of(tenants, "k1")
+    path = path.format(id=jid, zeros="0" * 32)
+    for method in ("GET", "DELETE"):
+        if method == "DELETE" and path.endswith("/stream"):
+            continue
+        resp = tenants.client.open(path, method=method, headers=auth("k1"))
+        assert_error(resp, 404, "not_found_error")
+
+
+@pytest.mark.parametrize("position", ["1-0\n", "1" * 23 + "-0", f"{2**64}-0", "0-0 ", "1-", "x"])
+def test_malformed_stream_positions_are_400(tenants, position):
+    jid = _job_of(tenants, "k1")
+    for kw in ({"headers": {**auth("k1"), "Last-Event-ID": position}},
+               {"headers": auth("k1"), "query_string": {"last_event_id": position}}):
+        if "\n" in position and "Last-Event-ID" in kw["headers"]:
+            continue   # a header cannot carry a newline; the query string can
+        err = assert_error(tenants.client.get(f"/v1/jobs/{jid}/stream", **kw), 400)
+        assert err["param"] == "last_event_id"
+
+
+def test_stop_strings_are_bounded_in_number_and_length(tenants):
+    client = tenants.client
+    too_long = "x" * 257
+    err = assert_error(client.post("/v1/jobs", json={"prompt": "x", "stop": [too_long]},
+                                   headers=auth("k1")), 400)
+    assert err["param"] == "stop" and "256" in err["message"]
+    model = client.get("/v1/models", headers=auth("k1")).get_json()["data"][0]["id"]
+    assert_error(client.post("/v1/completions", headers=auth("k1"), json={
+        "model": model, "prompt": "x", "stop": [too_long]}), 400)
+    assert client.post("/v1/jobs", json={"prompt": "x", "stop": ["x" * 256]},
+                       headers=auth("k1")).status_code == 202
+
+
+def test_a_key_holds_at_most_its_streams(tenants):
+    from common.store import owner_streams_key
+
+    jid = _job_of(tenants, "k1")
+    tenants.store.request_cancel(jid)                  # finished: its stream replays and ends
+    open_ = [tenants.client.get(f"/v1/jobs/{jid}/stream", headers=auth("k1"),
+                                buffered=False) for _ in range(2)]
+    assert all(r.status_code == 200 for r in open_)
+    err = assert_error(tenants.client.get(f"/v1/jobs/{jid}/stream", headers=auth("k1")), 429,
+                       "rate_limit_error")
+    assert err["code"] == "too_many_streams"
+    # A streamed submission is refused before its job exists.
+    before = tenants.r.keys("llmq:seq:*")
+    assert_error(tenants.client.post("/v1/generate", json={"prompt": "x", "stream": True},
+                                     headers=auth("k1")), 429)
+    model = tenants.client.get("/v1/models", headers=auth("k1")).get_json()["data"][0]["id"]
+    assert_error(tenants.client.post("/v1/completions", headers=auth("k1"), json={
+        "model": model, "prompt": "x", "stream": True}), 429)
+    assert tenants.r.keys("llmq:seq:*") == before
+    # Another key has its own streams; closing one gives the slot back.
+    jid2 = _job_of(tenants, "k2")
+    tenants.store.request_cancel(jid2)
+    assert tenants.client.get(f"/v1/jobs/{jid2}/stream", headers=auth("k2")).status_code == 200
+    open_[1].close()   # (last opened first: Flask's test client nests their contexts)
+    resp = tenants.client.get(f"/v1/jobs/{jid}/stream", headers=auth("k1"))
+    assert resp.status_code == 200 and "event: done" in resp.get_data(as_text=True)
+    open_[0].close()
+    assert tenants.r.zcard(owner_streams_key(tenants.r.hget(record_key(jid), "owner"))) == 0
+
+
+def test_rate_limits_count_sequences_and_prompt_tokens():
+    a = Api(api_keys=("k1", "k2"), rate_limit_rpm=5, rate_limit_tpm=2000)
+    post = lambda key, body: a.client.post("/v1/jobs", json=body, headers=auth(key))  # noqa: E731
+    # A 64-prompt request is 64 sequences: more than 5 a minute can ever take.
+    err = assert_error(post("k1", {"prompts": ["x"] * 64, "max_tokens": 1}), 400)
+    assert "64 sequences" in err["message"] and "RPM" in err["message"]
+    # An 8,001-character prompt with max_tokens 1 is charged ~2,001 tokens, not 1.
+    err = assert_error(post("k1", {"prompt": "y" * 8001, "max_tokens": 1}), 400)
+    assert "2002 tokens" in err["message"]
+    assert post("k1", {"prompts": ["x"] * 4, "max_tokens": 1}).status_code == 202
+    resp = post("k1", {"prompts": ["x"] * 2, "max_tokens": 1})
+    err = assert_error(resp, 429, "rate_limit_error")
+    assert "sequences per minute" in err["message"] and 1 <= int(resp.headers["Retry-After"]) <= 61
+    assert post("k1", {"prompt": "x", "max_tokens": 1}).status_code == 202   # the 5th fits
+    assert post("k2", {"prompt": "y" * 4000, "max_tokens": 900}).status_code == 202
+    resp = post("k2", {"prompt": "y" * 4000, "max_tokens": 900})   # 1,900 + 1,900 > 2,000
+    err = assert_error(resp, 429, "rate_limit_error")
+    assert "tokens per minute" in err["message"] and "Retry-After" in resp.headers
+    assert len(a.celery.calls) == 4 + 1 + 1
+
+
+def test_a_keys_share_of_the_queue_leaves_room_for_others():
+    a = Api(api_keys=("k1", "k2"), max_queued=8)         # LLMQ_KEY_QUEUE_SHARE 0.5: 4 each
+    post = lambda key, n: a.client.post(  # noqa: E731
+        "/v1/jobs", json={"prompts": ["x"] * n, "max_tokens": 1}, headers=auth(key))
+    assert post("k1", 4).status_code == 202
+    err = assert_error(post("k1", 1), 429, "rate_limit_error")
+    assert "LLMQ_KEY_QUEUE_SHARE" in err["message"]
+    assert post("k2", 4).status_code == 202              # the flood did not fill the queue
+    # Sequences past a key's share of a batch queue behind every other key's.
+    priorities = [c["priority"] for c in a.celery.calls]
+    assert priorities == [None] * 4 + [None] * 4         # 64 x 0.5 = 32 before demotion
+    b = Api(api_keys=("k1", "k2"), max_num_seqs=4)       # a fair batch share of 2
+    b.client.post("/v1/jobs", json={"prompts": ["x"] * 3, "max_tokens": 1}, headers=auth("k1"))
+    b.client.post("/v1/jobs", json={"prompt": "x", "max_tokens": 1, "priority": 2},
+                  headers=auth("k1"))
+    b.client.post("/v1/jobs", json={"prompt": "x", "max_tokens": 1}, headers=auth("k2"))
+    assert [c["priority"] for c in b.celery.calls] == [None, None, 5, 7, None]

@@ -247,3 +247,39 @@ def test_sampling_params_round_trip_ignores_unknown_keys():
     p = SamplingParams(max_tokens=5, temperature=0.5, stop=["x"], stop_token_ids=[3],
                        min_tokens=1, ignore_eos=True, seed=7)
     assert SamplingParams.from_dict({**p.to_dict(), "future_field": 1}) == p
+
+
+def _reference_cut(text: str, stops: list[str]) -> int | None:
+    """Where the text is cut: before the stop string that ends first (the longest on a tie)."""
+    ends = [(i + len(s), -len(s)) for s in stops for i in range(len(text))
+            if text.startswith(s, i)]
+    if not ends:
+        return None
+    end, neg_len = min(ends)
+    return end + neg_len
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_incremental_stop_matching_agrees_with_a_full_rescan(seed):
+    """The matcher reads each piece once; a brute-force search of the whole text must agree
+    on where the text ends, for overlapping, repetitive stop strings and any split."""
+    rng = random.Random(seed)
+    alphabet = "ab" if seed % 2 else "abc"
+    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
+             for _ in range(rng.randint(1, 4))]
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+    s = make_seq(1, stop=stops)
+    pieces, i = [], 0
+    while i < len(text):
+        n = rng.randint(1, 4)
+        pieces.append(text[i:i + n])
+        i += n
+    for piece in pieces:
+        s.add_text(piece)
+        if s.is_finished:
+            break
+    else:
+        s.add_text("", final=True)
+    cut = _reference_cut(text, stops)
+    assert s.text == (text if cut is None else text[:cut]), (stops, pieces)
+    assert s.is_finished == (cut is not None)

@@ -9,7 +9,7 @@ import pytest
 
 from common.protocol import (EVENT_DONE, EVENT_RESET, EVENT_TOKEN, FinishReason, SamplingParams,
                              SequenceRequest, SequenceStatus)
-from common.store import (CANCELLED_KEY, WORKERS_KEY, Finish, SequenceStore, TokenDelta, channel,
+from common.store import (CANCELLED_KEY, owner_streams_key, WORKERS_KEY, Finish, SequenceStore, TokenDelta, channel,
                           events_key, job_from_record, record_key, worker_key)
 
 pytest.importorskip("lupa", reason="fakeredis needs lupa to run the store's Lua scripts")
@@ -405,8 +405,67 @@ def test_queue_depth_counts_every_priority_list(store, r):
     assert store.queue_depth("llmq") == 3
 
 
-def test_count_usage_accumulates_in_the_window(store):
-    assert store.count_usage("o", 1, 100)[:2] == (1, 100)
-    used_requests, used_tokens, retry_after = store.count_usage("o", 1, 50)
-    assert (used_requests, used_tokens) == (2, 150) and 1 <= retry_after <= 61
-    assert store.count_usage("other", 1, 1)[:2] == (1, 1)
+def test_reserve_usage_charges_until_a_limit_and_charges_nothing_refused(store, r):
+    assert store.reserve_usage("o", 2, 100, 3, 0)[0] == ""
+    hit, retry_after, key = store.reserve_usage("o", 2, 1, 3, 0)   # 4 sequences > 3
+    assert hit == "rpm" and 1 <= retry_after <= 61
+    assert store.reserve_usage("o", 1, 100, 3, 150)[0] == "tpm"   # 200 tokens > 150
+    assert r.hgetall(key) == {"seqs": "2", "tokens": "100"}       # refused: not charged
+    assert store.reserve_usage("other", 3, 150, 3, 150)[0] == ""  # windows are per owner
+    assert 0 < r.ttl(key) <= 120
+
+
+def test_reserved_tokens_count_max_tokens_and_the_prompt():
+    from common.store import reserved_tokens
+
+    req = SequenceRequest(seq_id="a", prompt="x" * 8001, params=SamplingParams(max_tokens=1))
+    assert reserved_tokens(req) == 1 + 2001                       # a token per 4 bytes
+    chat = SequenceRequest(seq_id="b", messages=[{"role": "user", "content": "abcd"}],
+                           params=SamplingParams(max_tokens=10))
+    assert reserved_tokens(chat) == 11
+
+
+def test_finish_settles_the_token_reservation_with_the_real_counts(store, r):
+    _hit, _ra, key = store.reserve_usage("o", 1, 500, 0, 1000)
+    store.create([SequenceRequest(seq_id="seq-1", prompt="Hello", owner="o",
+                                  params=SamplingParams(max_tokens=498))], charged_to=key)
+    assert r.hget(record_key("seq-1"), "reserved_tokens") == "500"
+    store.start("seq-1", "w1")
+    store.set_prompt_tokens("seq-1", 7)
+    store.finish("seq-1", FinishReason.STOP, text="hi", completion_tokens=3)
+    assert r.hget(key, "tokens") == "10"                          # 7 prompt + 3 completion
+
+
+def test_unfinished_of_counts_a_keys_queued_and_running_sequences(store):
+    for i in range(3):
+        store.create([SequenceRequest(seq_id=f"seq-{i}", prompt="x", owner="o")])
+    store.create([SequenceRequest(seq_id="seq-x", prompt="x", owner="p")])
+    assert store.unfinished_of("o") == 3
+    store.start("seq-0", "w1")
+    assert store.unfinished_of("o") == 3                          # running still counts
+    store.finish("seq-0", FinishReason.STOP, text="", completion_tokens=0)
+    store.request_cancel("seq-1")                                 # ended while queued
+    assert store.unfinished_of("o") == 1 and store.unfinished_of("p") == 1
+
+
+def test_stream_slots_cap_a_key_and_free_on_close_or_lease_end(store, r):
+    tokens = [store.open_stream("o", 2, 30) for _ in range(2)]
+    assert all(tokens) and store.open_stream("o", 2, 30) is None
+    assert store.open_stream("p", 2, 30)                          # another key's own slots
+    store.close_stream("o", tokens[0])
+    assert store.open_stream("o", 2, 30)
+    # An API process that died leaves leases that run out: they stop counting.
+    r.zadd(owner_streams_key("q"), {"dead1": time.time() - 1, "dead2": time.time() - 1})
+    assert store.open_stream("q", 2, 30)
+
+
+def test_ids_are_checked_by_shape():
+    from common.store import is_seq_id, valid_stream_id
+
+    assert is_seq_id("seq-" + "0a" * 16)
+    for bad in ["seq-" + "0" * 31, "seq-" + "0" * 32 + ":events", "seq-" + "0" * 32 + "\n",
+                "seq-" + "G" * 32, "x"]:
+        assert not is_seq_id(bad), bad
+    assert valid_stream_id("1700000000000-0") and valid_stream_id(f"{2**64 - 1}-{2**64 - 1}")
+    for bad in ["1-0\n", "1-", "-0", "1", f"{2**64}-0", "1" * 23 + "-0", "١-0", "1-0 "]:
+        assert not valid_stream_id(bad), bad

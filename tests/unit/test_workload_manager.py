@@ -399,3 +399,73 @@ def test_running_never_exceeds_max_num_seqs(max_num_seqs):
         finished += f
     assert sorted(ids(finished)) == sorted(ids(seqs))
     assert all(s.finish_reason is FinishReason.LENGTH for s in seqs)
+
+
+# --- fair share across keys (docs/security.md) -----------------------------------------------
+def keyed(owner: str, n: int, n_prompt: int = 4) -> list:
+    seqs = [make_seq(n_prompt) for _ in range(n)]
+    for s in seqs:
+        s.owner = owner
+    return seqs
+
+
+def test_one_key_alone_gets_the_whole_batch():
+    wm = make_manager(max_num_seqs=4)
+    wm.key_cap = 2
+    for s in keyed("b", 6):
+        wm.add(s)
+    step(wm)
+    out, _ = step(wm)
+    assert len(wm.running) == 4 and out.prefill == [] and wm.stats.num_preempted == 0
+
+
+def test_a_waiting_key_below_its_share_takes_the_newest_slot_of_the_key_above_it():
+    wm = make_manager(max_num_seqs=4, policy=None)
+    wm.key_cap = 2
+    flood = keyed("b", 6)
+    for s in flood:
+        wm.add(s)
+    step(wm)
+    step(wm)                                         # b holds all 4 slots, 2 tokens each
+    [a] = keyed("a", 1)
+    wm.add(a)
+    out, _ = step(wm)
+    assert ids(out.prefill) == [a.seq_id]            # the very next step
+    assert flood[3].seq_id in out.freed_seq_ids      # b's newest left; its cache is freed
+    assert ids(out.decode) == ids(flood[:3])
+    assert flood[3].state is SequenceState.WAITING and wm.waiting[0] is flood[3]
+    assert flood[3].num_output_tokens == 2           # it keeps what it generated
+    assert wm.stats.num_preempted == 1
+
+
+def test_keys_share_the_batch_then_the_preempted_sequence_resumes_from_its_tokens():
+    wm = make_manager(max_num_seqs=4)
+    wm.key_cap = 2
+    flood = keyed("b", 4)
+    for s in flood:
+        wm.add(s)
+    step(wm)
+    others = keyed("a", 3)
+    for s in others:
+        wm.add(s)
+    out, _ = step(wm)
+    # a may hold its share (2) while b waits; its third sequence waits for a free slot.
+    assert ids(out.prefill) == ids(others[:2]) and ids(out.decode) == ids(flood[:2])
+    assert sorted(s.owner for s in wm.running) == ["a", "a", "b", "b"]
+    step(wm)
+    assert wm.stats.num_preempted == 2               # a at its share: nobody else moves
+    # b's first sequence ends: the freed slot goes to the key holding fewer (a: 2, b: 1 -> b).
+    wm.abort(flood[0], FinishReason.CANCELLED)
+    out = wm.schedule()
+    [resumed] = out.prefill
+    assert resumed.owner == "b" and resumed.num_output_tokens == 1
+    assert resumed.num_tokens == 5                   # prompt and output prefilled again
+
+
+def test_one_owner_keeps_fifo_order():
+    wm = make_manager(max_num_seqs=2)
+    seqs = keyed("", 4)
+    for s in seqs:
+        wm.add(s)
+    out, _ = step(wm)
+    assert ids(out.prefill) == ids(seqs[:2]) and ids(wm.waiting) == ids(seqs[2:])

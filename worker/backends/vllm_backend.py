@@ -69,7 +69,10 @@ class VllmBackend:
                 self.buffers.pop(sid)
                 self.seen.pop(sid, None)
         for s in req.prefill:
-            self.engine.add_request(s.seq_id, {"prompt_token_ids": list(s.token_ids)},
+            prompt = {"prompt_token_ids": list(s.token_ids)}
+            if s.params.cache_salt:   # vLLM's prefix cache shares blocks only within a salt
+                prompt["cache_salt"] = s.params.cache_salt
+            self.engine.add_request(s.seq_id, prompt,
                                     self._sampling(s.params, s.num_output_tokens))
             self.buffers[s.seq_id] = deque()
             self.seen[s.seq_id] = 0

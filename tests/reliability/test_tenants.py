@@ -1,0 +1,223 @@
+"""Tenants cannot hurt or read each other (docs/security.md), through real HTTP against a real
+redis-server, and a real worker where the property is about running sequences."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from common.store import owner_streams_key
+from support import wait_until
+
+from .factories import FINISHED, record
+
+pytestmark = pytest.mark.integration
+
+KEYS = ("key-a", "key-b")
+
+
+# --- health without secrets -------------------------------------------------------------------
+def test_health_routes_are_bare_and_fail_fast_when_redis_hangs(world):
+    api = world.api(api_keys=KEYS, health_timeout_s=1.0)
+    r = world.client()
+    r.zadd("llmq:workers", {"w1@private-host": time.time()})
+    r.hset("llmq:worker:w1@private-host", mapping={"model_loaded": 1, "prefill_tokens": 16})
+    resp = api.request("GET", "/health")
+    assert resp.status_code == 200 and resp.content == b""
+    assert api.request("GET", "/readyz").json() == {"status": "ready"}
+    assert "private-host" in api.with_key("key-a").request("GET", "/readyz").text
+    world.redis_server.proc.send_signal(signal.SIGSTOP)   # frozen: accepts, never answers
+    try:
+        for path in ("/health", "/readyz"):
+            resp = api.request("GET", path, timeout=15)   # answers: it does not wait 30 s+
+            assert resp.status_code == 503, (path, resp.text)
+        assert api.request("GET", "/readyz", timeout=15).json() == {"status": "unavailable"}
+        assert api.request("GET", "/healthz", timeout=15).status_code == 200
+    finally:
+        world.redis_server.proc.send_signal(signal.SIGCONT)
+    world.redis_server.stop()                               # down: no error text either
+    resp = api.request("GET", "/readyz", timeout=15)
+    assert resp.status_code == 503 and resp.json() == {"status": "unavailable"}
+
+
+# --- strict ids ---------------------------------------------------------------------------------
+def test_bad_ids_and_stream_positions_are_json_4xx_not_503(world):
+    api = world.api(api_keys=KEYS).with_key("key-a")
+    job = api.submit(prompt="Hello", max_tokens=4)
+    jid = job["id"]
+    for method, path in [("GET", f"/v1/jobs/{jid}:events"), ("DELETE", f"/v1/jobs/{jid}:events"),
+                         ("GET", f"/v1/jobs/{jid}:events/stream"),
+                         ("GET", f"/v1/jobs/{jid[:-1]}%0A"), ("GET", "/v1/jobs/llmq:workers")]:
+        resp = api.request(method, path)
+        assert resp.status_code == 404, (method, path, resp.status_code, resp.text)
+        assert resp.json()["error"]["type"] == "not_found_error"
+    for query in ("last_event_id=1-0%0A", "last_event_id=" + "1" * 23 + "-0",
+                  f"last_event_id={2**64}-0"):
+        resp = api.request("GET", f"/v1/jobs/{jid}/stream?{query}")
+        assert resp.status_code == 400, (query, resp.status_code, resp.text)
+        assert resp.json()["error"]["param"] == "last_event_id"
+    assert api.job(jid)["status"] == "queued"               # nothing else was touched
+
+
+# --- per-key stream cap -------------------------------------------------------------------------
+def test_a_key_holds_at_most_its_streams_and_gets_them_back_on_close(world):
+    base = world.api(api_keys=KEYS, key_max_streams=2)
+    a, b = base.with_key("key-a"), base.with_key("key-b")
+    jid = a.submit(prompt="Hello", max_tokens=4)["id"]     # no worker: it stays queued
+    held = [a.request("GET", f"/v1/jobs/{jid}/stream", stream=True) for _ in range(2)]
+    try:
+        assert [h.status_code for h in held] == [200, 200]
+        refused = a.request("GET", f"/v1/jobs/{jid}/stream")
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "too_many_streams"
+        assert "Retry-After" in refused.headers
+        refused = a.request("POST", "/v1/generate", json={"prompt": "x", "stream": True})
+        assert refused.status_code == 429 and len(records(world)) == 1   # no job made for it
+        other = b.submit(prompt="Hi", max_tokens=4)["id"]
+        with b.request("GET", f"/v1/jobs/{other}/stream", stream=True) as resp:
+            assert resp.status_code == 200                 # b's streams are b's own
+    finally:
+        held[0].close()
+    # The server notices the hang-up at its next keep-alive (1 s here) and frees the slot.
+    owner = record(world.client(), jid)["owner"]
+    wait_until(lambda: world.client().zcard(owner_streams_key(owner)) == 1, 15,
+               "the closed stream's slot to come back")
+    with a.request("GET", f"/v1/jobs/{jid}/stream", stream=True) as resp:
+        assert resp.status_code == 200
+    held[1].close()
+
+
+def records(world) -> list[str]:
+    return [k for k in world.client().scan_iter("llmq:seq:*") if not k.endswith(":events")]
+
+
+# --- with a worker: accounting, the prefix cache, fair share ---------------------------------
+def test_token_quota_settles_to_real_counts_and_keys_never_share_cached_prefixes(world):
+    world.worker()
+    base = world.api(api_keys=KEYS, rate_limit_tpm=100_000)
+    a, b = base.with_key("key-a"), base.with_key("key-b")
+    r = world.client()
+    prompt = "You are a helpful assistant. " * 8          # several prefix-cache blocks
+    first = a.wait_job(a.submit(prompt=prompt, max_tokens=8, ignore_eos=True)["id"])
+    rec = record(r, first["id"])
+    window = r.hgetall(rec["rate_key"])
+    # Charged prompt + completion as the worker counted them, not the reservation.
+    assert int(window["tokens"]) == first["usage"]["total_tokens"], (window, first["usage"])
+    assert int(rec["reserved_tokens"]) > first["usage"]["total_tokens"]
+    # Key b sends the same prompt: nothing of a's is reused, so b learns nothing from it.
+    other = b.wait_job(b.submit(prompt=prompt, max_tokens=8, ignore_eos=True)["id"])
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, other["usage"]
+    again = a.wait_job(a.submit(prompt=prompt, max_tokens=8, ignore_eos=True)["id"])
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again["usage"]
+
+
+def test_a_flooding_key_does_not_starve_another(world):
+    """Key b sends 3 x 64 prompts with long outputs; key a's one job starts within a few engine
+    steps (it does not wait for b's queue), and every sequence of b still completes."""
+    seqs, tokens = 8, 48
+    worker = world.worker(LLMQ_MAX_NUM_SEQS=str(seqs), LLMQ_TASK_THREADS=str(seqs + 2))
+    base = world.api(api_keys=KEYS, max_num_seqs=seqs)
+    a, b = base.with_key("key-a"), base.with_key("key-b")
+    r = world.client()
+    flood = []
+    for i in range(3):
+        flood += [j["id"] for j in b.submit_many([f"Story {i}-{k}:" for k in range(64)],
+                                                 max_tokens=tokens, ignore_eos=True)]
+    wait_until(lambda: len(running(r, flood)) == seqs, 60, "b's flood to fill the batch")
+    steps_before = steps(r, worker.hostname)
+    job = a.submit(prompt="Hello", max_tokens=4, ignore_eos=True)
+    wait_until(lambda: record(r, job["id"])["status"] != "queued", 30, "a's job to start",
+               interval=0.05)
+    steps_to_start = steps(r, worker.hostname) - steps_before
+    done = a.wait_job(job["id"], 60)
+    assert done["status"] == "succeeded", done
+    unfinished = [s for s in flood if r.hget(f"llmq:seq:{s}", "status") not in FINISHED]
+    print(f"a's job started after ~{steps_to_start} engine steps; b had {len(unfinished)} of "
+          f"{len(flood)} sequences unfinished when it ended")
+    assert len(unfinished) > len(flood) // 2          # a did not wait behind b's queue
+    for seq_id in flood:
+        job = b.wait_job(seq_id, 600)
+        assert job["status"] == "succeeded" and job["usage"]["completion_tokens"] == tokens, job
+    info = r.hgetall(f"llmq:worker:{worker.hostname}")
+    assert int(info.get("num_preempted", 0)) >= 1, info   # a took a slot of b's
+
+
+def running(r, ids: list[str]) -> list[str]:
+    return [i for i in ids if r.hget(f"llmq:seq:{i}", "status") == "running"]
+
+
+def steps(r, hostname: str) -> int:
+    return int(r.hget(f"llmq:worker:{hostname}", "num_steps") or 0)
+
+
+# --- the HTTP server: header deadline, JSON for what gunicorn answers itself --------------------
+@pytest.fixture
+def gunicorn_api(world, tmp_path):
+    """The API as `make api` runs it: gunicorn with app.http_worker.ThreadWorker."""
+    import os
+    import subprocess
+    import sys
+
+    import requests
+
+    from support import ROOT, free_port
+
+    port = free_port()
+    env = dict(os.environ, LLMQ_REDIS_URL=world.url, LLMQ_HEADER_TIMEOUT="1",
+               LLMQ_API_KEYS=",".join(KEYS))
+    log = open(tmp_path / "gunicorn.log", "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "--bind", f"127.0.0.1:{port}", "--worker-class",
+         "app.http_worker.ThreadWorker", "--workers", "1", "--threads", "4", "--timeout", "0",
+         "app.wsgi:application"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def up():
+        assert proc.poll() is None, (tmp_path / "gunicorn.log").read_text()
+        try:
+            return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=2).ok
+        except requests.RequestException:
+            return False
+
+    try:
+        wait_until(up, 60, "gunicorn to answer")
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def _raw(port: int, data: bytes, *, trickle_s: float = 0.0) -> bytes:
+    """Sends `data` (a byte at a time every trickle_s, if set) and reads until the server closes."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
+        try:
+            for i in range(len(data)) if trickle_s else [None]:
+                s.sendall(data if i is None else data[i:i + 1])
+                if trickle_s:
+                    time.sleep(trickle_s)   # the slow client under test, not a synchronisation
+        except OSError:
+            pass   # the server hung up mid-send: what the deadline is for
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def test_headers_must_arrive_in_time_and_parse_errors_are_json(gunicorn_api):
+    port = gunicorn_api
+    # Headers that never end: the connection is closed (recv sees the end) well before 15 s.
+    assert _raw(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: 1\r\n") == b""
+    # A slowloris trickling a long header a byte at a time is cut off too.
+    assert b"200 OK" not in _raw(port, b"GET /healthz HTTP/1.1\r\nX-Pad: " + b"a" * 40,
+                                 trickle_s=0.1)
+    for data, status in [(b"GET /" + b"x" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+                         (b"GET /healthz HTTP/1.1\r\n" + b"".join(
+                             b"X-H%d: v\r\n" % i for i in range(200)) + b"\r\n", 431)]:
+        head, _, body = _raw(port, data).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 %d" % status), head
+        assert b"Content-Type: application/json" in head
+        assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert b"200 OK" in _raw(port, b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
