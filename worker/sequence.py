@@ -36,6 +36,8 @@ class Sequence:
     created_at: float | None = None   # wall clock: when the API accepted it
     admitted_at: float | None = None  # wall clock: when this worker started it
     deadline: float | None = None     # wall clock: past it, the sequence ends with "timeout"
+    logprobs: list[dict] | None = None          # one entry per output token, when asked for
+    prompt_logprobs: list[dict] | None = None   # one per prompt token (echo)
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -68,6 +70,9 @@ class Sequence:
         """Records a sampled token and ends the sequence on a stop token or the length limit."""
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+        if self.params.max_tokens == 0:   # prompt logprobs only (echo): the token is not kept
+            self.finish(FinishReason.LENGTH)
+            return
         self.output_token_ids.append(token_id)
         if self.num_output_tokens >= self.params.min_tokens and token_id in self.stop_token_ids:
             self.finish(FinishReason.STOP)
