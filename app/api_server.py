@@ -123,10 +123,14 @@ def inputs_of(req: JobRequest) -> list[dict[str, Any]]:
 
 
 def submit(inputs: list[dict[str, Any]], req: SamplingFields,
-           default_max_tokens: int | None = None, max_tokens: int | None = None) -> list[dict]:
+           default_max_tokens: int | None = None, max_tokens: int | None = None,
+           n: int = 1) -> list[dict]:
     """Queues one sequence per input with the request's sampling and queueing fields, owned by
-    the caller (every submitting route, OpenAI's included, comes through here)."""
+    the caller (every submitting route, OpenAI's included, comes through here); with n > 1,
+    n sequences per input, each with its own seed (input-major order)."""
     params = req.sampling_params(default_max_tokens or settings().default_max_tokens, max_tokens)
+    if n > 1:
+        inputs = [{**inp, "params": p} for inp in inputs for p in params.copies(n)]
     return engine().submit(inputs, params, g.owner, req.timeout, req.priority)
 
 

@@ -42,14 +42,16 @@ class LLMEngine:
 
     def submit(self, inputs: list[dict[str, Any]], params: SamplingParams, owner: str = "",
                timeout_s: float | None = None, priority: int | None = None) -> list[dict[str, Any]]:
-        """One sequence per input ({"prompt": str} or {"messages": [...]}), queued in order.
+        """One sequence per input ({"prompt": str} or {"messages": [...]}, optionally with
+        its own "params", as n > 1 gives each copy its own seed), queued in order.
 
         Raises Overloaded (-> 429) when the queue is full or the caller is over its rate limit;
         nothing is written in that case, and nothing accepted is ever dropped."""
         self._admission_control(len(inputs), params.max_tokens * len(inputs), owner)
         deadline = time.time() + timeout_s if timeout_s else None
-        reqs = [SequenceRequest(seq_id=new_seq_id(), params=params, owner=owner,
-                                deadline=deadline, priority=priority, **inp) for inp in inputs]
+        reqs = [SequenceRequest(seq_id=new_seq_id(), owner=owner, deadline=deadline,
+                                priority=priority, **{"params": params, **inp})
+                for inp in inputs]
         jobs = self.store.create(reqs, model=self.settings.model)
         try:
             for req in reqs:

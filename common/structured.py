@@ -45,5 +45,8 @@ def validate(spec: dict[str, Any]) -> str | None:
 
     try:
         return LLMatcher.validate_grammar(grammar_of(spec)) or None
-    except Exception as exc:  # noqa: BLE001 - whatever a client's schema trips, it is its error
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - also a Rust panic (pyo3's PanicException is
+        # a BaseException): whatever a client's schema trips is that schema's error
         return str(exc) or type(exc).__name__
