@@ -28,6 +28,7 @@ from .prefix import prefix_phase
 from .raw import run_raw, run_raw_backend, short_prompts
 from .stack import ROOT, Stack
 from .streams import streams_phase
+from .structured import format_lines as structured_lines, structured_phase
 from .workload import mixed_requests, poisson_offsets
 
 T0 = time.monotonic()
@@ -84,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results folder")
     p.add_argument("--skip-raw", action="store_true", help="skip the raw model.generate phase")
     p.add_argument("--skip-mixed", action="store_true", help="skip the mixed workload phase")
+    p.add_argument("--skip-structured", action="store_true",
+                   help="skip the structured-output phase (its cost at the top concurrency)")
     p.add_argument("--streams", type=int, default=None,
                    help="SSE streams to hold open at once (default 256; quick 64; 0 skips)")
     p.add_argument("--prefix-requests", type=int, default=None,
@@ -325,6 +328,13 @@ def main(argv=None) -> int:
                      f"concurrency {c}, without and with reuse")
             result["prefix"] = prefix_phase(stack, c, args.prefix_requests, 8 if args.quick else 16,
                                             progress=progress)
+        if not args.skip_structured and budget.allows("structured output", 60):
+            c = max(args.levels)
+            progress(f"phase 2d: structured output at concurrency {c}, without and with a JSON "
+                     "response format on half the requests")
+            result["structured"] = structured_phase(
+                stack.url, c, requests_for(c, args), lambda p: payload(p, args.tokens),
+                2 * args.level_time_limit, progress=progress)
         if not args.skip_mixed:
             progress("phase 3/3: mixed workload, continuous vs static batching")
             mixed = mixed_phase(stack, args, result["served"], budget)
@@ -356,7 +366,7 @@ def main(argv=None) -> int:
         png_path = None
     print()
     print(report.format_table(result))
-    print()
+    print("\n".join(structured_lines(result.get("structured"))))
     progress(f"results: {json_path}" + (f" and {png_path}" if png_path else ""))
     return 1 if error else 0
 
