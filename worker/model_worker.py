@@ -72,7 +72,12 @@ class ModelWorker:
                       if s.params.prompt_logprobs is None else PrefixMatch(0, []))
                      for s in req.prefill]
         joining: list[_Prefilled] = []
-        for group in length_groups(newcomers, key=lambda p: len(p[0].token_ids) - p[1].num_tokens):
+        # A sequence that scores its prompt is prefilled alone: its pass keeps every position's
+        # logits ([rows, length, vocab]), which for a whole group could take gigabytes.
+        scoring = [[p] for p in newcomers if p[0].params.prompt_logprobs is not None]
+        plain = [p for p in newcomers if p[0].params.prompt_logprobs is None]
+        for group in length_groups(plain, key=lambda p: len(p[0].token_ids) - p[1].num_tokens
+                                   ) + scoring:
             joining += self._prefill(group, res, sum(len(p.seqs) for p in joining))
         t1 = time.perf_counter()
         res.prefill_s = t1 - t0

@@ -65,3 +65,26 @@ def test_worker_returns_logprobs_for_prefill_and_decode(tiny_model):
         assert lp.top_ids == [int(full[i].argmax())]
     res = worker.step(StepRequest(decode_seq_ids=["a", "b"]))
     assert set(res.logprobs) == {"a"} and res.logprobs["a"].rank == 1
+
+
+def test_a_prompt_that_is_scored_is_prefilled_alone(tiny_model):
+    """Its pass keeps the logits of every position; the other newcomers keep only their last."""
+    model, info = tiny_model
+    prompts = make_prompts(3, lengths=[12, 12, 12], seed=6)
+    worker = ModelWorker(model, info, 4)
+    kept = []
+    forward = model.forward
+
+    def spy(*args, **kw):
+        kept.append((kw["input_ids"].shape[0], kw.get("logits_to_keep")))
+        return forward(*args, **kw)
+
+    model.forward = spy
+    try:
+        res = worker.step(StepRequest(prefill=[
+            new_seq("a", prompts[0]), new_seq("b", prompts[1]),
+            new_seq("s", prompts[2], SamplingParams(temperature=0.0, prompt_logprobs=0))]))
+    finally:
+        del model.forward
+    assert sorted(kept) == [(1, 0), (2, 1)]
+    assert len(res.prompt_logprobs["s"]) == 11 and set(res.token_ids) == {"a", "b", "s"}
