@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Iterator, Literal
+from typing import Annotated, Any, Iterator, Literal
 
 import logging
 
@@ -68,8 +68,12 @@ class _Common(SamplingFields):
         return None
 
 
+TokenIds = list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[str]
+    # text, texts, token ids, or lists of token ids (what harnesses send pre-tokenized)
+    prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(None, ge=0)   # 0 with echo: score the prompt only
     echo: bool = False
 
@@ -79,10 +83,20 @@ class CompletionRequest(_Common):
         return None
 
     def num_prompt_logprobs(self) -> int | None:
-        """Echo with logprobs scores the prompt's tokens too (what evaluation harnesses send)."""
-        if self.echo and self.logprobs is not None:
-            return max(self.logprobs, self.prompt_logprobs or 0)
+        """Echo scores the prompt's tokens too (what evaluation harnesses send); its entries
+        also carry the prompt's text back for a prompt given as token ids."""
+        if self.echo:
+            return max(self.logprobs or 0, self.prompt_logprobs or 0)
         return self.prompt_logprobs
+
+    def inputs(self) -> list[dict[str, Any]]:
+        """One sequence input per prompt: {"prompt": text} or {"prompt_token_ids": ids}."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [{"prompt": p}]
+        if p and all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": p}]
+        return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
 
 
 class ChatMessage(BaseModel):
@@ -202,12 +216,13 @@ def list_models():
 @bp.post("/v1/completions")
 def completions():
     req = _parse(CompletionRequest)
-    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-    if not prompts or any(not p for p in prompts):
-        raise _error("prompt must be a non-empty string or list of strings", param="prompt")
-    if len(prompts) * req.n > settings().max_prompts:
+    inputs = req.inputs()
+    if not inputs or any(not next(iter(i.values())) for i in inputs):
+        raise _error("prompt must be a non-empty string or list of token ids, or a list of "
+                     "those", param="prompt")
+    if len(inputs) * req.n > settings().max_prompts:
         raise _error(f"at most {settings().max_prompts} sequences (prompts x n)", param="prompt")
-    jobs = submit([{"prompt": p} for p in prompts], req, default_max_tokens=16, n=req.n)
+    jobs = submit(inputs, req, default_max_tokens=16, n=req.n)
     return _respond(req, jobs, chat=False)
 
 
@@ -240,10 +255,13 @@ class _Shaper:
         return self.legacy[i](entries)
 
     def echoed(self, i: int, prompt_entries: list[dict] | None) -> tuple[str, list[dict]]:
-        """The echo's text and logprobs entries (completions with echo: the prompt first)."""
+        """The echo's text and logprobs entries (completions with echo: the prompt first; a
+        prompt given as token ids is echoed as its tokens' text)."""
         if not self.echo:
             return "", []
-        return self.jobs[i].get("prompt") or "", prompt_entries or []
+        entries = prompt_entries or []
+        text = self.jobs[i].get("prompt") or "".join(e["token"] for e in entries)
+        return text, entries if self.wants_logprobs else []
 
     def choice(self, i: int, text: str, entries: list[dict], finish: str | None,
                delta: bool = False, role: bool = False) -> dict:

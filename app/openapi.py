@@ -54,6 +54,7 @@ class JobOut(BaseModel):
     created_at: float | None = None
     started_at: float | None = None
     finished_at: float | None = None
+    prompt_token_ids: list[int] | None = None   # a prompt given as token ids
     # with "logprobs" (and "prompt_logprobs") in the request: one entry per token
     logprobs: list[dict[str, Any]] | None = None
     prompt_logprobs: list[dict[str, Any]] | None = None

@@ -1,15 +1,18 @@
 """Per-step cost of a structured-output token mask at batch 64: xgrammar against llguidance.
 
-Each library compiles one JSON schema for the default model's tokenizer, then steps 64 matchers
-(each at its own place in its own object) for a number of steps: fill every row's bitmask,
-apply it to random logits, take the best allowed token, advance. Prints milliseconds per step
-for the fill and for the apply (llmq's own unpacking, the one the sampler uses).
+Each library compiles one JSON schema for the default model's tokenizer (llguidance also with
+its rows filled one after another in one thread, instead of its parallel executor), then steps
+64 matchers (each at its own place in its own object) for a number of steps: fill every row's
+bitmask, apply it to random logits, take the best allowed token, advance. Prints milliseconds
+per step for the fill and for the apply (llmq's own unpacking, the one the sampler uses).
+xgrammar is measured when it is importable (it is not a dependency of llmq).
 
     python -m bench.structured_mask [--steps 200] [--batch 64]
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -24,7 +27,7 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "age", "tags", "address"]}
 
 
-def _llguidance(tok, vocab: int, batch: int):
+def _llguidance(tok, vocab: int, batch: int, serial: bool = False):
     import llguidance
     import llguidance.hf
 
@@ -38,6 +41,10 @@ def _llguidance(tok, vocab: int, batch: int):
     bitmask = torch.zeros((batch, words), dtype=torch.int32)
 
     def fill():
+        if serial:   # one row after another in this thread
+            for i, m in enumerate(matchers):
+                m.unsafe_compute_mask_ptr(bitmask.data_ptr() + i * words * 4, words * 4)
+            return
         executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
                                          bitmask.data_ptr(), words * 4, batch)
 
@@ -109,7 +116,9 @@ def main() -> None:
     vocab = len(tok)
     print(f"vocab {vocab}, batch {args.batch}, {args.steps} steps, torch threads "
           f"{torch.get_num_threads()}")
-    for name, build in (("llguidance", _llguidance), ("xgrammar", _xgrammar)):
+    serial = functools.partial(_llguidance, serial=True)
+    for name, build in (("llguidance", _llguidance), ("llguidance-serial", serial),
+                        ("xgrammar", _xgrammar)):
         try:
             print(json.dumps(measure(name, build, tok, vocab, args.batch, args.steps)))
         except ImportError as exc:

@@ -93,6 +93,7 @@ class SequenceRequest:
     seq_id: str
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None   # a prompt given as token ids (not tokenized)
     params: SamplingParams = field(default_factory=SamplingParams)
     owner: str = ""
     created_at: float | None = None   # unix time the API accepted it

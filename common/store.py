@@ -186,7 +186,7 @@ def job_from_record(rec: dict[str, str]) -> dict[str, Any]:
         "started_at": _num(rec.get("started_at")),
         "finished_at": _num(rec.get("finished_at")),
     }
-    for name in ("logprobs", "prompt_logprobs"):   # only for sequences that asked for them
+    for name in ("prompt_token_ids", "logprobs", "prompt_logprobs"):   # only when there are some
         if rec.get(name):
             job[name] = json.loads(rec[name])
     return job
@@ -270,6 +270,8 @@ class SequenceStore:
                 "status": SequenceStatus.QUEUED.value,
                 "prompt": req.prompt if req.prompt is not None else "",
                 "messages": json.dumps(req.messages) if req.messages is not None else "",
+                "prompt_token_ids": (json.dumps(req.prompt_token_ids)
+                                     if req.prompt_token_ids is not None else ""),
                 "params": json.dumps(req.params.to_dict()),
                 "owner": req.owner,
                 "model": model,
@@ -334,6 +336,8 @@ class SequenceStore:
         return SequenceRequest(
             seq_id=seq_id,
             prompt=rec.get("prompt") if not rec.get("messages") else None,
+            prompt_token_ids=(json.loads(rec["prompt_token_ids"])
+                              if rec.get("prompt_token_ids") else None),
             messages=json.loads(rec["messages"]) if rec.get("messages") else None,
             params=SamplingParams.from_dict(json.loads(rec.get("params") or "{}")),
             owner=rec.get("owner", ""),

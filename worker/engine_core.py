@@ -439,6 +439,11 @@ class EngineCore:
 
     # --- helpers ------------------------------------------------------------------------------
     def _tokenize(self, req) -> list[int]:
+        if req.prompt_token_ids is not None:
+            vocab = self.executor.info.vocab_size
+            if any(not 0 <= t < vocab for t in req.prompt_token_ids):
+                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            return list(req.prompt_token_ids)
         if req.messages is not None:
             text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
                                                       tokenize=False)

@@ -4,8 +4,9 @@ every backend that samples with llmq's Sampler gets it, and constrained and free
 share a batch: only the constrained rows are masked).
 
 llguidance over xgrammar (both are vLLM's): its import needs no torch, so the API validates a
-schema with the same library that the worker compiles it with, and its mask fill was the
-cheaper of the two at batch 64 on this CPU (bench/structured_mask.py; figures in docs/).
+schema with the same library that the worker compiles it with, and it needs no triton. Its
+mask fill at batch 64 was ~1.5 ms a step slower than xgrammar's here, 1-2% of a decode step
+(bench/structured_mask.py; figures in docs/architecture.md).
 """
 from __future__ import annotations
 

@@ -139,6 +139,25 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client, model):
     assert both["text_offset"][n] == len(PROMPT)
 
 
+def test_a_prompt_of_token_ids_is_scored_like_its_text(client, model, default_model_dir):
+    """Harnesses send pre-tokenized prompts (lists of token ids, or lists of those)."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(default_model_dir)(PROMPT)["input_ids"]
+    kw = dict(model=model, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    text = client.completions.create(prompt=PROMPT, **kw).choices[0]
+    tokens = client.completions.create(prompt=ids, **kw).choices[0]
+    assert tokens.text == PROMPT
+    assert tokens.logprobs.tokens == text.logprobs.tokens
+    assert tokens.logprobs.token_logprobs[1:] == approx(text.logprobs.token_logprobs[1:])
+    both = client.completions.create(model=model, prompt=[ids, ids[:2]], max_tokens=3,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert both.choices[0].text == plain.choices[0].text
+    assert both.usage.prompt_tokens == len(ids) + 2
+
+
 def test_jobs_keep_logprobs(stack):
     r = requests.post(stack["url"] + "/v1/generate", timeout=60, json={
         "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 2})

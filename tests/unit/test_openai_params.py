@@ -132,6 +132,15 @@ def test_penalties_and_logit_bias_reach_the_params(api):
                  {"prompt": "x", "logit_bias": {"a": 1}})[0], "logit_bias", None)
 
 
+def test_prompts_of_token_ids(api):
+    resp, _ = post(api, "/v1/completions", {"prompt": [[5, 6], [7]], "max_tokens": 1})
+    assert resp.status_code in DONE
+    assert [json.loads(api.r.hget(record_key(c["args"][0]), "prompt_token_ids"))
+            for c in api.celery.calls] == [[5, 6], [7]]
+    for bad in ([-1], [], [[]]):
+        assert post(api.reset(), "/v1/completions", {"prompt": bad})[0].status_code == 400
+
+
 def test_jobs_take_logprobs(api):
     resp, [p] = post(api, "/v1/jobs", {"prompt": "x", "logprobs": 3, "prompt_logprobs": 0})
     assert resp.status_code == 202 and p["logprobs"] == 3 and p["prompt_logprobs"] == 0
