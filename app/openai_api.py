@@ -6,10 +6,9 @@ Flower). A client that disconnects from a streaming or waiting request cancels i
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Annotated, Any, Iterator, Literal
-
-import logging
 
 from flask import Blueprint, Response, g, jsonify, stream_with_context
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -112,7 +111,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def problem(self) -> tuple[str, str] | None:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs: needs logprobs true"
         return None
 
