@@ -123,11 +123,12 @@ def inputs_of(req: JobRequest) -> list[dict[str, Any]]:
 
 def submit(inputs: list[dict[str, Any]], req: SamplingFields,
            default_max_tokens: int | None = None, max_tokens: int | None = None,
-           max_tokens_param: str = "max_tokens") -> list[dict]:
+           max_tokens_param: str = "max_tokens", n: int = 1) -> list[dict]:
     """Checks the request's limits and webhook, then queues one sequence per input with its
     sampling and queueing fields, owned by the caller (every submitting route, OpenAI's
     included, comes through here). `max_tokens` overrides the field (OpenAI's
-    max_completion_tokens)."""
+    max_completion_tokens); with n > 1, n sequences per input, each with its own seed
+    (input-major order)."""
     s, eng = settings(), engine()
     default_max_tokens = default_max_tokens or s.default_max_tokens
     check_limits(s, req, inputs, max_tokens=max_tokens or req.max_tokens,
@@ -139,6 +140,8 @@ def submit(inputs: list[dict[str, Any]], req: SamplingFields,
         # Cached prefixes are shared only within a key (cached_tokens would otherwise tell one
         # key what another sent); the request's own salt still splits a key's cache further.
         params.cache_salt = g.owner + ("/" + params.cache_salt if params.cache_salt else "")
+    if n > 1:
+        inputs = [{**inp, "params": p} for inp in inputs for p in params.copies(n)]
     if getattr(req, "stream", False):
         take_stream_slot()
     jobs = eng.submit(inputs, params, g.owner, req.timeout, req.priority)

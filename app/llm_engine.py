@@ -58,15 +58,16 @@ class LLMEngine:
     def submit(self, inputs: list[dict[str, Any]], params: SamplingParams, owner: str = "",
                timeout_s: float | None = None, priority: int | None = None,
                seq_ids: list[str] | None = None) -> list[dict[str, Any]]:
-        """One sequence per input ({"prompt": str} or {"messages": [...]}), queued in order.
+        """One sequence per input ({"prompt": str} or {"messages": [...]}, optionally with
+        its own "params", as n > 1 gives each copy its own seed), queued in order.
         `seq_ids` names them (a batch line's id is derived from its batch), else new ids.
 
         Raises Overloaded (-> 429) when the queue is full or the caller is over its rate limit;
         nothing is written in that case, and nothing accepted is ever dropped."""
         deadline = time.time() + timeout_s if timeout_s else None
         seq_ids = seq_ids or [new_seq_id() for _ in inputs]
-        reqs = [SequenceRequest(seq_id=seq_id, params=params, owner=owner,
-                                deadline=deadline, priority=priority, **inp)
+        reqs = [SequenceRequest(seq_id=seq_id, owner=owner, deadline=deadline,
+                                priority=priority, **{"params": params, **inp})
                 for seq_id, inp in zip(seq_ids, inputs)]
         unfinished = self._admission_control(reqs, owner)
         charged_to = self._charge_rate_limits(reqs, owner)

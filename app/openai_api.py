@@ -6,8 +6,9 @@ Flower). A client that disconnects from a streaming or waiting request cancels i
 from __future__ import annotations
 
 import json
+import logging
 import time
-from typing import Any, Iterator, Literal
+from typing import Annotated, Any, Iterator, Literal
 
 from flask import Blueprint, Response, g, jsonify, stream_with_context
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -15,25 +16,41 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from common.protocol import EVENT_DONE, EVENT_RESET, EVENT_TOKEN
 
 from .api_server import engine, parse_json_body, settings, submit
+from .client_connection import client_gone
 from .errors import APIError, failure_of
-from .schemas import SamplingFields
-from .waiting import Abandoned, cancel_all, follow, wait_or_cancel
+from .openai_logprobs import LegacyLogprobs, chat_logprobs
+from .schemas import MAX_LOGPROBS, SamplingFields
+from .waiting import cancel_all, wait_or_cancel
 
 bp = Blueprint("openai", __name__)
+log = logging.getLogger("llmq.api")
 
-# Parameters OpenAI clients send that would change the output and that llmq does not implement:
-# refused by name rather than silently ignored. A value equal to "off" is accepted.
-_UNSUPPORTED_OFF = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-                    "best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""),
-                    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-                    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-                    "response_format": (None, {"type": "text"}), "n": (None, 1),
-                    "use_beam_search": (None, False)}
+# Fields of vLLM's (and OpenAI's) request bodies beyond the ones the models below take.
+# Refused: they would change the output and llmq does not implement them, so a value other
+# than these neutral ones is a 400 naming the field, never silently dropped.
+_REFUSED = {"echo": (None, False), "suffix": (None, ""), "use_beam_search": (None, False),
+            "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+            "function_call": (None, "none"), "include_stop_str_in_output": (None, False),
+            "skip_special_tokens": (None, True), "allowed_token_ids": (None,),
+            "bad_words": (None, []), "logits_processors": (None, []), "prompt_embeds": (None,),
+            "truncate_prompt_tokens": (None,), "add_generation_prompt": (None, True),
+            "continue_final_message": (None, False), "chat_template": (None,),
+            "documents": (None,), "return_token_ids": (None, False), "best_of": (None, 1),
+            "guided_decoding_backend": (None,)}
+# Accepted and ignored (a warning in the log): they do not change the text llmq makes.
+_IGNORED = {"user", "service_tier", "store", "metadata", "parallel_tool_calls",
+            "reasoning_effort", "include_reasoning", "length_penalty",
+            "spaces_between_special_tokens", "add_special_tokens", "chat_template_kwargs",
+            "mm_processor_kwargs", "kv_transfer_params", "vllm_xargs", "guided_whitespace_pattern"}
+# vLLM's older names for structured_outputs' members.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM: usage in every chunk (with include_usage)
 
 
 class _Common(SamplingFields):
@@ -43,27 +60,44 @@ class _Common(SamplingFields):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     request_id: str | None = None
-    # accepted only with their neutral values (see _UNSUPPORTED_OFF)
-    n: int | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
-    best_of: Any = None
-    logit_bias: Any = None
-    suffix: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    response_format: Any = None
-    use_beam_search: Any = None
+    n: int = Field(1, ge=1, le=64)
+    return_tokens_as_token_ids: bool = False   # vLLM: logprobs tokens as "token_id:<id>"
+
+    def problem(self) -> tuple[str, str] | None:
+        """(param, message) for fields that are valid alone but not together."""
+        return None
+
+
+TokenIds = list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
+    # text, texts, token ids, or lists of token ids (what harnesses send pre-tokenized)
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(None, ge=0)   # 0 with echo: score the prompt only
+    echo: bool = False
+
+    def problem(self) -> tuple[str, str] | None:
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens: 0 needs echo (it returns the prompt and its logprobs)"
+        return None
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Echo scores the prompt's tokens too (what evaluation harnesses send); its entries
+        also carry the prompt's text back for a prompt given as token ids."""
+        if self.echo:
+            return max(self.logprobs or 0, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    def inputs(self) -> list[dict[str, Any]]:
+        """One sequence input per prompt: {"prompt": text} or {"prompt_token_ids": ids}."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [{"prompt": p}]
+        if p and all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": p}]
+        return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
 
 
 class ChatMessage(BaseModel):
@@ -75,6 +109,16 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None   # chat: a flag; top_logprobs says how many alternatives
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def problem(self) -> tuple[str, str] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs: needs logprobs true"
+        return None
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _error(message: str, param: str | None = None, code: str | None = None,
@@ -88,22 +132,32 @@ def _parse(model_cls):
 
 def validate_request(model_cls, body: dict):
     """A request body checked as the route checks it (batch lines are checked with it too)."""
-    unknown = sorted(set(body) - set(model_cls.model_fields))
+    fields = set(model_cls.model_fields)
+    unknown = sorted(set(body) - fields - set(_REFUSED) - _IGNORED - set(_GUIDED))
     if unknown:
         raise _error(f"unsupported parameter(s): {', '.join(unknown)}", param=unknown[0],
                      code="unsupported_parameter")
+    for name in sorted(set(body) & set(_REFUSED) - fields):
+        if body[name] not in _REFUSED[name]:
+            raise _error(f"'{name}' is not supported by this server", param=name,
+                         code="unsupported_parameter")
+    ignored = sorted(n for n in set(body) & _IGNORED - fields if body[n] is not None)
+    if ignored:
+        log.warning("accepted and ignored: %s", ", ".join(ignored))
+    guided = {_GUIDED[n]: body[n] for n in _GUIDED if body.get(n) is not None}
+    body = {k: v for k, v in body.items() if k in fields}
+    if guided and "structured_outputs" not in body:
+        body["structured_outputs"] = guided
     try:
         req = model_cls.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
         param = ".".join(str(x) for x in err["loc"]) or None
         raise _error(f"{param}: {err['msg'].removeprefix('Value error, ')}" if param
-                     else err["msg"], param=param) from None
-    for name, neutral in _UNSUPPORTED_OFF.items():
-        if getattr(req, name, None) not in neutral:
-            raise _error(f"'{name}' is not supported by this server"
-                         + (" (only n=1)" if name == "n" else ""), param=name,
-                         code="unsupported_parameter")
+                     else err["msg"].removeprefix("Value error, "), param=param) from None
+    problem = req.problem()
+    if problem:
+        raise _error(problem[1], param=problem[0])
     served = served_model_names()
     if req.model is not None and req.model not in served:
         raise APIError(404, f"The model `{req.model}` does not exist.", "invalid_request_error",
@@ -141,10 +195,12 @@ def _text_content(content) -> str:
     return "".join(parts)
 
 
-def _usage(jobs: list[dict]) -> dict:
-    p = sum(j["usage"]["prompt_tokens"] for j in jobs)
+def _usage(jobs: list[dict], n: int = 1) -> dict:
+    """Usage summed over a request's sequences; a prompt sampled n times counts once."""
+    p = sum(j["usage"]["prompt_tokens"] for j in jobs[::n])
     c = sum(j["usage"]["completion_tokens"] for j in jobs)
-    cached = sum(j["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for j in jobs)
+    cached = sum(j["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                 for j in jobs[::n])
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -152,7 +208,7 @@ def _usage(jobs: list[dict]) -> dict:
 def _finish_reason(job: dict) -> str | None:
     """OpenAI's finish reason; a failure or a timeout never gets here (see failure_of)."""
     reason = job.get("finish_reason")
-    return "abort" if reason == "cancelled" else reason
+    return "abort" if reason in ("cancelled", "timeout") else reason
 
 
 # --- routes -----------------------------------------------------------------------------------
@@ -178,28 +234,79 @@ def chat_completions():
 
 
 def to_sequences(req: _Common) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The sequences a request becomes, and submit()'s max_tokens options for them (routes and
-    batch lines alike)."""
+    """The sequences a request becomes, and submit()'s options for them (routes and batch
+    lines alike)."""
     if isinstance(req, ChatCompletionRequest):
         messages = [{"role": "system" if m.role == "developer" else m.role,
                      "content": _text_content(m.content)} for m in req.messages]
         return [{"messages": messages}], {
-            "max_tokens": req.max_completion_tokens,
+            "max_tokens": req.max_completion_tokens, "n": req.n,
             "max_tokens_param": "max_completion_tokens" if req.max_completion_tokens
             else "max_tokens"}
-    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-    if not prompts or any(not p for p in prompts):
-        raise _error("prompt must be a non-empty string or list of strings", param="prompt")
-    if req.stream and len(prompts) > 1:
-        raise _error("streaming takes a single prompt", param="prompt")
-    return [{"prompt": p} for p in prompts], {"default_max_tokens": 16}
+    inputs = req.inputs()
+    if not inputs or any(not next(iter(i.values())) for i in inputs):
+        raise _error("prompt must be a non-empty string or list of token ids, or a list of "
+                     "those", param="prompt")
+    if len(inputs) * req.n > settings().max_prompts:
+        raise _error(f"at most {settings().max_prompts} sequences (prompts x n)", param="prompt")
+    return inputs, {"default_max_tokens": 16, "n": req.n}
+
+
+class _Shaper:
+    """Turns one request's sequences into OpenAI choices: text (with the prompt in front for
+    echo), logprobs in the route's shape, finish reasons. One per request, also when streamed
+    (completions' text offsets run on across chunks)."""
+
+    def __init__(self, req: _Common, jobs: list[dict], chat: bool):
+        self.req, self.jobs, self.chat = req, jobs, chat
+        self.echo = bool(getattr(req, "echo", False))
+        self.wants_logprobs = req.num_logprobs() is not None
+        self.as_ids = req.return_tokens_as_token_ids
+        self.legacy = [LegacyLogprobs(self.as_ids) for _ in jobs]
+
+    def logprobs(self, i: int, entries: list[dict]) -> dict | None:
+        if not self.wants_logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.as_ids)
+        return self.legacy[i](entries)
+
+    def echoed(self, i: int, prompt_entries: list[dict] | None) -> tuple[str, list[dict]]:
+        """The echo's text and logprobs entries (completions with echo: the prompt first; a
+        prompt given as token ids is echoed as its tokens' text)."""
+        if not self.echo:
+            return "", []
+        entries = prompt_entries or []
+        text = self.jobs[i].get("prompt") or "".join(e["token"] for e in entries)
+        return text, entries if self.wants_logprobs else []
+
+    @staticmethod
+    def plain_choice(i: int, text: str, finish: str | None, chat: bool) -> dict:
+        """A choice without logprobs."""
+        if chat:
+            return {"index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": None, "finish_reason": finish}
+        return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def choice(self, i: int, text: str, entries: list[dict], finish: str | None,
+               delta: bool = False, role: bool = False) -> dict:
+        if not self.chat:
+            return {"index": i, "text": text, "logprobs": self.logprobs(i, entries),
+                    "finish_reason": finish}
+        lp = self.logprobs(i, entries) if entries or not delta else None
+        if not delta:
+            return {"index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": lp, "finish_reason": finish}
+        body = {"role": "assistant", "content": ""} if role else (
+            {"content": text} if text or not finish else {})
+        return {"index": i, "delta": body, "logprobs": lp, "finish_reason": finish}
 
 
 def _respond(req: _Common, jobs: list[dict], chat: bool):
     headers = {"X-Request-Id": jobs[0]["id"]}
+    shaper = _Shaper(req, jobs, chat)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        gen = _stream_chunks(jobs[0], chat, include_usage)
+        gen = _stream_chunks(req, jobs, shaper)
         return Response(stream_with_context(gen), mimetype="text/event-stream",
                         headers={**headers, "Cache-Control": "no-cache"})
     try:
@@ -208,20 +315,24 @@ def _respond(req: _Common, jobs: list[dict], chat: bool):
     except APIError as err:
         err.headers = {**headers, **err.headers}
         raise
-    return jsonify(response_body(finals, chat, model_id())), 200, headers
+    return jsonify(response_body(finals, chat, model_id(), shaper, req.n)), 200, headers
 
 
-def response_body(finals: list[dict], chat: bool, model: str) -> dict:
-    """The completion (or chat completion) object of finished jobs (batch output lines too)."""
-    if chat:
-        choices = [{"index": 0, "message": {"role": "assistant", "content": finals[0]["text"]},
-                    "logprobs": None, "finish_reason": _finish_reason(finals[0])}]
-    else:
-        choices = [{"index": i, "text": f["text"], "logprobs": None,
-                    "finish_reason": _finish_reason(f)} for i, f in enumerate(finals)]
+def response_body(finals: list[dict], chat: bool, model: str, shaper: "_Shaper | None" = None,
+                  n: int = 1) -> dict:
+    """The completion (or chat completion) object of finished jobs (batch output lines too:
+    they come without a shaper, so without logprobs)."""
+    choices = []
+    for i, f in enumerate(finals):
+        if shaper is None:
+            choices.append(_Shaper.plain_choice(i, f["text"], _finish_reason(f), chat))
+            continue
+        echo_text, echo_entries = shaper.echoed(i, f.get("prompt_logprobs"))
+        choices.append(shaper.choice(i, echo_text + f["text"],
+                                     echo_entries + f.get("logprobs", []), _finish_reason(f)))
     return {"id": finals[0]["id"], "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices,
-            "usage": _usage(finals)}
+            "usage": _usage(finals, n)}
 
 
 class SentText:
@@ -264,54 +375,111 @@ class SentText:
         return out
 
 
-def _stream_chunks(job: dict, chat: bool, include_usage: bool) -> Iterator[str]:
-    eng, seq_id, owner = engine(), job["id"], g.owner
+class _Choice:
+    """Where one sequence's stream stands."""
+
+    def __init__(self, seq_id: str):
+        self.seq_id = seq_id
+        self.after = "0-0"
+        self.started = False          # its first chunk (role or echo) went out
+        self.num_tokens = 0           # token events seen
+        self.num_entries = 0          # logprobs entries sent
+        self.prompt_tokens = 0
+        self.done = False
+        self.final: dict | None = None   # its done event's job
+        self.text = SentText()           # what went out, kept true across a `reset`
+
+
+def _stream_chunks(req: _Common, jobs: list[dict], shaper: _Shaper) -> Iterator[str]:
+    """The request's sequences as one chunk stream; with n > 1 (or several prompts) the
+    choices' chunks interleave as their tokens arrive, each carrying its choice index."""
+    eng, owner, chat = engine(), g.owner, shaper.chat
     created, model = int(time.time()), model_id()
     obj = "chat.completion.chunk" if chat else "text_completion"
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = include_usage and opts.continuous_usage_stats   # vLLM asks for both
+    choices = [_Choice(j["id"]) for j in jobs]
+    by_id = {c.seq_id: i for i, c in enumerate(choices)}
 
-    def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> str:
+    def chunk(i: int, text: str, entries: list[dict], finish: str | None = None,
+              role: bool = False) -> str:
+        body = {"id": jobs[0]["id"], "object": obj, "created": created, "model": model,
+                "choices": [shaper.choice(i, text, entries, finish, delta=True, role=role)]}
+        if continuous:
+            c = choices[i]
+            body["usage"] = {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.num_tokens,
+                             "total_tokens": c.prompt_tokens + c.num_tokens}
+        return _data(body)
+
+    def start(i: int, prompt_entries: list[dict] | None) -> Iterator[str]:
+        """A choice's first chunk: the role (chat), or the echoed prompt (completions)."""
+        c = choices[i]
+        c.started = True
+        if continuous:
+            job = eng.get(c.seq_id, owner)
+            c.prompt_tokens = job["usage"]["prompt_tokens"] if job else 0
         if chat:
-            delta = {"role": "assistant", "content": ""} if role else (
-                {"content": delta_text} if delta_text is not None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta_text or "", "logprobs": None,
-                      "finish_reason": finish}
-        return _data({"id": seq_id, "object": obj, "created": created, "model": model,
-                      "choices": [choice]})
+            yield chunk(i, "", [], role=True)
+        elif shaper.echo:
+            text, entries = shaper.echoed(i, prompt_entries)
+            yield chunk(i, text, entries)
 
-    finished, text = False, SentText()
     try:
-        if chat:
-            yield chunk(None, None, role=True)
-        for _id, kind, data in follow(seq_id):
-            if kind == EVENT_RESET:
-                text.reset()
-            elif kind == EVENT_TOKEN and (piece := text.piece(data["text"])):
-                yield chunk(piece, None)
-            elif kind == EVENT_DONE:
-                if err := failure_of(data):
-                    finished = True
-                    raise err
-                if rest := text.rest(data["text"]):
-                    yield chunk(rest, None)
-                finished = True
-                yield chunk(None if chat else "", _finish_reason(data))
-                if include_usage:
-                    yield _data({"id": seq_id, "object": obj, "created": created, "model": model,
-                                 "choices": [], "usage": _usage([data])})
-                yield "data: [DONE]\n\n"
-                return
-    except Abandoned:
-        return   # nobody is reading (finally cancels)
+        if chat and not continuous:   # the role goes out at once (continuous: with usage)
+            for i in range(len(choices)):
+                yield from start(i, None)
+        while not all(c.done for c in choices):
+            events = eng.store.read_events_many(
+                {c.seq_id: c.after for c in choices if not c.done}, block_ms=1000)
+            if not events:
+                if client_gone() or any(eng.store.get_record(c.seq_id) is None
+                                        for c in choices if not c.done):
+                    return   # gone, or expired underneath us
+                continue
+            for seq_id, entry_id, kind, data in events:
+                i = by_id[seq_id]
+                c = choices[i]
+                c.after = entry_id
+                if kind == EVENT_RESET:   # a lost worker's sequence runs again from its prompt
+                    c.text.reset()
+                elif kind == EVENT_TOKEN:
+                    if not c.started:
+                        yield from start(i, data.get("prompt_logprobs"))
+                    c.num_tokens += 1
+                    catching_up = c.text.rerun is not None
+                    piece = c.text.piece(data["text"])
+                    # A re-run's tokens that repeat what was sent carry logprobs already sent.
+                    entries = [] if catching_up else (data.get("logprobs") or [])
+                    c.num_entries += len(entries)
+                    if piece or (entries and shaper.wants_logprobs):
+                        yield chunk(i, piece, entries)
+                elif kind == EVENT_DONE:
+                    if err := failure_of(data):
+                        c.done = True
+                        raise err
+                    if not c.started:
+                        yield from start(i, data.get("prompt_logprobs"))
+                    if rest := c.text.rest(data["text"]):
+                        yield chunk(i, rest, [])
+                    c.num_tokens = data["usage"]["completion_tokens"]
+                    rest_lp = data.get("logprobs", [])[c.num_entries:]   # the last token's
+                    yield chunk(i, "", rest_lp, _finish_reason(data))
+                    c.done = True
+                    c.final = data
+        if include_usage:
+            yield _data({"id": jobs[0]["id"], "object": obj, "created": created, "model": model,
+                         "choices": [], "usage": _usage([c.final for c in choices], req.n)})
+        yield "data: [DONE]\n\n"
     except APIError as err:
         # The status line went out with the first chunk: the error is the last chunk, as vLLM
         # sends it (the openai client raises APIError from it).
         yield err.sse_chunk()
         yield "data: [DONE]\n\n"
     finally:
-        if not finished:   # the client went away, the server is stopping, or the text broke
-            cancel_all(eng, [seq_id], owner)
+        # The client went away, the server is stopping, or a sequence failed or diverged:
+        # stop the request's other sequences.
+        cancel_all(eng, [c.seq_id for c in choices if not c.done], owner)
 
 
 def _data(obj: dict) -> str:

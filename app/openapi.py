@@ -3,11 +3,14 @@ from the same pydantic models that validate requests; response models are declar
 from __future__ import annotations
 
 import functools
+import importlib.util
+from pathlib import Path
 from typing import Any, Callable, Literal
 
-from flask import jsonify, redirect
+from flask import abort, jsonify, redirect, send_from_directory
 from pydantic import BaseModel
 from spectree import Response, SpecTree
+from spectree.page import PAGE_TEMPLATES
 
 from .batches_api import BatchCreate
 from .openai_api import ChatCompletionRequest, CompletionRequest
@@ -54,6 +57,10 @@ class JobOut(BaseModel):
     created_at: float | None = None
     started_at: float | None = None
     finished_at: float | None = None
+    prompt_token_ids: list[int] | None = None   # a prompt given as token ids
+    # with "logprobs" (and "prompt_logprobs") in the request: one entry per token
+    logprobs: list[dict[str, Any]] | None = None
+    prompt_logprobs: list[dict[str, Any]] | None = None
 
 
 class JobListOut(BaseModel):
@@ -71,10 +78,18 @@ class Health(BaseModel):
     workers: list[dict[str, Any]] | None = None   # only to a caller with a key (or no keys set)
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: parallel lists, one item per token."""
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -92,10 +107,24 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -248,8 +277,28 @@ def _serve_plain(view: Callable, documented: Callable) -> Callable:
     return plain
 
 
+def swagger_ui_dir() -> Path | None:
+    """Swagger UI's files as the flask-swagger-ui package ships them (its dist folder)."""
+    found = importlib.util.find_spec("flask_swagger_ui")
+    if found is None or not found.submodule_search_locations:
+        return None
+    return Path(next(iter(found.submodule_search_locations))) / "dist"
+
+
+ASSETS = "/docs/assets"
+# spectree's Swagger page with its scripts and styles served from here, not a CDN: the docs
+# work on a machine without internet access.
+_SWAGGER_PAGE = (PAGE_TEMPLATES["swagger"]
+                 .replace("https://unpkg.com/swagger-ui-dist@5.11.0", ASSETS)
+                 .replace(" crossorigin>", ">"))
+
+
 def init_app(app) -> SpecTree:
     spec = SpecTree("flask", app=None, title="llmq", version="0.1.0", path="docs",
+                    # only the pages that need nothing from the internet (redoc and scalar
+                    # load theirs from CDNs)
+                    page_templates={"swagger": _SWAGGER_PAGE, "swagger/oauth2-redirect.html":
+                                    PAGE_TEMPLATES["swagger/oauth2-redirect.html"]},
                     description="Job-style LLM text generation over a Redis queue and GPU "
                                 "workers. Streams are text/event-stream (SSE).",
                     security_schemes=[{"name": "bearer", "data": {"type": "http",
@@ -272,5 +321,12 @@ def init_app(app) -> SpecTree:
     @app.get("/docs")
     def docs():
         return redirect("/docs/swagger/", code=302)
+
+    @app.get(f"{ASSETS}/<path:name>")
+    def docs_assets(name: str):
+        folder = swagger_ui_dir()
+        if folder is None:
+            abort(404)
+        return send_from_directory(folder, name, max_age=86400)
 
     return spec

@@ -1,11 +1,16 @@
 """Request bodies, validated by pydantic. Limits come from Settings through the context."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from common import structured
 from common.protocol import SamplingParams
+
+MAX_LOGPROBS = 20   # vLLM's default --max-logprobs
 
 
 class Message(BaseModel):
@@ -13,6 +18,83 @@ class Message(BaseModel):
 
     role: Literal["system", "user", "assistant"]
     content: str
+
+
+class JsonSchemaSpec(BaseModel):
+    """OpenAI's response_format.json_schema (what the SDK's parse() sends)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+def _compiled(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec, once its grammar is known to compile (else a 400 that says why)."""
+    error = structured.validate(spec)
+    if error:
+        raise ValueError(f"cannot compile the {spec['type'].replace('_', ' ')}: {error}")
+    return spec
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (free), any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "json_schema" and (self.json_schema is None
+                                           or self.json_schema.schema_ is None):
+            raise ValueError("type json_schema needs json_schema.schema")
+        if self.spec() is not None:
+            _compiled(self.spec())
+        return self
+
+    def spec(self) -> dict[str, Any] | None:
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        if self.type == "json_schema":
+            return {"type": "json_schema", "value": self.json_schema.schema_}
+        return None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of json (a schema), regex, choice, grammar or
+    json_object. vLLM's whitespace and fallback options are accepted and have no effect."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        given = [n for n in ("json_", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar or json_object")
+        _compiled(self.spec())
+        return self
+
+    def spec(self) -> dict[str, Any]:
+        if self.json_object:
+            return {"type": "json_object"}
+        if self.json_ is not None:
+            schema = json.loads(self.json_) if isinstance(self.json_, str) else self.json_
+            return {"type": "json_schema", "value": schema}
+        kind = next(n for n in ("regex", "choice", "grammar") if getattr(self, n) is not None)
+        return {"type": kind, "value": getattr(self, kind)}
 
 
 class SamplingFields(BaseModel):
@@ -35,6 +117,32 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     timeout: float | None = Field(None, gt=0, le=24 * 3600)   # seconds; then finish "timeout"
     priority: int | None = Field(None, ge=0, le=9)           # 0 runs first; Celery's steps
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # the k most likely, per token
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v):
+        if v and any(not k.isdigit() or int(k) >= 2**31 for k in v):
+            raise ValueError("keys must be token ids")
+        return v
+
+    def num_logprobs(self) -> int | None:
+        """How many top logprobs each sampled token gets (None: no logprobs)."""
+        return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+    def structured_spec(self) -> dict[str, Any] | None:
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
+        return self.response_format.spec() if self.response_format is not None else None
 
     @field_validator("stop")
     @classmethod
@@ -51,12 +159,18 @@ class SamplingFields(BaseModel):
         """The engine's parameters; max_tokens overrides the field (OpenAI's
         max_completion_tokens). top_k -1 and 0 both mean off, as in vLLM and OpenAI clients."""
         return SamplingParams(
-            max_tokens=max_tokens or self.max_tokens or default_max_tokens,
+            max_tokens=next(m for m in (max_tokens, self.max_tokens, default_max_tokens)
+                            if m is not None),   # 0 is a value (echo with max_tokens 0)
             temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k if self.top_k not in (None, -1, 0) else None,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, seed=self.seed,
             stop=list(self.stop), stop_token_ids=list(self.stop_token_ids or []),
-            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, cache_salt=self.cache_salt)
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, cache_salt=self.cache_salt,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
+            structured=self.structured_spec())
 
 
 class WebhookFields(BaseModel):

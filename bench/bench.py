@@ -31,6 +31,7 @@ from .raw import run_raw, run_raw_backend, short_prompts
 from .stack import ROOT, Stack
 from .stop_strings import stop_strings_phase
 from .streams import streams_phase
+from .structured import format_lines as structured_lines, structured_phase
 from .workload import mixed_requests, poisson_offsets
 
 T0 = time.monotonic()
@@ -87,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results folder")
     p.add_argument("--skip-raw", action="store_true", help="skip the raw model.generate phase")
     p.add_argument("--skip-mixed", action="store_true", help="skip the mixed workload phase")
+    p.add_argument("--skip-structured", action="store_true",
+                   help="skip the structured-output phase (its cost at the top concurrency)")
     p.add_argument("--streams", type=int, default=None,
                    help="SSE streams to hold open at once (default 256; quick 64; 0 skips)")
     p.add_argument("--prefix-requests", type=int, default=None,
@@ -340,6 +343,13 @@ def main(argv=None) -> int:
         if batch_lines and budget.allows("batch API", 60):
             progress(f"phase 2e: a batch of {batch_lines} lines, interactive TTFT meanwhile")
             result["batch"] = batch_phase(stack.url, batch_lines, progress=progress)
+        if not args.skip_structured and budget.allows("structured output", 60):
+            c = max(args.levels)
+            progress(f"phase 2f: structured output at concurrency {c}, without and with a JSON "
+                     "response format on half the requests")
+            result["structured"] = structured_phase(
+                stack.url, c, requests_for(c, args), lambda p: payload(p, args.tokens),
+                2 * args.level_time_limit, progress=progress)
         if not args.skip_mixed:
             progress("phase 3/3: mixed workload, continuous vs static batching")
             mixed = mixed_phase(stack, args, result["served"], budget)
@@ -372,7 +382,7 @@ def main(argv=None) -> int:
         png_path = None
     print()
     print(report.format_table(result))
-    print()
+    print("\n".join(structured_lines(result.get("structured"))))
     progress(f"results: {json_path}" + (f" and {png_path}" if png_path else ""))
     return 1 if error else 0
 

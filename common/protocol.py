@@ -55,14 +55,35 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     cache_salt: str | None = None   # prompts share cached prefixes only with the same salt
+    # OpenAI's penalties over the output so far, and additive biases by token id (vLLM's ranges)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    # Log-probabilities (of the raw distribution, vLLM's default): None off, k >= 0 the k most
+    # likely tokens besides the sampled one; prompt_logprobs the same for each prompt token.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured: dict[str, Any] | None = None   # what the text must match (common/structured.py)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def copies(self, n: int) -> list["SamplingParams"]:
+        """n samples of one prompt (OpenAI's n): the first keeps the seed, the others get
+        seeds derived from it, so a seeded request is reproducible and its choices differ.
+        Unseeded copies each draw from their own random generator."""
+        if self.seed is None:
+            return [dataclasses.replace(self) for _ in range(n)]
+        return [dataclasses.replace(self, seed=(self.seed + i * 0x9E3779B97F4A7C15) % 2**63)
+                for i in range(n)]
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        params = cls(**{k: v for k, v in d.items() if k in names})
+        if params.logit_bias:   # JSON object keys are strings
+            params.logit_bias = {int(k): float(v) for k, v in params.logit_bias.items()}
+        return params
 
 
 @dataclass(slots=True)
@@ -72,6 +93,7 @@ class SequenceRequest:
     seq_id: str
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None   # a prompt given as token ids (not tokenized)
     params: SamplingParams = field(default_factory=SamplingParams)
     owner: str = ""
     created_at: float | None = None   # unix time the API accepted it

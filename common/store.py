@@ -267,6 +267,9 @@ def job_from_record(rec: dict[str, str]) -> dict[str, Any]:
         "started_at": _num(rec.get("started_at")),
         "finished_at": _num(rec.get("finished_at")),
     }
+    for name in ("prompt_token_ids", "logprobs", "prompt_logprobs"):   # only when there are some
+        if rec.get(name):
+            job[name] = json.loads(rec[name])
     return job
 
 
@@ -279,6 +282,18 @@ class TokenDelta:
     full_text: str       # all the text so far
     completion_tokens: int
     attempt: int | None = None   # the start that produced it; set, the write is fenced on it
+    logprobs: list | None = None   # the token's logprobs entry, for sequences that asked
+    prompt_logprobs: list | None = None   # with the first token: the prompt's (echo)
+
+
+def _token_data(d: "TokenDelta") -> dict[str, Any]:
+    """A token event's data: its text, and its logprobs entry when the sequence asked."""
+    data: dict[str, Any] = {"text": d.text}
+    if d.logprobs is not None:
+        data["logprobs"] = d.logprobs
+    if d.prompt_logprobs is not None:
+        data["prompt_logprobs"] = d.prompt_logprobs
+    return data
 
 
 @dataclass(frozen=True)
@@ -291,6 +306,8 @@ class Finish:
     error: str | None = None
     error_code: str | None = None      # a bad input's kind ("context_length_exceeded", ...)
     cached_tokens: int | None = None   # prompt tokens the prefix cache gave
+    logprobs: list | None = None          # per output token, for sequences that asked
+    prompt_logprobs: list | None = None   # per prompt token (echo)
     only_if: tuple[SequenceStatus, ...] = (SequenceStatus.QUEUED, SequenceStatus.RUNNING)
     attempt: int | None = None   # set: only if the record still runs that start
 
@@ -342,6 +359,8 @@ class SequenceStore:
                 "status": SequenceStatus.QUEUED.value,
                 "prompt": req.prompt if req.prompt is not None else "",
                 "messages": json.dumps(req.messages) if req.messages is not None else "",
+                "prompt_token_ids": (json.dumps(req.prompt_token_ids)
+                                     if req.prompt_token_ids is not None else ""),
                 "params": json.dumps(req.params.to_dict()),
                 "owner": req.owner,
                 "model": model,
@@ -386,6 +405,20 @@ class SequenceStore:
                 out.append((entry_id, kind, data))
         return out
 
+    def read_events_many(self, positions: dict[str, str], block_ms: int | None = None,
+                         count: int = 512) -> list[tuple[str, str, str, dict[str, Any]]]:
+        """read_events over several sequences at once (one XREAD): [(seq_id, entry_id, kind,
+        data)], each sequence's entries in order."""
+        res = self.r.xread({events_key(s): after for s, after in positions.items()},
+                           count=count, block=block_ms)
+        out = []
+        for key, entries in res or []:
+            seq_id = key.removeprefix(f"{PREFIX}:seq:").removesuffix(":events")
+            for entry_id, fields in entries:
+                kind, data = decode_event(fields)
+                out.append((seq_id, entry_id, kind, data))
+        return out
+
     # --- worker side -------------------------------------------------------------------------
     def load_request(self, seq_id: str) -> SequenceRequest | None:
         rec = self.get_record(seq_id)
@@ -394,6 +427,8 @@ class SequenceStore:
         return SequenceRequest(
             seq_id=seq_id,
             prompt=rec.get("prompt") if not rec.get("messages") else None,
+            prompt_token_ids=(json.loads(rec["prompt_token_ids"])
+                              if rec.get("prompt_token_ids") else None),
             messages=json.loads(rec["messages"]) if rec.get("messages") else None,
             params=SamplingParams.from_dict(json.loads(rec.get("params") or "{}")),
             owner=rec.get("owner", ""),
@@ -441,14 +476,14 @@ class SequenceStore:
         if any(d.attempt is not None for d in deltas):
             args: list[Any] = [self.stream_maxlen, self.pending_ttl_s, record_key(""), channel("")]
             for d in deltas:
-                data = {"text": d.text}
+                data = _token_data(d)
                 args += [d.seq_id, "" if d.attempt is None else int(d.attempt),
                          encode_event(EVENT_TOKEN, data)["data"],
                          encode_pubsub(EVENT_TOKEN, data), d.full_text, d.completion_tokens]
             return [int(p) - 1 for p in self._publish(args=args)]
         pipe = self.r.pipeline(transaction=False)
         for d in deltas:
-            self._append(pipe, d.seq_id, EVENT_TOKEN, {"text": d.text})
+            self._append(pipe, d.seq_id, EVENT_TOKEN, _token_data(d))
             pipe.hset(record_key(d.seq_id), mapping={"text": d.full_text,
                                                       "completion_tokens": d.completion_tokens})
         pipe.execute()
@@ -501,6 +536,9 @@ class SequenceStore:
                 fields["error_code"] = it.error_code
             if it.cached_tokens is not None:
                 fields["cached_tokens"] = str(it.cached_tokens)
+            for name in ("logprobs", "prompt_logprobs"):
+                if getattr(it, name) is not None:
+                    fields[name] = json.dumps(getattr(it, name), separators=(",", ":"))
             job = job_from_record({**rec, **fields})
             self._finish(
                 keys=[record_key(it.seq_id), events_key(it.seq_id), channel(it.seq_id),

@@ -5,6 +5,7 @@ thread, and the model runs in the model-worker process behind the executor.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -18,6 +19,7 @@ from common import metrics
 from common.store import Finish, SequenceStore, TokenDelta
 
 from .detokenizer import IncrementalDetokenizer
+from .logprobs import LogprobsRecorder
 from .messages import NewSequence, StepRequest, StepResult
 from .model_executor import ModelExecutor, ModelWorkerDied
 from .sequence import Sequence
@@ -71,6 +73,7 @@ class EngineCore:
         self.store = store
         self.executor = executor
         self.tokenizer = tokenizer
+        self.logprobs = LogprobsRecorder(tokenizer)
         self.scheduler = scheduler or WorkloadManager(
             settings.max_num_seqs, settings.max_num_batched_tokens,
             POLICIES[settings.batch_policy](), key_share=settings.key_batch_share)
@@ -311,6 +314,7 @@ class EngineCore:
         self.scheduler.update(out, result.token_ids)
         publish = []
         for seq in out.prefill + out.decode:
+            self.logprobs.record(seq, result)
             if seq.seq_id in result.token_ids and seq in self.detokenizers:
                 detok = self.detokenizers[seq]
                 delta = detok.step(seq.output_token_ids[-1]) if seq.output_token_ids else ""
@@ -334,7 +338,9 @@ class EngineCore:
                 # with the connection (Redis went down mid-call) is not appended twice.
                 deltas = [(s, t, n) for s, t, n in pending if t or not s.is_finished]
                 refused = self.store.publish_deltas(
-                    TokenDelta(s.seq_id, t, s.text, n, self._attempts.get(s))
+                    TokenDelta(s.seq_id, t, s.text, n, self._attempts.get(s),
+                               logprobs=self.logprobs.of_token(s, n),
+                               prompt_logprobs=self.logprobs.of_prompt(s, n))
                     for s, t, n in deltas)
                 for i in refused:   # the record is no longer this start's: stop, write nothing
                     self._drop(deltas[i][0])
@@ -374,6 +380,7 @@ class EngineCore:
         written = self.store.finish_many([
             Finish(s.seq_id, s.finish_reason, text=s.text, completion_tokens=s.num_output_tokens,
                    error=s.error, cached_tokens=s.num_cached_tokens,
+                   logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
                    only_if=(SequenceStatus.RUNNING,), attempt=self._attempts.get(s))
             for s in seqs])
         for seq in seqs:
@@ -506,6 +513,11 @@ class EngineCore:
 
     # --- helpers ------------------------------------------------------------------------------
     def _tokenize(self, req) -> list[int]:
+        if req.prompt_token_ids is not None:
+            vocab = self.executor.info.vocab_size
+            if any(not 0 <= t < vocab for t in req.prompt_token_ids):
+                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            return list(req.prompt_token_ids)
         if req.messages is not None:
             text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
                                                       tokenize=False)
@@ -516,8 +528,9 @@ class EngineCore:
         """Fills unset sampling values from the model's generation_config; caps max_tokens."""
         d = self.executor.info.generation_defaults
         room = self.executor.info.max_model_len - num_prompt_tokens
-        return SamplingParams(
-            max_tokens=max(1, min(p.max_tokens, room)),
+        # (replace: fields this does not resolve, such as logprobs, pass through as they are)
+        return dataclasses.replace(
+            p, max_tokens=max(min(1, p.max_tokens), min(p.max_tokens, room)),   # 0: echo only
             temperature=p.temperature if p.temperature is not None else d.get("temperature", 0.0),
             top_p=p.top_p if p.top_p is not None else d.get("top_p"),
             top_k=p.top_k if p.top_k is not None else d.get("top_k"),

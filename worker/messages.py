@@ -32,6 +32,17 @@ class StepRequest:
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """One token's log-probability under the raw distribution the sampler started from, its
+    rank there (1 = most likely), and the k most likely tokens' ids and log-probabilities."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class StepResult:
     """The token sampled for each sequence, and per-sequence errors (that sequence alone fails).
 
@@ -41,6 +52,10 @@ class StepResult:
     token_ids: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     cached_tokens: dict[str, int] = field(default_factory=dict)   # prompt tokens reused, per newcomer
+    # for sequences that asked: the sampled token's logprobs, and (at prefill) each prompt
+    # token's after the first
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     partial: bool = False          # more of this step's result follows

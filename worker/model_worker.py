@@ -24,7 +24,8 @@ from .messages import NewSequence, Ready, Shutdown, StepRequest, StepResult
 from .model_manager import ModelManager
 from .packed_linear import pack_linears
 from .prefix_cache import PrefixCache, PrefixMatch
-from .sampler import Sampler, SamplingState
+from .sampler import Sampler, SamplingState, prompt_logprobs
+from .structured_output import Grammars
 
 log = logging.getLogger("llmq.model_worker")
 
@@ -40,7 +41,8 @@ class ModelWorker:
         self.cache = BatchKVCache(max_rows=max_num_seqs)
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.states: dict[str, SamplingState] = {}
-        self.sampler = Sampler()
+        self.sampler = Sampler(Grammars(lambda: ModelManager(info.path).load_tokenizer(),
+                                        info.eos_token_ids))
 
     @classmethod
     def load(cls, settings) -> "ModelWorker":
@@ -65,10 +67,17 @@ class ModelWorker:
             for sid in req.free_seq_ids:
                 self.states.pop(sid, None)
         t0 = time.perf_counter()
-        newcomers = [(s, self.prefix_cache.match(s.token_ids, s.params.cache_salt))
+        # Prompt logprobs need the logits of every prompt position: no cached prefix for those.
+        newcomers = [(s, self.prefix_cache.match(s.token_ids, s.params.cache_salt)
+                      if s.params.prompt_logprobs is None else PrefixMatch(0, []))
                      for s in req.prefill]
         joining: list[_Prefilled] = []
-        for group in length_groups(newcomers, key=lambda p: len(p[0].token_ids) - p[1].num_tokens):
+        # A sequence that scores its prompt is prefilled alone: its pass keeps every position's
+        # logits ([rows, length, vocab]), which for a whole group could take gigabytes.
+        scoring = [[p] for p in newcomers if p[0].params.prompt_logprobs is not None]
+        plain = [p for p in newcomers if p[0].params.prompt_logprobs is None]
+        for group in length_groups(plain, key=lambda p: len(p[0].token_ids) - p[1].num_tokens
+                                   ) + scoring:
             joining += self._prefill(group, res, sum(len(p.seqs) for p in joining))
         t1 = time.perf_counter()
         res.prefill_s = t1 - t0
@@ -138,8 +147,9 @@ class ModelWorker:
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, past_len:]
         cache = DynamicCache(ddp_cache_data=self._past(group, past_len)) if past_len else DynamicCache()
+        want_prompt = [s.params.prompt_logprobs is not None for s in seqs]
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
-                         use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=0 if any(want_prompt) else 1)
         cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
         states = [SamplingState.create(s.params, s.token_ids, s.num_output_tokens,
                                        s.stop_token_ids, self.device) for s in seqs]
@@ -153,6 +163,11 @@ class ModelWorker:
                 self.states.pop(s.seq_id, None)
             raise
         res.cached_tokens.update((s.seq_id, c) for s, c in zip(seqs, cached) if c)
+        for i, s in enumerate(seqs):
+            if want_prompt[i]:   # uncached: the row's last len(token_ids) columns are its own
+                res.prompt_logprobs[s.seq_id] = prompt_logprobs(
+                    out.logits[i, new_len - len(s.token_ids):], s.token_ids,
+                    s.params.prompt_logprobs)
         return _Prefilled(seqs, cache.layers, mask)
 
     def _remember(self, seq: NewSequence, kv_of) -> None:
@@ -175,9 +190,12 @@ class ModelWorker:
         return [(past[li, 0], past[li, 1]) for li in range(layers)]
 
     def _sample(self, seq_ids, states, logits, res: StepResult) -> None:
-        for sid, st, tok in zip(seq_ids, states, self.sampler(logits, states)):
+        tokens, logprobs = self.sampler.sample(logits, states)
+        for sid, st, tok, lp in zip(seq_ids, states, tokens, logprobs):
             st.record(tok)
             res.token_ids[sid] = tok
+            if lp is not None:
+                res.logprobs[sid] = lp
 
     def warm_up(self) -> None:
         """One prefill and a few decode steps, so the first request meets warm kernels."""

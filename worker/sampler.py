@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from common.protocol import SamplingParams
+
+from .messages import TokenLogprobs
+from .structured_output import Grammars, apply_bitmask
 
 
 @dataclass
@@ -17,6 +21,7 @@ class SamplingState:
     token_ids: list[int] = field(default_factory=list)   # prompt + output, for penalties
     num_output_tokens: int = 0
     generator: torch.Generator | None = None
+    matcher: Any = None   # structured output: its grammar's matcher, made at the first sample
 
     @classmethod
     def create(cls, params: SamplingParams, token_ids: list[int], num_output_tokens: int,
@@ -33,6 +38,10 @@ class SamplingState:
         return cls(params, tuple(stop_token_ids), list(token_ids), num_output_tokens, gen)
 
     @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_output_tokens:]
+
+    @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 
@@ -42,19 +51,46 @@ class SamplingState:
 
 
 class Sampler:
-    """Applies penalties, min_tokens, temperature, top-k, top-p and min-p, then picks tokens."""
+    """Masks structured rows, takes log-probabilities, applies penalties, biases, min_tokens,
+    temperature, top-k, top-p and min-p, then picks tokens."""
+
+    def __init__(self, grammars: Grammars | None = None):
+        self.grammars = grammars
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
+        return self.sample(logits, states)[0]
+
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]
+               ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token per row, and its logprobs for the rows whose sequence asked for them."""
         logits = logits.float()
+        self._mask(logits, states)
+        # Log-probabilities of the raw distribution (after the grammar mask, which decides what
+        # may be sampled at all; before penalties and temperature), as vLLM's default.
+        lp_rows = [i for i, st in enumerate(states) if st.params.logprobs is not None]
+        raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         for i, st in enumerate(states):
             p = st.params
+            if p.presence_penalty or p.frequency_penalty:
+                out_ids = st.output_token_ids
+                if out_ids:
+                    ids, counts = torch.unique(torch.tensor(out_ids, device=logits.device),
+                                               return_counts=True)
+                    logits[i, ids] -= p.frequency_penalty * counts + p.presence_penalty
+            if p.logit_bias:   # (ids past this model's vocabulary have no logit to bias)
+                bias = {t: b for t, b in p.logit_bias.items() if 0 <= t < logits.shape[-1]}
+                ids = torch.tensor(list(bias), device=logits.device, dtype=torch.long)
+                logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device)
             if p.repetition_penalty not in (None, 1.0):
                 ids = torch.tensor(sorted(set(st.token_ids)), device=logits.device)
                 seen = logits[i, ids]
                 logits[i, ids] = torch.where(seen > 0, seen / p.repetition_penalty,
                                              seen * p.repetition_penalty)
             if st.num_output_tokens < p.min_tokens and st.stop_token_ids:
-                logits[i, list(st.stop_token_ids)] = float("-inf")
+                blocked = logits[i].clone()
+                blocked[list(st.stop_token_ids)] = float("-inf")
+                if torch.isfinite(blocked).any():   # a finished grammar allows only EOS
+                    logits[i] = blocked
         out = torch.argmax(logits, dim=-1)
         sampled = [i for i, st in enumerate(states) if (st.params.temperature or 0.0) > 0.0]
         if sampled:
@@ -68,7 +104,38 @@ class Sampler:
                     st.generator.manual_seed((int(st.params.seed) * 1_000_003
                                               + st.num_output_tokens) % (2**63 - 1))
                 out[i] = torch.multinomial(probs[j], 1, generator=st.generator)[0]
-        return out.tolist()
+        tokens = out.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(states)
+        for j, i in enumerate(lp_rows):
+            logprobs[i] = token_logprobs(raw[j], tokens[i], states[i].params.logprobs)
+        for st, tok in zip(states, tokens):
+            if st.matcher is not None:
+                st.matcher.consume_token(tok)
+        return tokens, logprobs
+
+    def _mask(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
+        """Structured output: each constrained row keeps only the tokens its grammar allows
+        next (a row whose grammar has nothing left to allow, ended or broken, is left free)."""
+        rows = [i for i, st in enumerate(states) if st.params.structured]
+        if not rows:
+            return
+        if self.grammars is None:
+            raise ValueError("structured output needs the model's tokenizer")
+        for i in rows:
+            st = states[i]
+            if st.matcher is None:
+                st.matcher = self.grammars.matcher(st.params.structured, logits.shape[-1],
+                                                   st.output_token_ids)
+        rows = [i for i in rows if not states[i].matcher.is_error()]
+        if not rows:
+            return
+        bitmask = self.grammars.fill([states[i].matcher for i in rows])
+        some = bitmask.ne(0).any(-1)
+        idx = torch.tensor(rows, device=logits.device)[some]
+        if len(idx):
+            sub = logits[idx]
+            apply_bitmask(sub, bitmask[some])
+            logits[idx] = sub
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -97,3 +164,23 @@ class Sampler:
             min_p = torch.tensor(mps, device=dev).unsqueeze(1)
             probs = torch.where(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
         return probs
+
+
+def token_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:
+    """A token's log-probability and rank in one row of log-probabilities, and the k best."""
+    lp = logprobs[token_id]
+    rank = int((logprobs > lp).sum()) + 1
+    top_ids: list[int] = []
+    top_lps: list[float] = []
+    if k:
+        top = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+        top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+    return TokenLogprobs(float(lp), rank, top_ids, top_lps)
+
+
+def prompt_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """Each prompt token's logprobs given the tokens before it: logits [len(token_ids), vocab]
+    are the model's outputs at the prompt's positions (the last one predicts past the prompt
+    and is not used). The first token has none."""
+    lps = torch.log_softmax(logits[:-1].float(), dim=-1)
+    return [token_logprobs(lps[i], t, k) for i, t in enumerate(token_ids[1:])]

@@ -39,6 +39,8 @@ class Sequence:
     admitted_at: float | None = None  # wall clock: when this worker started it
     deadline: float | None = None     # wall clock: past it, the sequence ends with "timeout"
     owner: str = ""                   # the API key's owner id: the scheduler's fair share
+    logprobs: list[dict] | None = None          # one entry per output token, when asked for
+    prompt_logprobs: list[dict] | None = None   # one per prompt token (echo)
     done: threading.Event = field(default_factory=threading.Event)
     _stops: StopStringMatcher | None = field(default=None, repr=False)
 
@@ -72,6 +74,9 @@ class Sequence:
         """Records a sampled token and ends the sequence on a stop token or the length limit."""
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+        if self.params.max_tokens == 0:   # prompt logprobs only (echo): the token is not kept
+            self.finish(FinishReason.LENGTH)
+            return
         self.output_token_ids.append(token_id)
         if self.num_output_tokens >= self.params.min_tokens and token_id in self.stop_token_ids:
             self.finish(FinishReason.STOP)

@@ -173,10 +173,11 @@ class RecordingSampler(Sampler):
     STRIDE = 64
 
     def __init__(self, worker: ModelWorker):
+        super().__init__(worker.sampler.grammars)
         self.worker = worker
         self.steps: dict[str, list[dict]] = {}
 
-    def __call__(self, logits, states):
+    def sample(self, logits, states):
         by_state = {id(st): sid for sid, st in self.worker.states.items()}
         rec = logits.detach().float().clone()   # before sampling: penalties edit logits in place
         top = torch.topk(rec, 2, dim=-1)
@@ -184,7 +185,7 @@ class RecordingSampler(Sampler):
             self.steps.setdefault(by_state[id(st)], []).append({
                 "top2_ids": top.indices[i].tolist(), "top2": top.values[i].tolist(),
                 "fingerprint": rec[i, ::self.STRIDE].clone()})
-        return super().__call__(logits, states)
+        return super().sample(logits, states)
 
 
 def recording(worker: ModelWorker) -> RecordingSampler:

@@ -19,7 +19,8 @@ import torch
 
 from ..messages import NewSequence, StepRequest, StepResult
 from ..model_manager import ModelInfo, ModelManager, generation_defaults
-from ..sampler import Sampler, SamplingState
+from ..sampler import Sampler, SamplingState, prompt_logprobs
+from ..structured_output import Grammars
 from . import BackendUnavailable
 
 log = logging.getLogger("llmq.llama_cpp")
@@ -42,7 +43,8 @@ class LlamaCppBackend:
         self.slots: dict[str, int] = {}         # seq_id -> llama.cpp sequence slot
         self.positions: dict[str, int] = {}     # seq_id -> tokens in its KV cache
         self.states: dict[str, SamplingState] = {}
-        self.sampler = Sampler()
+        self.sampler = Sampler(Grammars(lambda: self.tokenizer, info.eos_token_ids))
+        self.tokenizer = None   # set by load(): structured output builds its grammars from it
 
     @classmethod
     def load(cls, settings) -> "LlamaCppBackend":
@@ -92,7 +94,9 @@ class LlamaCppBackend:
             generation_defaults=generation_defaults(mm.generation_config()))
         log.info("llama.cpp loaded %s: %d sequences x %d tokens of context, %d threads",
                  path, settings.max_num_seqs, per_seq, threads)
-        return cls(lib, model, ctx, info, settings.max_num_seqs, n_batch)
+        backend = cls(lib, model, ctx, info, settings.max_num_seqs, n_batch)
+        backend.tokenizer = tok
+        return backend
 
     # --- a step -------------------------------------------------------------------------------
     def step(self, req: StepRequest, early=None) -> StepResult:   # answers in one piece
@@ -113,8 +117,10 @@ class LlamaCppBackend:
                 continue
             fresh.append(seq)
             n = len(seq.token_ids)
-            rows += [(seq.seq_id, t, i, i == n - 1) for i, t in enumerate(seq.token_ids)]
+            every = seq.params.prompt_logprobs is not None   # logits at every prompt position
+            rows += [(seq.seq_id, t, i, every or i == n - 1) for i, t in enumerate(seq.token_ids)]
         logits: dict[str, torch.Tensor] = {}
+        prompt_rows: dict[str, list[torch.Tensor]] = {}
         for start in range(0, len(rows), self.n_batch):
             chunk = [r for r in rows[start:start + self.n_batch] if r[0] not in res.errors]
             if not chunk:
@@ -128,17 +134,26 @@ class LlamaCppBackend:
                     ptr = self.lib.llama_get_logits_ith(self.ctx, i)
                     logits[sid] = torch.from_numpy(
                         np.ctypeslib.as_array(ptr, shape=(self.info.vocab_size,)).copy())
+                    if self.positions[sid] == 0:   # a newcomer's prompt row (the last is kept)
+                        prompt_rows.setdefault(sid, []).append(logits[sid])
         for sid, _tok, _pos, _wants in rows:
             if sid in self.positions and sid not in res.errors:
                 self.positions[sid] += 1
         order = [sid for sid in list(req.decode_seq_ids) + [s.seq_id for s in fresh]
                  if sid in logits]
+        for seq in fresh:
+            if seq.params.prompt_logprobs is not None and seq.seq_id in logits:
+                res.prompt_logprobs[seq.seq_id] = prompt_logprobs(
+                    torch.stack(prompt_rows[seq.seq_id]), seq.token_ids,
+                    seq.params.prompt_logprobs)
         if order:
             states = [self.states[sid] for sid in order]
-            for sid, st, tok in zip(order, states,
-                                    self.sampler(torch.stack([logits[s] for s in order]), states)):
+            tokens, lps = self.sampler.sample(torch.stack([logits[s] for s in order]), states)
+            for sid, st, tok, lp in zip(order, states, tokens, lps):
                 st.record(tok)
                 res.token_ids[sid] = tok
+                if lp is not None:
+                    res.logprobs[sid] = lp
         res.decode_s = time.perf_counter() - t0
         return res
 
@@ -154,6 +169,9 @@ class LlamaCppBackend:
                                       seq.stop_token_ids, "cpu")
             if any(t < 0 or t >= self.info.vocab_size for t in st.stop_token_ids):
                 raise ValueError("a stop token id is outside the vocabulary")
+            if seq.params.structured:   # compiled here, so a failure fails this sequence alone
+                st.matcher = self.sampler.grammars.matcher(
+                    seq.params.structured, self.info.vocab_size, st.output_token_ids)
         except Exception as exc:  # noqa: BLE001 - a bad sequence fails alone
             return f"{type(exc).__name__}: {exc}"
         self.slots[seq.seq_id] = self.free_slots.pop()

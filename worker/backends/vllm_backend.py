@@ -56,6 +56,8 @@ class VllmBackend:
         return SamplingParams(
             n=1, temperature=p.temperature or 0.0, top_p=p.top_p or 1.0, top_k=p.top_k or -1,
             min_p=p.min_p or 0.0, repetition_penalty=p.repetition_penalty or 1.0,
+            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            logit_bias=p.logit_bias,
             seed=p.seed, max_tokens=max(1, p.max_tokens - num_output_tokens) + 1,
             min_tokens=max(0, p.min_tokens - num_output_tokens),
             stop_token_ids=list(p.stop_token_ids), ignore_eos=True,  # llmq decides when to stop
@@ -69,6 +71,10 @@ class VllmBackend:
                 self.buffers.pop(sid)
                 self.seen.pop(sid, None)
         for s in req.prefill:
+            missing = _unsupported(s.params)
+            if missing:
+                res.errors[s.seq_id] = f"the vllm backend does not support {missing} yet"
+                continue
             prompt = {"prompt_token_ids": list(s.token_ids)}
             if s.params.cache_salt:   # vLLM's prefix cache shares blocks only within a salt
                 prompt["cache_salt"] = s.params.cache_salt
@@ -76,7 +82,8 @@ class VllmBackend:
                                     self._sampling(s.params, s.num_output_tokens))
             self.buffers[s.seq_id] = deque()
             self.seen[s.seq_id] = 0
-        wanted = [s.seq_id for s in req.prefill] + list(req.decode_seq_ids)
+        wanted = [s.seq_id for s in req.prefill if s.seq_id not in res.errors]
+        wanted += list(req.decode_seq_ids)
         while any(not self.buffers[sid] for sid in wanted):
             for out in self.engine.step():
                 sid = out.request_id
@@ -98,3 +105,13 @@ class VllmBackend:
 
     def warm_up(self) -> None:
         pass   # vLLM profiles and captures CUDA graphs while loading
+
+
+def _unsupported(p) -> str | None:
+    """Features llmq implements in its own sampler, which this backend does not use (vLLM
+    samples itself): the sequence fails with a clear error rather than quietly without them."""
+    if p.structured:
+        return "structured output"
+    if p.logprobs is not None or p.prompt_logprobs is not None:
+        return "logprobs"
+    return None

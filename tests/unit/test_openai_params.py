@@ -1,0 +1,146 @@
+"""What the OpenAI routes make of the fields real clients send (no worker: the stored record's
+sampling parameters are what a worker would run): supported, accepted and ignored, refused by
+name, unknown; n copies with derived seeds; logprobs, echo and structured output settings."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from common.store import record_key
+
+from .test_api_unit import Api
+
+pytest.importorskip("lupa", reason="fakeredis needs lupa to run the store's Lua scripts")
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+DONE = (200, 408)   # queued; nobody runs it here, so a waiting route gives up (408)
+
+
+@pytest.fixture(scope="module")
+def _api():
+    return Api(wait_timeout_s=0.05)
+
+
+@pytest.fixture
+def api(_api):
+    return _api.reset()
+
+
+def post(api, path: str, body: dict):
+    resp = api.client.post(path, json={**body, "stream": False})
+    return resp, [json.loads(api.r.hget(record_key(c["args"][0]), "params"))
+                  for c in api.celery.calls]
+
+
+def refused(resp, param: str, code: str | None = "unsupported_parameter") -> None:
+    assert resp.status_code == 400, resp.get_data(as_text=True)
+    err = resp.get_json()["error"]
+    assert err["param"] == param and err["code"] == code and param in err["message"]
+
+
+def test_chat_logprobs_and_top_logprobs(api):
+    resp, [p] = post(api, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2})
+    assert resp.status_code in DONE and p["logprobs"] == 2 and p["prompt_logprobs"] is None
+    _, [p] = post(api.reset(), "/v1/chat/completions", {**CHAT, "logprobs": True})
+    assert p["logprobs"] == 0
+    _, [p] = post(api.reset(), "/v1/chat/completions", CHAT)
+    assert p["logprobs"] is None
+    resp, calls = post(api.reset(), "/v1/chat/completions", {**CHAT, "top_logprobs": 2})
+    refused(resp, "top_logprobs", None)
+    assert calls == []
+    refused(post(api, "/v1/chat/completions", {**CHAT, "logprobs": True,
+                                               "top_logprobs": 21})[0], "top_logprobs", None)
+
+
+def test_completions_echo_scores_the_prompt(api):
+    body = {"prompt": "x y", "echo": True, "logprobs": 1, "max_tokens": 0}
+    resp, [p] = post(api, "/v1/completions", body)
+    assert resp.status_code in DONE
+    assert p["max_tokens"] == 0 and p["logprobs"] == 1 and p["prompt_logprobs"] == 1
+    resp, calls = post(api.reset(), "/v1/completions", {"prompt": "x", "max_tokens": 0})
+    refused(resp, "max_tokens", None)
+    assert calls == []
+
+
+def test_n_makes_n_sequences_with_derived_seeds(api):
+    resp, params = post(api, "/v1/completions", {"prompt": ["a", "b"], "n": 3, "seed": 7,
+                                                 "max_tokens": 2})
+    assert resp.status_code in DONE and len(params) == 6
+    seeds = [p["seed"] for p in params]
+    assert seeds[:3] == seeds[3:] and seeds[0] == 7 and len(set(seeds[:3])) == 3
+    _, params = post(api.reset(), "/v1/chat/completions", {**CHAT, "n": 2})
+    assert [p["seed"] for p in params] == [None, None]   # each draws from its own generator
+    refused(post(api.reset(), "/v1/chat/completions", {**CHAT, "n": 0})[0], "n", None)
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT),
+                                       ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                                       ("/v1/jobs", {"prompt": "x", "max_tokens": 2})])
+def test_structured_output_settings(api, path, body):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    resp, [p] = post(api, path, {**body, "response_format": fmt})
+    assert resp.status_code in DONE + (202,)
+    assert p["structured"] == {"type": "json_schema", "value": schema}
+    bad = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nope"}}}
+    resp, calls = post(api.reset(), path, {**body, "response_format": bad})
+    assert resp.status_code == 400 and "nope" in resp.get_json()["error"]["message"]
+    assert calls == []
+    _, [p] = post(api, path, {**body, "structured_outputs": {"regex": "[a-z]+"}})
+    assert p["structured"] == {"type": "regex", "value": "[a-z]+"}
+
+
+def test_vllm_guided_names_are_structured_outputs(api):
+    _, [p] = post(api, "/v1/completions", {"prompt": "x", "guided_choice": ["a", "b"]})
+    assert p["structured"] == {"type": "choice", "value": ["a", "b"]}
+    resp, _ = post(api.reset(), "/v1/completions", {"prompt": "x", "guided_regex": "[a-"})
+    refused(resp, "structured_outputs", None)
+
+
+def test_ignored_fields_are_accepted_with_a_warning(api, caplog):
+    with caplog.at_level(logging.WARNING, logger="llmq.api"):
+        resp, [p] = post(api, "/v1/chat/completions", {
+            **CHAT, "user": "u", "service_tier": "auto", "chat_template_kwargs": {"x": 1},
+            "skip_special_tokens": True, "tools": [], "best_of": 1})
+    assert resp.status_code in DONE
+    assert "chat_template_kwargs, service_tier, user" in caplog.text
+
+
+@pytest.mark.parametrize("field,value", [("use_beam_search", True), ("suffix", "z"),
+                                         ("include_stop_str_in_output", True),
+                                         ("tool_choice", "auto"), ("best_of", 2)])
+def test_refused_fields_are_named(api, field, value):
+    resp, calls = post(api, "/v1/completions", {"prompt": "x", field: value})
+    refused(resp, field)
+    assert calls == []
+
+
+def test_unknown_fields_stay_400(api):
+    resp, calls = post(api, "/v1/chat/completions", {**CHAT, "frobnicate": 1})
+    refused(resp, "frobnicate")
+    assert calls == []
+
+
+def test_penalties_and_logit_bias_reach_the_params(api):
+    _, [p] = post(api, "/v1/completions", {"prompt": "x", "presence_penalty": 0.5,
+                                           "frequency_penalty": -1, "logit_bias": {"42": 3}})
+    assert (p["presence_penalty"], p["frequency_penalty"]) == (0.5, -1)
+    assert p["logit_bias"] == {"42": 3}
+    refused(post(api.reset(), "/v1/completions",
+                 {"prompt": "x", "logit_bias": {"a": 1}})[0], "logit_bias", None)
+
+
+def test_prompts_of_token_ids(api):
+    resp, _ = post(api, "/v1/completions", {"prompt": [[5, 6], [7]], "max_tokens": 1})
+    assert resp.status_code in DONE
+    assert [json.loads(api.r.hget(record_key(c["args"][0]), "prompt_token_ids"))
+            for c in api.celery.calls] == [[5, 6], [7]]
+    for bad in ([-1], [], [[]]):
+        assert post(api.reset(), "/v1/completions", {"prompt": bad})[0].status_code == 400
+
+
+def test_jobs_take_logprobs(api):
+    resp, [p] = post(api, "/v1/jobs", {"prompt": "x", "logprobs": 3, "prompt_logprobs": 0})
+    assert resp.status_code == 202 and p["logprobs"] == 3 and p["prompt_logprobs"] == 0

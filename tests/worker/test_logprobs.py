@@ -1,0 +1,90 @@
+"""Logprobs from the model worker: the same logits the sampler used, the raw distribution (vLLM's
+default: before penalties and temperature), the sampled token's rank, and prompt logprobs equal
+to one plain forward pass over the prompt."""
+from __future__ import annotations
+
+import torch
+
+from common.protocol import SamplingParams
+from factories import make_prompts, new_seq
+from worker.messages import StepRequest
+from worker.model_worker import ModelWorker
+from worker.sampler import Sampler, SamplingState
+
+
+def state(params: SamplingParams, token_ids=(1,)) -> SamplingState:
+    return SamplingState.create(params, list(token_ids), 0, (), "cpu")
+
+
+def test_logprobs_are_of_the_raw_distribution():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 50, generator=gen)
+    raw = torch.log_softmax(logits, -1)
+    greedy = SamplingParams(temperature=0.0, logprobs=3)
+    # Penalised and hot: the sampled token changes, the reported distribution does not.
+    shaped = SamplingParams(temperature=1.7, seed=3, repetition_penalty=1.9, logprobs=3,
+                            presence_penalty=1.0)
+    tokens, lps = Sampler().sample(logits.clone(), [state(greedy), state(shaped, [1, 7, 7])])
+    best = int(raw[0].argmax())
+    assert tokens[0] == best and lps[0].rank == 1 and lps[0].top_ids[0] == best
+    assert lps[0].logprob == float(raw[0, best])
+    top = torch.topk(raw[1], 3)
+    assert lps[1].top_ids == top.indices.tolist()
+    assert lps[1].top_logprobs == top.values.tolist()
+    assert lps[1].logprob == float(raw[1, tokens[1]])
+    assert lps[1].rank == int((raw[1] > raw[1, tokens[1]]).sum()) + 1
+
+
+def test_rows_without_logprobs_get_none_and_the_same_tokens():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    plain = [state(SamplingParams(temperature=0.0)) for _ in range(3)]
+    asked = [state(SamplingParams(temperature=0.0, logprobs=0 if i == 1 else None))
+             for i in range(3)]
+    tokens, lps = Sampler().sample(logits.clone(), asked)
+    assert tokens == Sampler()(logits.clone(), plain)
+    assert lps[0] is None and lps[2] is None
+    assert lps[1].top_ids == [] and lps[1].rank == 1
+
+
+def test_worker_returns_logprobs_for_prefill_and_decode(tiny_model):
+    model, info = tiny_model
+    prompts = make_prompts(2, lengths=[7, 19], seed=4)
+    worker = ModelWorker(model, info, 4)
+    params = SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1)
+    res = worker.step(StepRequest(prefill=[new_seq("a", prompts[0], params),
+                                           new_seq("b", prompts[1])]))
+    assert set(res.logprobs) == {"a"} and set(res.prompt_logprobs) == {"a"}
+    assert res.logprobs["a"].top_ids[0] == res.token_ids["a"]
+    # Prompt logprobs: one per prompt token after the first, as one plain forward pass says.
+    with torch.inference_mode():
+        full = torch.log_softmax(model(torch.tensor([prompts[0]])).logits[0].float(), -1)
+    got = res.prompt_logprobs["a"]
+    assert len(got) == len(prompts[0]) - 1
+    for i, (tok, lp) in enumerate(zip(prompts[0][1:], got)):
+        assert abs(lp.logprob - float(full[i, tok])) < 1e-4
+        assert lp.top_ids == [int(full[i].argmax())]
+    res = worker.step(StepRequest(decode_seq_ids=["a", "b"]))
+    assert set(res.logprobs) == {"a"} and res.logprobs["a"].rank == 1
+
+
+def test_a_prompt_that_is_scored_is_prefilled_alone(tiny_model):
+    """Its pass keeps the logits of every position; the other newcomers keep only their last."""
+    model, info = tiny_model
+    prompts = make_prompts(3, lengths=[12, 12, 12], seed=6)
+    worker = ModelWorker(model, info, 4)
+    kept = []
+    forward = model.forward
+
+    def spy(*args, **kw):
+        kept.append((kw["input_ids"].shape[0], kw.get("logits_to_keep")))
+        return forward(*args, **kw)
+
+    model.forward = spy
+    try:
+        res = worker.step(StepRequest(prefill=[
+            new_seq("a", prompts[0]), new_seq("b", prompts[1]),
+            new_seq("s", prompts[2], SamplingParams(temperature=0.0, prompt_logprobs=0))]))
+    finally:
+        del model.forward
+    assert sorted(kept) == [(1, 0), (2, 1)]
+    assert len(res.prompt_logprobs["s"]) == 11 and set(res.token_ids) == {"a", "b", "s"}
