@@ -71,6 +71,8 @@ def check_limits(settings, req: SamplingFields, inputs: list[dict[str, Any]], *,
 def _num_chars(inp: dict[str, Any]) -> int:
     if inp.get("messages") is not None:
         return sum(len(m["content"]) for m in inp["messages"])
+    if inp.get("prompt_token_ids") is not None:   # a pre-tokenized prompt: bounded by tokens
+        return 0
     return len(inp["prompt"])
 
 

@@ -62,7 +62,10 @@ class PromptCounter:
                         if k.endswith("_token") and isinstance(v, (str, dict))}
 
     def count(self, inp: dict[str, Any]) -> int:
-        """Tokens of one input ({"prompt": str} or {"messages": [...]})."""
+        """Tokens of one input ({"prompt": str}, {"prompt_token_ids": [...]} or
+        {"messages": [...]})."""
+        if inp.get("prompt_token_ids") is not None:
+            return len(inp["prompt_token_ids"])
         if inp.get("messages") is not None:
             if self.template is None:
                 raise ValueError("the model has no chat template; send a raw prompt")
