@@ -75,6 +75,7 @@ class Row:
     num_past: int
     num_new: int
     slots: torch.Tensor       # [num_past + num_new] the pool slots of all its tokens, in order
+    first_slot: int | None = None   # set when the slots are consecutive: read a view, no gather
 
     @property
     def length(self) -> int:
@@ -100,6 +101,7 @@ class DecodeGroup:
     tokens: torch.Tensor      # [rows] their positions in the pass
     slots: torch.Tensor       # [rows, longest] pool slots (padding points at slot 0)
     mask: torch.Tensor | None  # [rows, 1, 1, longest] bool, None when no row is padded
+    first_slot: int | None = None   # one row whose slots are consecutive from here
 
 
 class PagedKVCache:
@@ -188,8 +190,7 @@ class PagedKVCache:
                 self.tables[sid].remove(block)
                 self.pool.release([block])
             raise
-        rows = [Row(sid, self.lengths[sid], n, self._slots_of(sid, self.lengths[sid] + n))
-                for sid, n in new_tokens]
+        rows = [self._row(sid, n) for sid, n in new_tokens]
         write = torch.cat([r.slots[r.num_past:] for r in rows])
         plan = BatchPlan(self, rows, write)
         start, decodes = 0, []
@@ -206,6 +207,16 @@ class PagedKVCache:
         for r in plan.rows:
             if r.seq_id in self.lengths:
                 self.lengths[r.seq_id] = r.length
+
+    def _row(self, sid: str, num_new: int) -> Row:
+        past = self.lengths[sid]
+        row = Row(sid, past, num_new, self._slots_of(sid, past + num_new))
+        # Blocks taken one after another from the free list (a long prompt's, mostly) are
+        # consecutive: attention then reads a slice of the pool instead of gathering it.
+        table = self.tables[sid]
+        if len(table) > 1 and table[-1] - table[0] == len(table) - 1 and table == sorted(table):
+            row.first_slot = table[0] * self.block_size
+        return row
 
     def _slots_of(self, sid: str, length: int) -> torch.Tensor:
         """Slot ids of a sequence's first `length` tokens, extended from the last call's."""
@@ -243,7 +254,8 @@ class PagedKVCache:
                 cols = torch.arange(longest, device=self.device)
                 mask = (cols[None, :] < lengths[:, None])[:, None, None, :]
             tokens = torch.tensor([t for t, _r in g], device=self.device)
-            out.append(DecodeGroup(tokens, slots, mask))
+            out.append(DecodeGroup(tokens, slots, mask,
+                                   g[0][1].first_slot if len(g) == 1 else None))
         return out
 
     # --- the pool tensors -------------------------------------------------------------------

@@ -98,17 +98,7 @@ class ModelWorker:
         t1 = time.perf_counter()
         res.prefill_s = t1 - t0
         if early is not None and decode_ids:
-            newcomers = {s.seq_id for s in req.prefill}
-            first = StepResult(partial=True, prefill_s=res.prefill_s,
-                               cached_tokens=res.cached_tokens,
-                               token_ids={s: t for s, t in res.token_ids.items() if s in newcomers},
-                               errors={s: e for s, e in res.errors.items() if s in newcomers})
-            if first.token_ids or first.errors:
-                early(first)
-                res = StepResult(prefill_s=res.prefill_s,
-                                 token_ids={s: t for s, t in res.token_ids.items()
-                                            if s not in newcomers},
-                                 errors={s: e for s, e in res.errors.items() if s not in newcomers})
+            res = _send_ahead(res, {s.seq_id for s in req.prefill}, early)
         if decode_ids:
             self._decode(decode_ids, res)
         res.decode_s = time.perf_counter() - t1
@@ -155,15 +145,15 @@ class ModelWorker:
             pos += range(done, done + n)
             if done + n == len(seq.token_ids):
                 last.append((seq, len(ids) - 1))
+        finished = [s for s, _i in last]
+        states = [SamplingState.create(s.params, s.token_ids, s.num_output_tokens,
+                                       s.stop_token_ids, self.device) for s in finished]
         # A failed pass leaves the blocks it got in the tables: a retry reuses them.
         plan = self.cache.plan(chunks)
         out = self._forward(ids, pos, plan, [i for _s, i in last] or [len(ids) - 1])
         self.cache.commit(plan)
         if not last:
             return
-        finished = [s for s, _i in last]
-        states = [SamplingState.create(s.params, s.token_ids, s.num_output_tokens,
-                                       s.stop_token_ids, self.device) for s in finished]
         self.states.update((s.seq_id, st) for s, st in zip(finished, states))
         for seq in finished:
             self.prefilling.pop(seq.seq_id)
@@ -220,6 +210,21 @@ class ModelWorker:
         for _ in range(2):
             self.step(StepRequest(decode_seq_ids=["__warmup__"]))
         self.step(StepRequest(free_seq_ids=["__warmup__"]))
+
+
+def _send_ahead(res: StepResult, newcomers: set[str], early) -> StepResult:
+    """Sends the newcomers' first tokens (and errors) through `early` as a partial result;
+    returns the rest of the step's result (chunked prompts that finished continue in it)."""
+    def part(d: dict, mine: bool) -> dict:
+        return {s: v for s, v in d.items() if (s in newcomers) == mine}
+
+    first = StepResult(token_ids=part(res.token_ids, True), errors=part(res.errors, True),
+                       cached_tokens=res.cached_tokens, prefill_s=res.prefill_s, partial=True)
+    if not (first.token_ids or first.errors):
+        return res
+    early(first)
+    return StepResult(token_ids=part(res.token_ids, False), errors=part(res.errors, False),
+                      prefill_s=res.prefill_s)
 
 
 def kv_bytes_per_token(model) -> int:

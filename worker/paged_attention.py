@@ -44,15 +44,15 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     out = query.new_empty(tokens, heads, dim)
     for g in plan.decode_groups:
         n, longest = g.slots.shape
-        flat = g.slots.flatten()
-        k = kpool.index_select(0, flat).view(n, longest, kv_heads, dim).transpose(1, 2)
-        v = vpool.index_select(0, flat).view(n, longest, kv_heads, dim).transpose(1, 2)
+        k, v = _read(kpool, vpool, g.slots.flatten(), g.first_slot)
+        k = k.view(n, longest, kv_heads, dim).transpose(1, 2)
+        v = v.view(n, longest, kv_heads, dim).transpose(1, 2)
         qg = q.index_select(1, g.tokens).view(kv_heads, rep, n, dim).permute(2, 0, 1, 3)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scaling)
         out.index_copy_(0, g.tokens, o.reshape(n, heads, dim))
     for start, r in plan.prefill_rows:
-        k = kpool.index_select(0, r.slots).transpose(0, 1)[None]   # [1, kv heads, length, dim]
-        v = vpool.index_select(0, r.slots).transpose(0, 1)[None]
+        k, v = _read(kpool, vpool, r.slots, r.first_slot)
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]   # [1, kv heads, length, dim]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         qr = q[None, :, start:start + r.num_new]
@@ -65,6 +65,14 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
             o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scaling)
         out[start:start + r.num_new] = o[0].transpose(0, 1)
     return out[None], None
+
+
+def _read(kpool, vpool, slots: torch.Tensor, first_slot: int | None):
+    """The keys and values at `slots`: a view of the pool when they are consecutive from
+    first_slot, else a gather."""
+    if first_slot is not None:
+        return kpool.narrow(0, first_slot, slots.numel()), vpool.narrow(0, first_slot, slots.numel())
+    return kpool.index_select(0, slots), vpool.index_select(0, slots)
 
 
 def use_paged_attention(model) -> None:

@@ -127,7 +127,7 @@ def test_paged_attention_equals_each_rows_own_attention():
     torch.manual_seed(0)
     heads, kv_heads, dim, scale = 6, 2, 8, 0.3
     cache = PagedKVCache(num_blocks=200, block_size=BS, max_group_padding=0.25)
-    past = {"d1": 3, "d2": 50, "d3": 47, "chunk": 9}
+    past = {"d1": 3, "d2": 50, "d3": 20, "d4": 21, "chunk": 9}
     stored = {}
     for sid, n in past.items():   # fill the pool through the attention function itself
         cache.add(sid)
@@ -138,7 +138,7 @@ def test_paged_attention_equals_each_rows_own_attention():
         cache.commit(plan)
         stored[sid] = (k[0], v[0])
     cache.add("fresh")
-    new = {"d1": 1, "d2": 1, "fresh": 5, "d3": 1, "chunk": 6}
+    new = {"d1": 1, "d2": 1, "fresh": 5, "d3": 1, "chunk": 6, "d4": 1}
     plan = cache.plan(list(new.items()))
     total = sum(new.values())
     q = torch.randn(1, heads, total, dim)
@@ -152,7 +152,12 @@ def test_paged_attention_equals_each_rows_own_attention():
                          v[0, :, start:start + n], pk, pv, scale)
         torch.testing.assert_close(out[0, start:start + n], want, rtol=1e-5, atol=1e-5)
         start += n
-    assert len(plan.decode_groups) == 2 and len(plan.prefill_rows) == 2
+    assert [len(g.tokens) for g in plan.decode_groups] == [1, 2, 1]
+    assert len(plan.prefill_rows) == 2
+    # Both ways of reading a row's keys were used: a slice of consecutive blocks (d2's, alone
+    # in its group; fresh's) and a gather (the others).
+    assert plan.decode_groups[0].first_slot == cache.tables["d2"][0] * BS
+    assert [r.first_slot is not None for _t, r in plan.prefill_rows] == [True, False]
 
 
 # --- through a real ModelWorker ------------------------------------------------------------------
