@@ -241,3 +241,41 @@ def test_newcomers_beyond_the_free_rows_fail_alone(sharp_model):
     assert len(res.errors) == 1 and "full" in next(iter(res.errors.values()))
     assert sorted(worker.cache.seq_ids) == sorted(res.token_ids) and len(res.token_ids) == 3
     assert set(worker.states) == set(res.token_ids)
+
+
+def test_the_scheduler_keeps_the_worker_within_a_tight_budget_by_preemption(sharp_model):
+    """The workload manager and a model worker with room for 14 blocks (112 tokens) run six
+    sequences that need 181 tokens together, the way the engine drives them: the running
+    batch outgrows the cache, the newest sequences are preempted and recomputed later, the
+    worker never runs out of blocks, and every sequence still gets its solo tokens."""
+    from common.protocol import SamplingParams
+    from worker.messages import NewSequence
+    from worker.sequence import Sequence
+    from worker.workload_manager import WorkloadManager
+
+    model, info = sharp_model
+    lengths = [20, 9, 30, 14, 25, 11]
+    prompts = {f"q{i}": ids for i, ids in
+               enumerate(make_prompts(6, lengths=lengths, vocab=info.vocab_size, seed=5))}
+    solo = solo_references(model, info, prompts, 12)
+    worker = worker_with_blocks(model, info, num_blocks=14, max_num_seqs=6)
+    wm = WorkloadManager(max_num_seqs=6)
+    wm.set_kv_budget(*worker.kv_capacity)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    seqs = [Sequence(sid, ids, params) for sid, ids in prompts.items()]
+    for s in seqs:
+        wm.add(s)
+    for _ in range(200):
+        if not wm.num_unfinished:
+            break
+        out = wm.schedule()
+        res = worker.step(StepRequest(
+            prefill=[NewSequence(s.seq_id, s.all_token_ids, s.params, s.num_output_tokens)
+                     for s in out.prefill],
+            decode_seq_ids=[s.seq_id for s in out.decode], free_seq_ids=out.freed_seq_ids))
+        assert not res.errors, res.errors
+        wm.update(out, res.token_ids)
+    assert not wm.num_unfinished and wm.stats.num_preemptions >= 1
+    assert sum(s.num_preemptions for s in seqs) == wm.stats.num_preemptions
+    for s in seqs:
+        assert s.output_token_ids == solo[s.seq_id].tokens, s.seq_id
