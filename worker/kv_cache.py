@@ -62,10 +62,6 @@ class BlockPool:
                 for b in self.prefix.park(block):
                     heapq.heappush(self.free, b)
 
-    def clear_prefixes(self) -> None:
-        for b in self.prefix.clear():
-            heapq.heappush(self.free, b)
-
 
 @dataclass
 class Row:

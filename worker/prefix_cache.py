@@ -90,11 +90,3 @@ class PrefixCache:
         block, _ = self.parked.popitem(last=False)
         del self.block_of[self.key_of.pop(block)]
         return block
-
-    def clear(self) -> list[int]:
-        """Forgets every prefix; returns the parked blocks (now plain free blocks)."""
-        freed = list(self.parked)
-        self.parked.clear()
-        self.block_of.clear()
-        self.key_of.clear()
-        return freed

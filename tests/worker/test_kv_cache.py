@@ -279,3 +279,20 @@ def test_the_scheduler_keeps_the_worker_within_a_tight_budget_by_preemption(shar
     assert sum(s.num_preemptions for s in seqs) == wm.stats.num_preemptions
     for s in seqs:
         assert s.output_token_ids == solo[s.seq_id].tokens, s.seq_id
+
+
+def test_only_this_steps_newcomers_go_ahead_of_the_decode(sharp_model):
+    """The engine takes a partial result as the newcomers' part of the step: the first token
+    of a chunked prompt that finishes in a later step must come with the decode's tokens."""
+    model, info = sharp_model
+    run, long, short = make_prompts(3, lengths=[5, 20, 6], vocab=info.vocab_size)
+    worker = ModelWorker(model, info, 4, prefill_chunk=16)
+    worker.step(StepRequest(prefill=[new_seq("run", run)]))
+    ahead = []
+    res = worker.step(StepRequest(prefill=[new_seq("long", long)], decode_seq_ids=["run"]),
+                      early=ahead.append)
+    assert ahead == [] and set(res.token_ids) == {"run"}      # long: first chunk only
+    res = worker.step(StepRequest(prefill=[new_seq("short", short)],
+                                  decode_seq_ids=["run", "long"]), early=ahead.append)
+    assert [set(p.token_ids) for p in ahead] == [{"short"}] and ahead[0].partial
+    assert set(res.token_ids) == {"run", "long"} and not res.partial
