@@ -121,6 +121,7 @@ class PagedKVCache:
         self.tables: dict[str, list[int]] = {}
         self.lengths: dict[str, int] = {}       # tokens whose keys and values are stored
         self._slots: dict[str, torch.Tensor] = {}   # cached slot list per sequence
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # --- sequences --------------------------------------------------------------------------
     @property
@@ -266,3 +267,13 @@ class PagedKVCache:
             self.k[idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
             self.v[idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
         return self.k[idx], self.v[idx]
+
+    def scratch(self, num_slots: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [num_slots, kv heads, head dim] buffers for gathered keys and values, views of
+        the same two tensors every time (grown, doubling, when a pass needs more)."""
+        if self._scratch is None or self._scratch[0].shape[0] < num_slots:
+            have = 0 if self._scratch is None else self._scratch[0].shape[0]
+            size = max(num_slots, 2 * have, 1024)
+            self._scratch = (like.new_empty(size, *like.shape[1:]),
+                             like.new_empty(size, *like.shape[1:]))
+        return self._scratch[0][:num_slots], self._scratch[1][:num_slots]

@@ -44,14 +44,14 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     out = query.new_empty(tokens, heads, dim)
     for g in plan.decode_groups:
         n, longest = g.slots.shape
-        k, v = _read(kpool, vpool, g.slots.flatten(), g.first_slot)
+        k, v = _read(plan.cache, kpool, vpool, g.slots.flatten(), g.first_slot)
         k = k.view(n, longest, kv_heads, dim).transpose(1, 2)
         v = v.view(n, longest, kv_heads, dim).transpose(1, 2)
         qg = q.index_select(1, g.tokens).view(kv_heads, rep, n, dim).permute(2, 0, 1, 3)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scaling)
         out.index_copy_(0, g.tokens, o.reshape(n, heads, dim))
     for start, r in plan.prefill_rows:
-        k, v = _read(kpool, vpool, r.slots, r.first_slot)
+        k, v = _read(plan.cache, kpool, vpool, r.slots, r.first_slot)
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]   # [1, kv heads, length, dim]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -67,12 +67,16 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     return out[None], None
 
 
-def _read(kpool, vpool, slots: torch.Tensor, first_slot: int | None):
+def _read(cache, kpool, vpool, slots: torch.Tensor, first_slot: int | None):
     """The keys and values at `slots`: a view of the pool when they are consecutive from
-    first_slot, else a gather."""
+    first_slot, else gathered into the cache's scratch buffers (reused: a fresh multi-MB
+    tensor per layer would be fresh pages for the kernel to fault in, every step)."""
+    n = slots.numel()
     if first_slot is not None:
-        return kpool.narrow(0, first_slot, slots.numel()), vpool.narrow(0, first_slot, slots.numel())
-    return kpool.index_select(0, slots), vpool.index_select(0, slots)
+        return kpool.narrow(0, first_slot, n), vpool.narrow(0, first_slot, n)
+    kbuf, vbuf = cache.scratch(n, kpool)
+    return (torch.index_select(kpool, 0, slots, out=kbuf),
+            torch.index_select(vpool, 0, slots, out=vbuf))
 
 
 def use_paged_attention(model) -> None:
