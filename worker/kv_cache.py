@@ -243,11 +243,11 @@ class PagedKVCache:
         for g in groups:
             longest = g[0][1].length
             slots = torch.zeros(len(g), longest, dtype=torch.long, device=self.device)
-            lengths = torch.tensor([r.length for _t, r in g], device=self.device)
             for i, (_t, r) in enumerate(g):
                 slots[i, :r.length] = r.slots
             mask = None
-            if int(lengths.min()) < longest:
+            if g[-1][1].length < longest:   # (sorted longest first)
+                lengths = torch.tensor([r.length for _t, r in g], device=self.device)
                 cols = torch.arange(longest, device=self.device)
                 mask = (cols[None, :] < lengths[:, None])[:, None, None, :]
             tokens = torch.tensor([t for t, _r in g], device=self.device)
