@@ -503,3 +503,29 @@ def test_without_a_budget_blocks_are_not_counted():
         wm.add(make_seq(1000))
     out, _ = step(wm)
     assert len(out.prefill) == 4 and wm.kv_budget is None
+
+
+def test_preemptions_reach_the_metrics_when_the_sequence_finishes():
+    import fakeredis
+
+    from common import metrics
+
+    wm = kv_manager(3)
+    old, new = make_seq(4, max_tokens=6), make_seq(4, max_tokens=6)
+    wm.add(old)
+    wm.add(new)
+    finished = []
+    for _ in range(30):
+        if not wm.num_unfinished:
+            break
+        finished += step(wm)[1]
+    assert new.num_preemptions >= 1 and old.num_preemptions == 0
+    assert wm.stats.num_preemptions == new.num_preemptions and len(finished) == 2
+    r = fakeredis.FakeRedis()
+    pipe = r.pipeline()
+    for s in finished:
+        metrics.record_finished(pipe, finish_reason="length", prompt_tokens=4,
+                                generation_tokens=6, preemptions=s.num_preemptions,
+                                queue_s=None, ttft_s=None, tpot_s=None, e2e_s=None)
+    pipe.execute()
+    assert metrics.read_snapshot(r)["counters"]["num_preemptions_total"] == new.num_preemptions
