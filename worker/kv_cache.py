@@ -81,7 +81,8 @@ class Row:
 @dataclass
 class BatchPlan:
     """Where one forward pass reads and writes: the pass's tokens are the rows' new tokens, one
-    row after another (a flat [1, tokens] batch, no padding). Built by PagedKVCache.plan()."""
+    row after another in `rows` order (a flat [1, tokens] batch, no padding): the decode rows
+    first, group after group, then the prefill rows. Built by PagedKVCache.plan()."""
 
     cache: "PagedKVCache"
     rows: list[Row]
@@ -92,12 +93,20 @@ class BatchPlan:
 
 @dataclass
 class DecodeGroup:
-    """Rows of one new token each and similar lengths, attended in one padded SDPA call."""
+    """Rows of one new token each and similar lengths, attended in one padded SDPA call; their
+    tokens are tokens start..start + rows of the pass."""
 
-    tokens: torch.Tensor      # [rows] their positions in the pass
+    start: int
     slots: torch.Tensor       # [rows, longest] pool slots (padding points at slot 0)
-    mask: torch.Tensor | None  # [rows, 1, 1, longest] bool, None when no row is padded
+    mask: torch.Tensor | None  # [rows, 1, 1, longest] True where a row has a token; None: full
     first_slot: int | None = None   # one row whose slots are consecutive from here
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as SDPA's additive float mask, made once per pass (not once per layer)."""
+        if self.mask is not None and self.mask.dtype == torch.bool:
+            self.mask = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device
+                                    ).masked_fill_(~self.mask, float("-inf"))
+        return self.mask
 
 
 class PagedKVCache:
@@ -188,16 +197,17 @@ class PagedKVCache:
                 self.pool.release([block])
             raise
         rows = [self._row(sid, n) for sid, n in new_tokens]
-        write = torch.cat([r.slots[r.num_past:] for r in rows])
-        plan = BatchPlan(self, rows, write)
-        start, decodes = 0, []
-        for r in rows:
-            if r.num_new == 1:
-                decodes.append((start, r))
-            else:
-                plan.prefill_rows.append((start, r))
+        groups = self._group([r for r in rows if r.num_new == 1])
+        prefills = [r for r in rows if r.num_new > 1]
+        rows = [r for g in groups for r in g] + prefills
+        plan = BatchPlan(self, rows, torch.cat([r.slots[r.num_past:] for r in rows]))
+        start = 0
+        for g in groups:
+            plan.decode_groups.append(self._decode_group(start, g))
+            start += len(g)
+        for r in prefills:
+            plan.prefill_rows.append((start, r))
             start += r.num_new
-        plan.decode_groups = self._group(decodes)
         return plan
 
     def commit(self, plan: BatchPlan) -> None:
@@ -225,35 +235,32 @@ class PagedKVCache:
             self._slots[sid] = have
         return have[:length]
 
-    def _group(self, decodes: list[tuple[int, Row]]) -> list[DecodeGroup]:
+    def _group(self, decodes: list[Row]) -> list[list[Row]]:
         """Decode rows in groups of similar length (padding at most max_group_padding of the
         real tokens), longest first: each group is one padded attention call, so a row's cost
         follows its own length, not the batch's longest."""
-        groups: list[list[tuple[int, Row]]] = []
-        for item in sorted(decodes, key=lambda x: -x[1].length):
+        groups: list[list[Row]] = []
+        for row in sorted(decodes, key=lambda r: -r.length):
             g = groups[-1] if groups else None
             if g is not None:
-                longest = g[0][1].length
-                real = sum(r.length for _t, r in g) + item[1].length
-                if longest * (len(g) + 1) <= (1 + self.max_group_padding) * real:
-                    g.append(item)
+                real = sum(r.length for r in g) + row.length
+                if g[0].length * (len(g) + 1) <= (1 + self.max_group_padding) * real:
+                    g.append(row)
                     continue
-            groups.append([item])
-        out = []
-        for g in groups:
-            longest = g[0][1].length
-            slots = torch.zeros(len(g), longest, dtype=torch.long, device=self.device)
-            for i, (_t, r) in enumerate(g):
-                slots[i, :r.length] = r.slots
-            mask = None
-            if g[-1][1].length < longest:   # (sorted longest first)
-                lengths = torch.tensor([r.length for _t, r in g], device=self.device)
-                cols = torch.arange(longest, device=self.device)
-                mask = (cols[None, :] < lengths[:, None])[:, None, None, :]
-            tokens = torch.tensor([t for t, _r in g], device=self.device)
-            out.append(DecodeGroup(tokens, slots, mask,
-                                   g[0][1].first_slot if len(g) == 1 else None))
-        return out
+            groups.append([row])
+        return groups
+
+    def _decode_group(self, start: int, rows: list[Row]) -> DecodeGroup:
+        longest = rows[0].length
+        slots = torch.zeros(len(rows), longest, dtype=torch.long, device=self.device)
+        for i, r in enumerate(rows):
+            slots[i, :r.length] = r.slots
+        mask = None
+        if rows[-1].length < longest:   # (sorted longest first)
+            lengths = torch.tensor([r.length for r in rows], device=self.device)
+            cols = torch.arange(longest, device=self.device)
+            mask = (cols[None, :] < lengths[:, None])[:, None, None, :]
+        return DecodeGroup(start, slots, mask, rows[0].first_slot if len(rows) == 1 else None)
 
     # --- the pool tensors -------------------------------------------------------------------
     def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -136,60 +136,65 @@ class ModelWorker:
             self._drop(sid)
 
     def _prefill_pass(self, seqs: list[NewSequence], res: StepResult) -> None:
-        chunks, ids, pos, last = [], [], [], []
-        for seq in seqs:
-            done = self.cache.lengths[seq.seq_id]
-            n = min(self.prefill_chunk, len(seq.token_ids) - done)
-            chunks.append((seq.seq_id, n))
-            ids += seq.token_ids[done:done + n]
-            pos += range(done, done + n)
-            if done + n == len(seq.token_ids):
-                last.append((seq, len(ids) - 1))
-        finished = [s for s, _i in last]
-        states = [SamplingState.create(s.params, s.token_ids, s.num_output_tokens,
-                                       s.stop_token_ids, self.device) for s in finished]
+        by_id = {s.seq_id: s for s in seqs}
+        chunks = [(s.seq_id, min(self.prefill_chunk, len(s.token_ids) - self.cache.lengths[s.seq_id]))
+                  for s in seqs]
+        done = {sid for sid, n in chunks if self.cache.lengths[sid] + n == len(by_id[sid].token_ids)}
+        states = {sid: SamplingState.create(by_id[sid].params, by_id[sid].token_ids,
+                                            by_id[sid].num_output_tokens,
+                                            by_id[sid].stop_token_ids, self.device)
+                  for sid in done}
         # A failed pass leaves the blocks it got in the tables: a retry reuses them.
         plan = self.cache.plan(chunks)
-        out = self._forward(ids, pos, plan, [i for _s, i in last] or [len(ids) - 1])
+        logits, order = self._forward(plan, lambda r: by_id[r.seq_id].token_ids[r.num_past:r.length],
+                                      done)
         self.cache.commit(plan)
-        if not last:
+        if not order:
             return
-        self.states.update((s.seq_id, st) for s, st in zip(finished, states))
+        finished = [by_id[sid] for sid in order]
+        self.states.update(states)
         for seq in finished:
             self.prefilling.pop(seq.seq_id)
             self.cache.register_prompt(seq.seq_id, seq.token_ids, seq.params.cache_salt)
-        logits = out.logits[0, :len(finished)]
         try:
-            self._sample([s.seq_id for s in finished], states, logits, res)
+            self._sample(order, [states[sid] for sid in order], logits, res)
         except Exception as exc:  # noqa: BLE001 - e.g. a stop token id outside the vocabulary
             log.warning("sampling a prefill group failed, retried one by one: %s", exc)
-            for i, (seq, st) in enumerate(zip(finished, states)):
+            for i, sid in enumerate(order):
                 try:
-                    self._sample([seq.seq_id], [st], logits[i:i + 1], res)
+                    self._sample([sid], [states[sid]], logits[i:i + 1], res)
                 except Exception as one:  # noqa: BLE001 - this sequence alone fails
-                    res.errors[seq.seq_id] = f"{type(one).__name__}: {one}"
-                    res.token_ids.pop(seq.seq_id, None)
-                    self._drop(seq.seq_id)
+                    res.errors[sid] = f"{type(one).__name__}: {one}"
+                    res.token_ids.pop(sid, None)
+                    self._drop(sid)
 
     def _decode(self, seq_ids: list[str], res: StepResult) -> None:
-        states = [self.states[s] for s in seq_ids]
         plan = self.cache.plan([(s, 1) for s in seq_ids])
-        out = self._forward([st.last_token_id for st in states],
-                            [self.cache.lengths[s] for s in seq_ids], plan, None)
+        logits, order = self._forward(plan, lambda r: [self.states[r.seq_id].last_token_id],
+                                      set(seq_ids))
         self.cache.commit(plan)
-        self._sample(seq_ids, states, out.logits[0], res)
+        self._sample(order, [self.states[s] for s in order], logits, res)
 
-    def _forward(self, ids: list[int], pos: list[int], plan, keep: list[int] | None):
-        """The model over the plan's tokens as one flat row; logits of positions `keep` (all
-        when None). The 4-D placeholder mask tells transformers a mask exists already (it
-        builds none, and would otherwise take the flat row for packed sequences); paged
-        attention ignores it."""
+    def _forward(self, plan, tokens_of, want: set[str]) -> tuple[torch.Tensor, list[str]]:
+        """The model over the plan's rows as one flat row of tokens (`tokens_of(row)`: the
+        row's new token ids). Returns the next-token logits of the rows in `want` whose last
+        token this pass computes, and their ids, in plan order. The 4-D placeholder mask tells
+        transformers a mask exists already (it builds none, and would otherwise take the flat
+        row for packed sequences); paged attention ignores it."""
+        ids, pos, keep, order = [], [], [], []
+        for r in plan.rows:
+            ids += tokens_of(r)
+            pos += range(r.num_past, r.length)
+            if r.seq_id in want:
+                keep.append(len(ids) - 1)
+                order.append(r.seq_id)
         dev = self.device
-        return self.model(input_ids=torch.tensor([ids], device=dev),
-                          position_ids=torch.tensor([pos], device=dev),
-                          attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev),
-                          kv_plan=plan, use_cache=False,
-                          logits_to_keep=0 if keep is None else torch.tensor(keep, device=dev))
+        out = self.model(input_ids=torch.tensor([ids], device=dev),
+                         position_ids=torch.tensor([pos], device=dev),
+                         attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev),
+                         kv_plan=plan, use_cache=False,
+                         logits_to_keep=torch.tensor(keep or [len(ids) - 1], device=dev))
+        return out.logits[0, :len(order)], order
 
     def _drop(self, seq_id: str) -> None:
         self.cache.remove([seq_id])

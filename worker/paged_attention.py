@@ -47,9 +47,10 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         k, v = _read(plan.cache, kpool, vpool, g.slots.flatten(), g.first_slot)
         k = k.view(n, longest, kv_heads, dim).transpose(1, 2)
         v = v.view(n, longest, kv_heads, dim).transpose(1, 2)
-        qg = q.index_select(1, g.tokens).view(kv_heads, rep, n, dim).permute(2, 0, 1, 3)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scaling)
-        out.index_copy_(0, g.tokens, o.reshape(n, heads, dim))
+        qg = q[:, g.start:g.start + n].reshape(kv_heads, rep, n, dim).permute(2, 0, 1, 3)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.additive_mask(q.dtype),
+                                           scale=scaling)
+        out[g.start:g.start + n] = o.reshape(n, heads, dim)
     for start, r in plan.prefill_rows:
         k, v = _read(plan.cache, kpool, vpool, r.slots, r.first_slot)
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]   # [1, kv heads, length, dim]

@@ -38,14 +38,14 @@ def test_each_sequence_holds_its_own_tokens_in_blocks():
     assert [len(cache.tables[s]) for s in ("short", "long")] == [1, 8]
     assert cache.num_free_blocks == 100 - 9
     plan = cache.plan([("short", 1), ("long", 1)])
-    short, long = plan.rows
+    long, short = plan.rows                              # decode rows: longest first
     assert (short.num_past, short.length, long.length) == (4, 5, 32)
     # Slots are the blocks' token slots in table order; the new token is the last one.
     table = cache.tables["long"]
     assert long.slots.tolist() == [b * BS + i for b in table for i in range(BS)][:32]
-    assert plan.write_slots.tolist() == [short.slots[-1].item(), long.slots[-1].item()]
+    assert plan.write_slots.tolist() == [long.slots[-1].item(), short.slots[-1].item()]
     # A 5-token row and a 32-token row are not padded into one attention call.
-    assert [g.slots.shape for g in plan.decode_groups] == [(1, 32), (1, 5)]
+    assert [(g.start, g.slots.shape) for g in plan.decode_groups] == [(0, (1, 32)), (1, (1, 5))]
 
 
 def test_rows_of_similar_length_share_one_padded_group():
@@ -53,8 +53,9 @@ def test_rows_of_similar_length_share_one_padded_group():
     grow(cache, {"a": 20, "b": 18, "c": 19})
     plan = cache.plan([("a", 1), ("b", 1), ("c", 1)])
     group, = plan.decode_groups
-    assert group.slots.shape == (3, 21) and group.tokens.tolist() == [0, 2, 1]
+    assert group.slots.shape == (3, 21) and [r.seq_id for r in plan.rows] == ["a", "c", "b"]
     assert group.mask[:, 0, 0].sum(-1).tolist() == [21, 20, 19]
+    assert group.additive_mask(torch.float32)[:, 0, 0].isinf().sum(-1).tolist() == [0, 1, 2]
 
 
 def test_the_budget_is_all_or_nothing_and_leaves_the_cache_as_it_was():
@@ -146,13 +147,14 @@ def test_paged_attention_equals_each_rows_own_attention():
     out, _ = paged_attention_forward(FakeAttention(), q, k, v, None, scaling=scale, kv_plan=plan)
     assert out.shape == (1, total, heads, dim)
     start = 0
-    for sid, n in new.items():
-        pk, pv = stored.get(sid, (torch.zeros(kv_heads, 0, dim),) * 2)
+    for row in plan.rows:   # the pass's tokens are in plan order
+        n = new[row.seq_id]
+        pk, pv = stored.get(row.seq_id, (torch.zeros(kv_heads, 0, dim),) * 2)
         want = reference(q[0, :, start:start + n], k[0, :, start:start + n],
                          v[0, :, start:start + n], pk, pv, scale)
         torch.testing.assert_close(out[0, start:start + n], want, rtol=1e-5, atol=1e-5)
         start += n
-    assert [len(g.tokens) for g in plan.decode_groups] == [1, 2, 1]
+    assert [len(g.slots) for g in plan.decode_groups] == [1, 2, 1]
     assert len(plan.prefill_rows) == 2
     # Both ways of reading a row's keys were used: a slice of consecutive blocks (d2's, alone
     # in its group; fresh's) and a gather (the others).
