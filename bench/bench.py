@@ -5,6 +5,8 @@ Phases, all on the default model, greedy, with the output length forced:
   2. served   own redis-server + one worker + gunicorn API; closed-loop SSE clients per level
   2c. prefix  chat requests sharing the template's system turn: TTFT without, then with reuse
   2d. stops   the same requests plain, then with worst-case stop strings: engine step time
+  2g. lengths 32 short requests alone, then beside one 3,000-token prompt (and one of 8,000):
+              the short ones' latency p50 ratio, the model process's RSS against its KV bytes
   3. mixed    prompts 10-400 tokens, outputs 8-256, Poisson arrivals near saturation:
               continuous batching, then the worker restarted with LLMQ_BATCH_POLICY=static
 Writes <out>/<timestamp>.json and .png and prints a summary table with the targets.
@@ -26,6 +28,7 @@ from pathlib import Path
 from . import report
 from .batch import batch_phase
 from .loadgen import closed_loop, open_loop
+from .lengths import lengths_phase
 from .prefix import prefix_phase
 from .raw import run_raw, run_raw_backend, short_prompts
 from .stack import ROOT, Stack
@@ -96,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="chat requests per prefix-caching run (default 32; quick 16; 0 skips)")
     p.add_argument("--batch-lines", type=int, default=None,
                    help="lines of the Batch API phase (default 1000, quick 200; 0 skips it)")
+    p.add_argument("--lengths", default=None,
+                   help="long prompt sizes of the mixed-lengths phase, e.g. 3000,8000 (default; "
+                        "quick: 3000; 0 skips)")
     p.add_argument("--backend", default="transformers", choices=["transformers", "llama_cpp"],
                    help="LLMQ_BACKEND of the worker; the raw phase is then model.generate "
                         "(transformers) or the backend stepped in-process (llama_cpp)")
@@ -124,6 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.prompt_range = (10, 400)
     args.prefix_requests = ((16 if q else 32) if args.prefix_requests is None
                             else args.prefix_requests)
+    lengths = args.lengths or ("3000" if q else "3000,8000")
+    args.lengths = [] if lengths.strip() == "0" else _ints(lengths)
     return args
 
 
@@ -276,6 +284,17 @@ def mixed_phase(stack: Stack, args, served: list[dict], budget: Budget) -> dict:
     return out
 
 
+def _lengths(stack: Stack, args, progress) -> dict:
+    from transformers import AutoTokenizer
+
+    from common.settings import Settings
+    from worker.model_manager import ModelManager
+
+    model_dir = ModelManager(cache_dir=Settings.from_env().model_cache_dir).resolve()
+    return lengths_phase(stack, AutoTokenizer.from_pretrained(model_dir), model_dir,
+                         tokens=args.tokens, long_lengths=args.lengths, progress=progress)
+
+
 # --- main ---------------------------------------------------------------------------------------
 def _on_term(signum, _frame):
     raise SystemExit(128 + signum)   # unwinds through the finally that stops the stack
@@ -350,6 +369,11 @@ def main(argv=None) -> int:
             result["structured"] = structured_phase(
                 stack.url, c, requests_for(c, args), lambda p: payload(p, args.tokens),
                 2 * args.level_time_limit, progress=progress)
+        if args.lengths and args.backend == "transformers" and budget.allows(
+                "mixed lengths", 120 * (len(args.lengths) + 2)):
+            progress(f"phase 2g: mixed lengths, 32 short requests alone and beside one long "
+                     f"prompt of {args.lengths} tokens")
+            result["lengths"] = _lengths(stack, args, progress)
         if not args.skip_mixed:
             progress("phase 3/3: mixed workload, continuous vs static batching")
             mixed = mixed_phase(stack, args, result["served"], budget)
@@ -371,7 +395,7 @@ def main(argv=None) -> int:
     result["ratios"] = report.compute_ratios(result.get("raw"), result["served"], result.get("mixed"))
     result["targets"] = report.targets(result["served"], result["ratios"], result.get("mixed"),
                                        result.get("prefix"), result.get("raw"),
-                                       result.get("stop_strings"))
+                                       result.get("stop_strings"), result.get("lengths"))
     json_path = out_dir / f"{stamp}.json"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     png_path = out_dir / f"{stamp}.png"

@@ -123,7 +123,7 @@ def _p99_all(s: dict):
 
 def targets(served: list[dict], ratios: dict, mixed: dict | None,
             prefix: dict | None = None, raw: dict | None = None,
-            stop_strings: dict | None = None) -> list[dict]:
+            stop_strings: dict | None = None, lengths: dict | None = None) -> list[dict]:
     by_c = {lv["concurrency"]: lv for lv in served}
     out = []
     for c in (64, 1):
@@ -155,6 +155,16 @@ def targets(served: list[dict], ratios: dict, mixed: dict | None,
         v = stop_strings.get("step_worst_over_plain")
         out.append({"name": "stop strings: engine step with worst-case stops / plain <= 1.1",
                     "value": v, "met": None if v is None else v <= 1.1})
+    for run in (lengths or {}).get("runs", []):
+        if not run["long_prompt_tokens"]:
+            continue
+        n = run["long_prompt_tokens"]
+        v = run.get("short_p50_over_alone")
+        out.append({"name": f"lengths: short p50 beside 1 x {n} tokens <= 1.5 x alone",
+                    "value": v, "met": None if v is None else v <= 1.5})
+        v = run.get("rss_growth_over_kv")
+        out.append({"name": f"lengths: model RSS growth beside 1 x {n} <= 1.25 x its KV bytes",
+                    "value": v, "met": None if v is None else v <= 1.25})
     return out
 
 
@@ -235,6 +245,17 @@ def format_table(result: dict) -> str:
                 lines.append(f"  {name:>7} {m['requests']:>4} {m['failures']:>4}"
                              f" {_ms(m['ttft_p50_s']):>7} {_ms(m['ttft_p95_s']):>7}"
                              f" {m['cached_tokens']:>12} of {m['prefill_tokens']:<9}")
+        lines.append("")
+    lengths = result.get("lengths")
+    if lengths:
+        lines.append(f"Mixed lengths: {lengths['short_requests']} short requests "
+                     f"({lengths['max_tokens']} tokens each), alone and beside one long prompt")
+        lines.append(f"  {'run':>22} {'short lat50 s':>13} {'x alone':>8} {'RSS before MB':>13}"
+                     f" {'peak MB':>8} {'KV MB':>6}")
+        for r in lengths["runs"]:
+            lines.append(f"  {r['name']:>22} {_f(r['short_latency_p50_s'], '{:.2f}'):>13}"
+                         f" {_f(r.get('short_p50_over_alone'), '{:.2f}'):>8}"
+                         f" {r['rss_before_mb']:>13.0f} {r['rss_peak_mb']:>8.0f} {r['kv_mb']:>6.0f}")
         lines.append("")
     skipped = result.get("meta", {}).get("skipped")
     if skipped:

@@ -33,6 +33,8 @@ COUNTERS = {
     "prompt_tokens_total": "Prompt tokens processed.",
     "generation_tokens_total": "Tokens generated.",
     "prompt_tokens_cached_total": "Prompt tokens whose keys and values came from the prefix cache.",
+    "num_preemptions_total": "Times a running sequence was sent back to wait for KV cache blocks "
+                             "(counted when the sequence finishes).",
 }
 SUCCESS_COUNTER = "request_success_total"
 
@@ -45,7 +47,7 @@ def _bucket_index(buckets: tuple[float, ...], value: float) -> int:
 
 
 def record_finished(pipe, *, finish_reason: str, prompt_tokens: int, generation_tokens: int,
-                    cached_tokens: int = 0,
+                    cached_tokens: int = 0, preemptions: int = 0,
                     queue_s: float | None, ttft_s: float | None, tpot_s: float | None,
                     e2e_s: float | None) -> None:
     """Adds one finished sequence's figures to a redis-py pipeline (the caller executes it)."""
@@ -62,6 +64,8 @@ def record_finished(pipe, *, finish_reason: str, prompt_tokens: int, generation_
     pipe.hincrby(METRICS_KEY, "c:generation_tokens_total", generation_tokens)
     if cached_tokens:
         pipe.hincrby(METRICS_KEY, "c:prompt_tokens_cached_total", cached_tokens)
+    if preemptions:
+        pipe.hincrby(METRICS_KEY, "c:num_preemptions_total", preemptions)
     pipe.hincrby(METRICS_KEY, f"c:{SUCCESS_COUNTER}:{finish_reason}", 1)
 
 

@@ -34,6 +34,7 @@ class Settings:
     torch_threads: int = 0           # CPU threads for the model (0 = the backend's default)
     max_model_len: int = 0           # context per sequence (0 = the model's; llama.cpp: 2048)
     prefix_cache_mb: int = 256       # model process: KV of recent prompt prefixes (0 = off)
+    kv_cache_mb: int = 0             # model process: KV cache budget (0 = 40 % of free memory)
     packed_linears: bool = True      # CPU fp32: oneDNN-prepacked Linear weights (faster decode)
     # Limits on input.
     max_prompts: int = 64
@@ -121,6 +122,7 @@ class Settings:
             torch_threads=_int("LLMQ_TORCH_THREADS", d.torch_threads),
             max_model_len=_int("LLMQ_MAX_MODEL_LEN", d.max_model_len),
             prefix_cache_mb=_int("LLMQ_PREFIX_CACHE_MB", d.prefix_cache_mb),
+            kv_cache_mb=_int("LLMQ_KV_CACHE_MB", d.kv_cache_mb),
             packed_linears=_int("LLMQ_PACKED_LINEARS", int(d.packed_linears)) != 0,
             max_prompts=_int("LLMQ_MAX_PROMPTS", d.max_prompts),
             max_tokens_limit=_int("LLMQ_MAX_TOKENS_LIMIT", d.max_tokens_limit),

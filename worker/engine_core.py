@@ -103,6 +103,7 @@ class EngineCore:
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         self.executor.start()   # loads the model in its own process (blocks until ready)
+        self.scheduler.set_kv_budget(*self.executor.kv_capacity)
         # Whatever this worker name was running before a crash is ours to run again.
         for seq_id in self.store.reclaim(self.name):
             log.warning("re-queueing a sequence lost by this worker's previous run",
@@ -488,6 +489,7 @@ class EngineCore:
             metrics.record_finished(pipe, finish_reason=seq.finish_reason.value,
                                     prompt_tokens=seq.num_prompt_tokens,
                                     cached_tokens=seq.num_cached_tokens,
+                                    preemptions=seq.num_preemptions,
                                     generation_tokens=seq.num_output_tokens, queue_s=queue_s,
                                     ttft_s=ttft, tpot_s=tpot, e2e_s=now - created)
         pipe.execute()

@@ -1,160 +1,286 @@
-"""The running batch's KV cache, kept in the model-worker process across decode steps."""
+"""The paged KV cache of the model worker: every sequence's own tokens, in fixed-size blocks.
+
+One pool of `num_blocks` blocks of `block_size` token slots per layer (vLLM's PagedAttention
+layout); each sequence has a block table, the blocks holding its tokens in order. Memory grows
+with the sum of the sequences' lengths plus at most one partly filled block each, and a
+sequence's attention reads its own tokens only (worker/paged_attention.py). Full prompt blocks
+are shared between sequences through the prefix cache (worker/prefix_cache.py).
+"""
 from __future__ import annotations
 
+import heapq
+from dataclasses import dataclass, field
+
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .prefix_cache import PrefixCache
 
 
-class _SlotLayer(CacheLayerMixin):
-    """One layer's view of BatchKVCache: writes the step's keys/values in place (no torch.cat)."""
-
-    is_compileable = False
-
-    def __init__(self, owner: "BatchKVCache", idx: int):
-        super().__init__()
-        self.owner, self.idx = owner, idx
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist already
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        o, q = self.owner, key_states.shape[-2]
-        rows = key_states.shape[0]
-        o.k[self.idx][:rows, :, o.end:o.end + q] = key_states
-        o.v[self.idx][:rows, :, o.end:o.end + q] = value_states
-        return (o.k[self.idx][:rows, :, o.start:o.end + q],
-                o.v[self.idx][:rows, :, o.start:o.end + q])
-
-    def get_seq_length(self) -> int:
-        return self.owner.end - self.owner.start
-
-    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
+class KVCacheFull(RuntimeError):
+    """No free block is left in the KV cache's budget."""
 
 
-class BatchKVCache:
-    """Keys and values of every running sequence, one preallocated buffer per layer.
+class BlockPool:
+    """Block ids: the free ones, reference counts, and the prefix cache's parked blocks.
 
-    Rows are sequences (kept compact: a leaving row is replaced by the last one). Columns are a
-    shared time axis; each row is right-aligned to the write column `end`, and the attention
-    mask hides the columns before a row's first token (left padding). A decode step writes one
-    column for all rows in place; nothing is re-copied per step, unlike DynamicCache's concat.
-    """
+    Free blocks are handed out lowest id first, so the pool's memory that the process has
+    touched stays the high-water mark of blocks in use: a long sequence's blocks are reused
+    after it leaves, and the process does not keep growing."""
 
-    def __init__(self, max_rows: int, initial_cols: int = 256):
+    def __init__(self, num_blocks: int, prefix: PrefixCache):
+        self.num_blocks = num_blocks
+        self.prefix = prefix
+        self.free = list(range(num_blocks))    # a heap
+        self.refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a sequence can get now: free ones plus parked (evictable) prefix blocks."""
+        return len(self.free) + self.prefix.num_parked
+
+    def allocate(self) -> int:
+        if self.free:
+            block = heapq.heappop(self.free)
+        else:
+            block = self.prefix.evict()
+            if block is None:
+                raise KVCacheFull(f"all {self.num_blocks} KV cache blocks are in use")
+        self.refs[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        if self.refs[block] == 0:
+            self.prefix.unpark(block)
+        self.refs[block] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        # Last block first: a prompt's first blocks become the most recently parked, so
+        # eviction eats chains from their tails and never strands later blocks.
+        for block in reversed(blocks):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                for b in self.prefix.park(block):
+                    heapq.heappush(self.free, b)
+
+
+@dataclass
+class Row:
+    """One sequence's part of a forward pass: `num_new` tokens after `num_past` cached ones."""
+
+    seq_id: str
+    num_past: int
+    num_new: int
+    slots: torch.Tensor       # [num_past + num_new] the pool slots of all its tokens, in order
+    first_slot: int | None = None   # set when the slots are consecutive: read a view, no gather
+
+    @property
+    def length(self) -> int:
+        return self.num_past + self.num_new
+
+
+@dataclass
+class BatchPlan:
+    """Where one forward pass reads and writes: the pass's tokens are the rows' new tokens, one
+    row after another in `rows` order (a flat [1, tokens] batch, no padding): the decode rows
+    first, group after group, then the prefill rows. Built by PagedKVCache.plan()."""
+
+    cache: "PagedKVCache"
+    rows: list[Row]
+    write_slots: torch.Tensor                          # [tokens]: where each new token goes
+    decode_groups: list["DecodeGroup"] = field(default_factory=list)
+    prefill_rows: list[tuple[int, Row]] = field(default_factory=list)   # (first token, row)
+
+
+@dataclass
+class DecodeGroup:
+    """Rows of one new token each and similar lengths, attended in one padded SDPA call; their
+    tokens are tokens start..start + rows of the pass."""
+
+    start: int
+    slots: torch.Tensor       # [rows, longest] pool slots (padding points at slot 0)
+    mask: torch.Tensor | None  # [rows, 1, 1, longest] True where a row has a token; None: full
+    first_slot: int | None = None   # one row whose slots are consecutive from here
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as SDPA's additive float mask, made once per pass (not once per layer)."""
+        if self.mask is not None and self.mask.dtype == torch.bool:
+            self.mask = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device
+                                    ).masked_fill_(~self.mask, float("-inf"))
+        return self.mask
+
+
+class PagedKVCache:
+    """Block tables of the running sequences over one pool of KV blocks per layer.
+
+    The pool tensors are created empty (not zeroed) at the first forward pass, after its key
+    shapes: the operating system backs their pages only once blocks are written, so the
+    process grows with the blocks in use, not with the budget."""
+
+    def __init__(self, num_blocks: int, block_size: int = 8, max_rows: int = 64,
+                 prefix_blocks: int = 0, max_group_padding: float = 0.25,
+                 device: str | torch.device = "cpu"):
+        self.block_size = block_size
+        self.device = torch.device(device)
         self.max_rows = max_rows
-        self.cap = initial_cols
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.mask: torch.Tensor | None = None
-        self.pos: torch.Tensor | None = None
-        self.seq_ids: list[str] = []
-        self.start = self.end = 0
-        self.cache = Cache(layers=[])
+        self.max_group_padding = max_group_padding
+        self.prefix = PrefixCache(prefix_blocks, block_size)
+        self.pool = BlockPool(num_blocks, self.prefix)
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        self.tables: dict[str, list[int]] = {}
+        self.lengths: dict[str, int] = {}       # tokens whose keys and values are stored
+        self._slots: dict[str, torch.Tensor] = {}   # cached slot list per sequence
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # --- sequences --------------------------------------------------------------------------
+    @property
+    def seq_ids(self) -> list[str]:
+        return list(self.tables)
 
     @property
     def num_rows(self) -> int:
-        return len(self.seq_ids)
+        return len(self.tables)
 
-    def _allocate_like(self, layers) -> None:
-        """Buffers shaped after the first prefill's cache, so any attention layout works."""
-        k0 = layers[0].keys
-        dev, dt = k0.device, k0.dtype
-        self.k = [torch.zeros(self.max_rows, l.keys.shape[1], self.cap, l.keys.shape[3], dtype=dt, device=dev) for l in layers]
-        self.v = [torch.zeros(self.max_rows, l.values.shape[1], self.cap, l.values.shape[3], dtype=dt, device=dev) for l in layers]
-        self.mask = torch.zeros(self.max_rows, self.cap, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(self.max_rows, dtype=torch.long, device=dev)
-        self.cache = Cache(layers=[_SlotLayer(self, i) for i in range(len(layers))])
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
 
-    def _relocate(self, new_start: int, min_cap: int) -> None:
-        """Moves the window to begin at new_start, in place while the buffers are big enough;
-        grows them (doubling) only when they are not. Zeroing fresh buffers costs ~0.3 s for
-        64 rows of SmolLM2 on a CPU, so it must not happen on every prefill."""
-        b, w = self.num_rows, self.end - self.start
-        src, dst = slice(self.start, self.end), slice(new_start, new_start + w)
-        if min_cap > self.cap:
-            cap = self.cap
-            while cap < min_cap:
-                cap *= 2
-            for bufs in (self.k, self.v):
-                for i, old in enumerate(bufs):
-                    new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
-                    new[:b, :, dst] = old[:b, :, src]
-                    bufs[i] = new
-            mask = self.mask.new_zeros(self.max_rows, cap)
-            mask[:b, dst] = self.mask[:b, src]
-            self.mask, self.cap = mask, cap
-        elif b and w and new_start != self.start:
-            # Columns outside a row's mask are never attended, so stale values there are fine;
-            # the window's data moves (clone: source and target may overlap).
-            for bufs in (self.k, self.v):
-                for buf in bufs:
-                    buf[:b, :, dst] = buf[:b, :, src].clone()
-            window = self.mask[:b, src].clone()
-            self.mask[:b] = 0
-            self.mask[:b, dst] = window
-        self.start, self.end = new_start, new_start + w
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
 
-    def add(self, seq_ids: list[str], layers, mask2d: torch.Tensor, next_pos: torch.Tensor) -> None:
-        """Appends newly prefilled sequences (their left-padded prefill cache) as new rows."""
-        n, length = mask2d.shape
-        if not self.k:
-            self._allocate_like(layers)
-        if self.num_rows + n > self.max_rows:
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def add(self, seq_id: str, prefix_blocks: list[int] = ()) -> None:
+        """A new sequence, starting with shared prefix blocks (from PrefixCache.match)."""
+        if seq_id in self.tables:
+            raise RuntimeError(f"sequence {seq_id} is already in the KV cache")
+        if self.num_rows >= self.max_rows:
             raise RuntimeError("batch is full")
-        if self.num_rows == 0:
-            self.start = self.end = 0
-        if self.end < length:
-            w = self.end - self.start
-            new_end = max(self.end, length)
-            self._relocate(new_end - w, min_cap=new_end + 64)
-        b = self.num_rows
-        new_start = min(self.start, self.end - length)
-        self.mask[:b, new_start:self.start] = 0
-        self.start = new_start
-        rows, cols = slice(b, b + n), slice(self.end - length, self.end)
-        for i, layer in enumerate(layers):
-            self.k[i][rows, :, cols] = layer.keys
-            self.v[i][rows, :, cols] = layer.values
-        self.mask[rows] = 0
-        self.mask[rows, cols] = mask2d
-        self.pos[rows] = next_pos
-        self.seq_ids.extend(seq_ids)
+        for b in prefix_blocks:
+            self.pool.share(b)
+        self.tables[seq_id] = list(prefix_blocks)
+        self.lengths[seq_id] = len(prefix_blocks) * self.block_size
 
     def remove(self, seq_ids) -> None:
-        """Drops rows (the last row moves into each hole) and trims all-padding columns."""
         for sid in seq_ids:
-            if sid not in self.seq_ids:
-                continue
-            i, last = self.seq_ids.index(sid), self.num_rows - 1
-            if i != last:
-                win = slice(self.start, self.end)
-                for bufs in (self.k, self.v):
-                    for buf in bufs:
-                        buf[i, :, win] = buf[last, :, win]
-                self.mask[i] = self.mask[last]
-                self.pos[i] = self.pos[last]
-                self.seq_ids[i] = self.seq_ids[last]
-            self.seq_ids.pop()
-        if self.num_rows == 0:
-            self.start = self.end = 0
-        elif self.end > self.start:
-            used = self.mask[:self.num_rows, self.start:self.end].any(0)
-            self.start += int(torch.argmax(used.to(torch.int8)))
+            blocks = self.tables.pop(sid, None)
+            if blocks is not None:
+                self.pool.release(blocks)
+                del self.lengths[sid]
+                self._slots.pop(sid, None)
 
-    def begin_decode(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Opens the next column; returns (attention_mask, position_ids) for a one-token step."""
-        if self.end + 1 > self.cap:
-            w = self.end - self.start
-            self._relocate(0, min_cap=w + 64)   # compacts; doubles only if still short
-        b = self.num_rows
-        self.mask[:b, self.end] = 1
-        return self.mask[:b, self.start:self.end + 1], self.pos[:b, None].clone()
+    def register_prompt(self, seq_id: str, token_ids: list[int], salt: str | None) -> None:
+        """Offers the sequence's full prompt blocks to the prefix cache."""
+        if not self.prefix.enabled:
+            return
+        n = min(len(token_ids), self.lengths[seq_id]) // self.block_size
+        for key, block in zip(self.prefix.keys(token_ids, salt, n), self.tables[seq_id]):
+            self.prefix.register(key, block)
 
-    def end_decode(self) -> None:
-        self.end += 1
-        self.pos[:self.num_rows] += 1
+    # --- one forward pass -------------------------------------------------------------------
+    def plan(self, new_tokens: list[tuple[str, int]]) -> BatchPlan:
+        """Reserves slots for each (seq_id, number of new tokens) and lays out the pass. Blocks
+        are allocated here (all or none: KVCacheFull leaves the cache as it was); lengths move
+        only in commit(), after the pass succeeded."""
+        got: list[tuple[str, int]] = []
+        try:
+            for sid, n in new_tokens:
+                table = self.tables[sid]
+                while len(table) * self.block_size < self.lengths[sid] + n:
+                    table.append(self.pool.allocate())
+                    got.append((sid, table[-1]))
+        except KVCacheFull:
+            for sid, block in reversed(got):
+                self.tables[sid].remove(block)
+                self.pool.release([block])
+            raise
+        rows = [self._row(sid, n) for sid, n in new_tokens]
+        groups = self._group([r for r in rows if r.num_new == 1])
+        prefills = [r for r in rows if r.num_new > 1]
+        rows = [r for g in groups for r in g] + prefills
+        plan = BatchPlan(self, rows, torch.cat([r.slots[r.num_past:] for r in rows]))
+        start = 0
+        for g in groups:
+            plan.decode_groups.append(self._decode_group(start, g))
+            start += len(g)
+        for r in prefills:
+            plan.prefill_rows.append((start, r))
+            start += r.num_new
+        return plan
+
+    def commit(self, plan: BatchPlan) -> None:
+        for r in plan.rows:
+            if r.seq_id in self.lengths:
+                self.lengths[r.seq_id] = r.length
+
+    def _row(self, sid: str, num_new: int) -> Row:
+        past = self.lengths[sid]
+        row = Row(sid, past, num_new, self._slots_of(sid, past + num_new))
+        # Blocks taken one after another from the free list (a long prompt's, mostly) are
+        # consecutive: attention then reads a slice of the pool instead of gathering it.
+        table = self.tables[sid]
+        if len(table) > 1 and table[-1] - table[0] == len(table) - 1 and table == sorted(table):
+            row.first_slot = table[0] * self.block_size
+        return row
+
+    def _slots_of(self, sid: str, length: int) -> torch.Tensor:
+        """Slot ids of a sequence's first `length` tokens, extended from the last call's."""
+        have = self._slots.get(sid)
+        if have is None or have.numel() < length:
+            table = torch.tensor(self.tables[sid], dtype=torch.long, device=self.device)
+            offsets = torch.arange(self.block_size, dtype=torch.long, device=self.device)
+            have = (table[:, None] * self.block_size + offsets).flatten()
+            self._slots[sid] = have
+        return have[:length]
+
+    def _group(self, decodes: list[Row]) -> list[list[Row]]:
+        """Decode rows in groups of similar length (padding at most max_group_padding of the
+        real tokens), longest first: each group is one padded attention call, so a row's cost
+        follows its own length, not the batch's longest."""
+        groups: list[list[Row]] = []
+        for row in sorted(decodes, key=lambda r: -r.length):
+            g = groups[-1] if groups else None
+            if g is not None:
+                real = sum(r.length for r in g) + row.length
+                if g[0].length * (len(g) + 1) <= (1 + self.max_group_padding) * real:
+                    g.append(row)
+                    continue
+            groups.append([row])
+        return groups
+
+    def _decode_group(self, start: int, rows: list[Row]) -> DecodeGroup:
+        longest = rows[0].length
+        slots = torch.zeros(len(rows), longest, dtype=torch.long, device=self.device)
+        for i, r in enumerate(rows):
+            slots[i, :r.length] = r.slots
+        mask = None
+        if rows[-1].length < longest:   # (sorted longest first)
+            lengths = torch.tensor([r.length for r in rows], device=self.device)
+            cols = torch.arange(longest, device=self.device)
+            mask = (cols[None, :] < lengths[:, None])[:, None, None, :]
+        return DecodeGroup(start, slots, mask, rows[0].first_slot if len(rows) == 1 else None)
+
+    # --- the pool tensors -------------------------------------------------------------------
+    def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer idx's (keys, values) pools, [slots, kv heads, head dim], created at first use
+        after `like` ([1, kv heads, tokens, head dim]: the layer's new keys)."""
+        while len(self.k) <= idx:
+            self.k.append(None)
+            self.v.append(None)
+        if self.k[idx] is None:
+            shape = (self.num_blocks * self.block_size, like.shape[1], like.shape[3])
+            self.k[idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self.v[idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return self.k[idx], self.v[idx]
+
+    def scratch(self, num_slots: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [num_slots, kv heads, head dim] buffers for gathered keys and values, views of
+        the same two tensors every time (grown, doubling, when a pass needs more)."""
+        if self._scratch is None or self._scratch[0].shape[0] < num_slots:
+            have = 0 if self._scratch is None else self._scratch[0].shape[0]
+            size = max(num_slots, 2 * have, 1024)
+            self._scratch = (like.new_empty(size, *like.shape[1:]),
+                             like.new_empty(size, *like.shape[1:]))
+        return self._scratch[0][:num_slots], self._scratch[1][:num_slots]

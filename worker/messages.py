@@ -63,9 +63,12 @@ class StepResult:
 
 @dataclass(slots=True)
 class Ready:
-    """Sent once the model is loaded and warmed up."""
+    """Sent once the model is loaded and warmed up, with the size of its KV cache (blocks of
+    kv_block_size tokens; 0 when the backend keeps its own accounting)."""
 
     info: object   # ModelInfo
+    kv_num_blocks: int = 0
+    kv_block_size: int = 0
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ class ModelExecutor:
         self.settings = settings
         self.start_timeout_s = start_timeout_s
         self.info = None
+        self.kv_capacity = (0, 0)   # the model process's KV cache: (blocks, tokens per block)
         self.num_starts = 0
         self._ctx = mp.get_context("spawn")
         self._proc = None
@@ -57,6 +58,7 @@ class ModelExecutor:
         if not isinstance(msg, Ready):
             raise ModelWorkerDied(f"model worker failed to start: {msg!r}")
         self.info = msg.info
+        self.kv_capacity = (msg.kv_num_blocks, msg.kv_block_size)
         self.num_starts += 1
         log.info("model worker %s ready: %s on %s", self._proc.pid, self.info.name, self.info.device)
 
@@ -91,6 +93,8 @@ class ModelExecutor:
             rest.token_ids = {**res.token_ids, **rest.token_ids}
             rest.errors = {**res.errors, **rest.errors}
             rest.cached_tokens = {**res.cached_tokens, **rest.cached_tokens}
+            rest.logprobs = {**res.logprobs, **rest.logprobs}
+            rest.prompt_logprobs = {**res.prompt_logprobs, **rest.prompt_logprobs}
             res = rest
         return res
 

@@ -14,16 +14,15 @@ import time
 from typing import Callable
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from common import logs
 
 from . import messages
-from .kv_cache import BatchKVCache
+from .kv_cache import PagedKVCache
 from .messages import NewSequence, Ready, Shutdown, StepRequest, StepResult
 from .model_manager import ModelManager
 from .packed_linear import pack_linears
-from .prefix_cache import PrefixCache, PrefixMatch
+from .paged_attention import use_paged_attention
 from .sampler import Sampler, SamplingState, prompt_logprobs
 from .structured_output import Grammars
 
@@ -33,13 +32,27 @@ log = logging.getLogger("llmq.model_worker")
 class ModelWorker:
     """Runs prefill and batched decode steps of one model on one device."""
 
-    def __init__(self, model, info, max_num_seqs: int, prefix_cache_bytes: int = 0):
+    def __init__(self, model, info, max_num_seqs: int, prefix_cache_bytes: int = 0,
+                 kv_cache_bytes: int = 0, prefill_chunk: int = 2048, block_size: int = 8):
         self.model = model
         self.info = info
         self.device = torch.device(info.device)
-        self.pad_id = 0
-        self.cache = BatchKVCache(max_rows=max_num_seqs)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        use_paged_attention(model)
+        block_bytes = kv_bytes_per_token(model) * block_size
+        budget = kv_cache_bytes or auto_kv_budget(self.device, block_bytes // block_size
+                                                  * max_num_seqs * info.max_model_len)
+        self.cache = PagedKVCache(max(1, budget // block_bytes), block_size, max_num_seqs,
+                                  prefix_blocks=prefix_cache_bytes // block_bytes,
+                                  device=self.device)
+        log.info("KV cache: %d blocks of %d tokens (%d MiB)", self.cache.num_blocks, block_size,
+                 self.cache.num_blocks * block_bytes >> 20)
+        # A sequence is never longer than the cache (the engine caps max_tokens by this), so
+        # preempting the others always leaves room for the oldest one.
+        capacity = self.cache.num_blocks * block_size
+        if capacity < info.max_model_len:
+            self.info = dataclasses.replace(info, max_model_len=capacity)
+        self.prefill_chunk = max(1, prefill_chunk)
+        self.prefilling: dict[str, NewSequence] = {}   # joined, prompt not all computed yet
         self.states: dict[str, SamplingState] = {}
         self.sampler = Sampler(Grammars(lambda: ModelManager(info.path).load_tokenizer(),
                                         info.eos_token_ids))
@@ -52,142 +65,164 @@ class ModelWorker:
         if settings.max_model_len:
             info = dataclasses.replace(info, max_model_len=min(info.max_model_len,
                                                                settings.max_model_len))
-        return cls(model, info, settings.max_num_seqs, settings.prefix_cache_mb << 20)
+        return cls(model, info, settings.max_num_seqs, settings.prefix_cache_mb << 20,
+                   settings.kv_cache_mb << 20, settings.max_num_batched_tokens)
+
+    @property
+    def kv_capacity(self) -> tuple[int, int]:
+        """(blocks, tokens per block): what the scheduler may fill."""
+        return self.cache.num_blocks, self.cache.block_size
 
     @torch.inference_mode()
     def step(self, req: StepRequest, early: Callable[[StepResult], None] | None = None
              ) -> StepResult:
-        """Frees, prefills the newcomers, then decodes the running batch. When both run, the
-        newcomers' first tokens go out through `early` before the decode starts, so their time
-        to first token does not include the batch's decode; they join the batch's cache after
-        it (the decode covers exactly the rows that were running)."""
+        """Frees, lets the newcomers join, runs one prefill pass (the next chunk of every
+        prompt still being computed), then decodes the running batch. When both run, the
+        first tokens of this step's newcomers go out through `early` before the decode starts,
+        so their time to first token does not include the batch's decode. A sequence whose
+        prompt is longer than `prefill_chunk` gets its first token at the step that computes
+        its last chunk; the steps before answer nothing for it, while the others decode."""
         res = StepResult()
         if req.free_seq_ids:
             self.cache.remove(req.free_seq_ids)
             for sid in req.free_seq_ids:
                 self.states.pop(sid, None)
+                self.prefilling.pop(sid, None)
+        missing = [s for s in req.decode_seq_ids if s not in self.cache.tables]
+        if missing:
+            raise RuntimeError(f"asked to decode {len(missing)} sequences the cache does not hold")
+        decode_ids = [s for s in req.decode_seq_ids if s not in self.prefilling]
         t0 = time.perf_counter()
-        # Prompt logprobs need the logits of every prompt position: no cached prefix for those.
-        newcomers = [(s, self.prefix_cache.match(s.token_ids, s.params.cache_salt)
-                      if s.params.prompt_logprobs is None else PrefixMatch(0, []))
-                     for s in req.prefill]
-        joining: list[_Prefilled] = []
-        # A sequence that scores its prompt is prefilled alone: its pass keeps every position's
-        # logits ([rows, length, vocab]), which for a whole group could take gigabytes.
-        scoring = [[p] for p in newcomers if p[0].params.prompt_logprobs is not None]
-        plain = [p for p in newcomers if p[0].params.prompt_logprobs is None]
-        for group in length_groups(plain, key=lambda p: len(p[0].token_ids) - p[1].num_tokens
-                                   ) + scoring:
-            joining += self._prefill(group, res, sum(len(p.seqs) for p in joining))
+        for seq in req.prefill:
+            self._join(seq, res)
+        if self.prefilling:
+            self._prefill(list(self.prefilling.values()), res)
         t1 = time.perf_counter()
         res.prefill_s = t1 - t0
-        if early is not None and req.decode_seq_ids and (res.token_ids or res.errors):
-            early(dataclasses.replace(res, partial=True))
-            res = StepResult(prefill_s=res.prefill_s)
-        if req.decode_seq_ids:
-            self._decode(req.decode_seq_ids, res)
+        if early is not None and decode_ids:
+            res = _send_ahead(res, {s.seq_id for s in req.prefill}, early)
+        if decode_ids:
+            self._decode(decode_ids, res)
         res.decode_s = time.perf_counter() - t1
-        for p in joining:
-            self.cache.add(p.seq_ids, p.layers, p.mask, p.mask.sum(-1))
-            for i, s in enumerate(p.seqs):
-                if self.prefix_cache.enabled:   # _remember turns it off on a failure
-                    self._remember(s, _row_kv(p.layers, i, p.mask[i].nonzero().squeeze(-1)))
         return res
 
-    def _decode(self, seq_ids: list[str], res: StepResult) -> None:
-        if set(seq_ids) != set(self.cache.seq_ids):
-            raise RuntimeError(f"decode set {len(seq_ids)} differs from the cached batch {self.cache.num_rows}")
-        order = self.cache.seq_ids
-        states = [self.states[s] for s in order]
-        input_ids = torch.tensor([[st.last_token_id] for st in states], device=self.device)
-        attn, pos = self.cache.begin_decode()
-        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos,
-                         cache=self.cache.cache, use_cache=True)
-        self.cache.end_decode()
-        self._sample(order, states, out.logits[:, -1, :], res)
-
-    def _prefill(self, group: list[tuple[NewSequence, PrefixMatch]], res: StepResult,
-                 num_joining: int) -> list["_Prefilled"]:
+    def _join(self, seq: NewSequence, res: StepResult) -> None:
+        """A newcomer takes a row and its cached prefix blocks; nothing is computed yet."""
         try:
-            return [self._prefill_group(group, res, num_joining)]
+            if len(seq.token_ids) > self.info.max_model_len:
+                raise ValueError(f"prompt of {len(seq.token_ids)} tokens exceeds the model's "
+                                 f"context of {self.info.max_model_len}")
+            # Prompt logprobs need the logits of every prompt position: no cached prefix.
+            blocks = (self.cache.prefix.match(seq.token_ids, seq.params.cache_salt)
+                      if seq.params.prompt_logprobs is None else [])
+            self.cache.add(seq.seq_id, blocks)
+        except Exception as exc:  # noqa: BLE001 - this newcomer alone fails
+            res.errors[seq.seq_id] = f"{type(exc).__name__}: {exc}"
+            log.warning("prefill failed: %s", exc, extra={"seq_id": seq.seq_id})
+            return
+        self.prefilling[seq.seq_id] = seq
+        if blocks:
+            res.cached_tokens[seq.seq_id] = len(blocks) * self.cache.block_size
+
+    def _prefill(self, seqs: list[NewSequence], res: StepResult) -> None:
+        """One pass over the next chunk of each prompt; a failing pass is retried one
+        sequence at a time, so a poison sequence fails alone."""
+        try:
+            self._prefill_pass(seqs, res)
         except Exception as exc:  # noqa: BLE001 - isolate the poison sequence, keep the rest
-            if len(group) == 1:
-                res.errors[group[0][0].seq_id] = f"{type(exc).__name__}: {exc}"
-                log.warning("prefill failed: %s", exc, extra={"seq_id": group[0][0].seq_id})
-                return []
-            done: list[_Prefilled] = []
-            for item in group:
-                done += self._prefill([item], res, num_joining + sum(len(p.seqs) for p in done))
-            return done
+            if len(seqs) > 1:
+                for seq in seqs:
+                    self._prefill([seq], res)
+                return
+            sid = seqs[0].seq_id
+            res.errors[sid] = f"{type(exc).__name__}: {exc}"
+            log.warning("prefill failed: %s", exc, extra={"seq_id": sid})
+            self._drop(sid)
 
-    def _prefill_group(self, group: list[tuple[NewSequence, PrefixMatch]], res: StepResult,
-                       num_joining: int) -> "_Prefilled":
-        """One forward pass over the newcomers' uncached tokens, and their first tokens. Each
-        row is laid out as [padding][cached prefix][padding][rest of the prompt]: the cached
-        keys and values go in as the past, right-aligned; the rest is left-padded so its last
-        column is the last prompt token; the mask hides both paddings and position ids count
-        real tokens only. The rows join the batch's cache later, in step()."""
-        seqs = [s for s, _m in group]
-        longest = max(len(s.token_ids) for s in seqs)
-        if longest > self.info.max_model_len:
-            raise ValueError(f"prompt of {longest} tokens exceeds the model's context of "
-                             f"{self.info.max_model_len}")
-        if self.cache.num_rows + num_joining + len(seqs) > self.cache.max_rows:
-            raise RuntimeError("batch is full")
-        n, cached = len(seqs), [m.num_tokens for _s, m in group]
-        past_len = max(cached)
-        new_len = max(len(s.token_ids) - c for s, c in zip(seqs, cached))
-        ids = torch.full((n, new_len), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, past_len + new_len), dtype=torch.long)
-        for i, (s, c) in enumerate(zip(seqs, cached)):
-            rest = s.token_ids[c:]
-            ids[i, new_len - len(rest):] = torch.tensor(rest)
-            mask[i, past_len - c:past_len] = 1
-            mask[i, past_len + new_len - len(rest):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, past_len:]
-        cache = DynamicCache(ddp_cache_data=self._past(group, past_len)) if past_len else DynamicCache()
-        want_prompt = [s.params.prompt_logprobs is not None for s in seqs]
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
-                         use_cache=True, logits_to_keep=0 if any(want_prompt) else 1)
-        cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
-        states = [SamplingState.create(s.params, s.token_ids, s.num_output_tokens,
-                                       s.stop_token_ids, self.device) for s in seqs]
-        self.states.update((s.seq_id, st) for s, st in zip(seqs, states))
+    def _prefill_pass(self, seqs: list[NewSequence], res: StepResult) -> None:
+        by_id = {s.seq_id: s for s in seqs}
+        # A prompt scored with prompt logprobs is computed in one chunk (its logits at every
+        # position come from one pass).
+        chunks = [(s.seq_id, (len(s.token_ids) if s.params.prompt_logprobs is not None
+                              else min(self.prefill_chunk, len(s.token_ids)))
+                   - self.cache.lengths[s.seq_id]) for s in seqs]
+        done = {sid for sid, n in chunks if self.cache.lengths[sid] + n == len(by_id[sid].token_ids)}
+        states = {sid: SamplingState.create(by_id[sid].params, by_id[sid].token_ids,
+                                            by_id[sid].num_output_tokens,
+                                            by_id[sid].stop_token_ids, self.device)
+                  for sid in done}
+        # A failed pass leaves the blocks it got in the tables: a retry reuses them.
+        plan = self.cache.plan(chunks)
+        scoring = {sid for sid in done if by_id[sid].params.prompt_logprobs is not None}
+        logits, order, full = self._forward(
+            plan, lambda r: by_id[r.seq_id].token_ids[r.num_past:r.length], done, scoring)
+        self.cache.commit(plan)
+        for sid, row_logits in full.items():
+            seq = by_id[sid]
+            res.prompt_logprobs[sid] = prompt_logprobs(row_logits, seq.token_ids,
+                                                       seq.params.prompt_logprobs)
+        if not order:
+            return
+        finished = [by_id[sid] for sid in order]
+        self.states.update(states)
+        for seq in finished:
+            self.prefilling.pop(seq.seq_id)
+            self.cache.register_prompt(seq.seq_id, seq.token_ids, seq.params.cache_salt)
         try:
-            self._sample([s.seq_id for s in seqs], states, out.logits[:, -1, :], res)
-        except Exception:
-            # (e.g. a stop token id outside the vocabulary) nothing of this group is kept;
-            # _prefill retries its members one by one or reports the error.
-            for s in seqs:
-                self.states.pop(s.seq_id, None)
-            raise
-        res.cached_tokens.update((s.seq_id, c) for s, c in zip(seqs, cached) if c)
-        for i, s in enumerate(seqs):
-            if want_prompt[i]:   # uncached: the row's last len(token_ids) columns are its own
-                res.prompt_logprobs[s.seq_id] = prompt_logprobs(
-                    out.logits[i, new_len - len(s.token_ids):], s.token_ids,
-                    s.params.prompt_logprobs)
-        return _Prefilled(seqs, cache.layers, mask)
+            self._sample(order, [states[sid] for sid in order], logits, res)
+        except Exception as exc:  # noqa: BLE001 - e.g. a stop token id outside the vocabulary
+            log.warning("sampling a prefill group failed, retried one by one: %s", exc)
+            for i, sid in enumerate(order):
+                try:
+                    self._sample([sid], [states[sid]], logits[i:i + 1], res)
+                except Exception as one:  # noqa: BLE001 - this sequence alone fails
+                    res.errors[sid] = f"{type(one).__name__}: {one}"
+                    res.token_ids.pop(sid, None)
+                    self._drop(sid)
 
-    def _remember(self, seq: NewSequence, kv_of) -> None:
-        try:
-            self.prefix_cache.insert(seq.token_ids, seq.params.cache_salt, kv_of)
-        except Exception as exc:  # noqa: BLE001 - a cache layout this does not handle: go without
-            log.warning("prefix caching turned off: %s: %s", type(exc).__name__, exc)
-            self.prefix_cache.enabled = False
-            self.prefix_cache.clear()
+    def _decode(self, seq_ids: list[str], res: StepResult) -> None:
+        plan = self.cache.plan([(s, 1) for s in seq_ids])
+        logits, order, _ = self._forward(plan, lambda r: [self.states[r.seq_id].last_token_id],
+                                         set(seq_ids))
+        self.cache.commit(plan)
+        self._sample(order, [self.states[s] for s in order], logits, res)
 
-    def _past(self, group, past_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The group's cached prefixes as one past: per layer (keys, values) [rows, heads,
-        past_len, dim], each row's prefix right-aligned, zeros (masked) before it."""
-        first = next(m for _s, m in group if m.num_tokens).blocks[0]
-        layers, _two, heads, _b, dim = first.shape
-        past = first.new_zeros(layers, 2, len(group), heads, past_len, dim)
-        for i, (_s, m) in enumerate(group):
-            if m.num_tokens:
-                past[:, :, i, :, past_len - m.num_tokens:] = m.kv()
-        return [(past[li, 0], past[li, 1]) for li in range(layers)]
+    def _forward(self, plan, tokens_of, want: set[str], full: set[str] = frozenset()
+                 ) -> tuple[torch.Tensor, list[str], dict[str, torch.Tensor]]:
+        """The model over the plan's rows as one flat row of tokens (`tokens_of(row)`: the
+        row's new token ids). Returns the next-token logits of the rows in `want` whose last
+        token this pass computes, and their ids, in plan order. The 4-D placeholder mask tells
+        transformers a mask exists already (it builds none, and would otherwise take the flat
+        row for packed sequences); paged attention ignores it. Rows in `full` also get the
+        logits of every position this pass computes (prompt logprobs), by id."""
+        ids, pos, keep, order, spans = [], [], [], [], []
+        for r in plan.rows:
+            start = len(ids)
+            ids += tokens_of(r)
+            pos += range(r.num_past, r.length)
+            if r.seq_id in want:
+                keep.append(len(ids) - 1)
+                order.append(r.seq_id)
+            if r.seq_id in full:
+                spans.append((r.seq_id, start, len(ids)))
+        extra = [i for _sid, a, b in spans for i in range(a, b)]
+        dev = self.device
+        out = self.model(input_ids=torch.tensor([ids], device=dev),
+                         position_ids=torch.tensor([pos], device=dev),
+                         attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev),
+                         kv_plan=plan, use_cache=False,
+                         logits_to_keep=torch.tensor((keep or [len(ids) - 1]) + extra,
+                                                     device=dev))
+        rows, at = {}, max(1, len(keep))
+        for sid, a, b in spans:
+            rows[sid] = out.logits[0, at:at + b - a]
+            at += b - a
+        return out.logits[0, :len(order)], order, rows
+
+    def _drop(self, seq_id: str) -> None:
+        self.cache.remove([seq_id])
+        self.prefilling.pop(seq_id, None)
+        self.states.pop(seq_id, None)
 
     def _sample(self, seq_ids, states, logits, res: StepResult) -> None:
         tokens, logprobs = self.sampler.sample(logits, states)
@@ -208,45 +243,45 @@ class ModelWorker:
         self.step(StepRequest(free_seq_ids=["__warmup__"]))
 
 
-@dataclasses.dataclass
-class _Prefilled:
-    """A prefill group's rows, waiting to join the batch's cache at the end of the step."""
+def _send_ahead(res: StepResult, newcomers: set[str], early) -> StepResult:
+    """Sends the newcomers' first tokens (and errors) through `early` as a partial result;
+    returns the rest of the step's result (chunked prompts that finished continue in it)."""
+    def part(d: dict, mine: bool) -> dict:
+        return {s: v for s, v in d.items() if (s in newcomers) == mine}
 
-    seqs: list[NewSequence]
-    layers: list            # the prefill cache's layers (keys, values per layer)
-    mask: torch.Tensor      # [rows, columns]: which columns hold each row's real tokens
-
-    @property
-    def seq_ids(self) -> list[str]:
-        return [s.seq_id for s in self.seqs]
-
-
-def _row_kv(layers, row: int, cols: torch.Tensor):
-    """kv_of(start, end) for PrefixCache.insert: the keys and values of prompt tokens
-    start..end of one row of a prefill's cache, whose real tokens sit at columns `cols`."""
-    def kv_of(start: int, end: int) -> torch.Tensor:
-        c = cols[start:end]
-        return torch.stack([torch.stack((l.keys[row, :, c], l.values[row, :, c])) for l in layers])
-    return kv_of
+    first = StepResult(token_ids=part(res.token_ids, True), errors=part(res.errors, True),
+                       cached_tokens=res.cached_tokens, prefill_s=res.prefill_s, partial=True,
+                       logprobs=part(res.logprobs, True),
+                       prompt_logprobs=part(res.prompt_logprobs, True))
+    if not (first.token_ids or first.errors):
+        return res
+    early(first)
+    return StepResult(token_ids=part(res.token_ids, False), errors=part(res.errors, False),
+                      prefill_s=res.prefill_s, logprobs=part(res.logprobs, False),
+                      prompt_logprobs=part(res.prompt_logprobs, False))
 
 
-def length_groups(items: list, max_padding: float = 0.25,
-                  key=lambda s: len(s.token_ids)) -> list[list]:
-    """Splits newcomers into prefill groups of similar length (`key`: the tokens a newcomer
-    still needs computed): one left-padded forward pass per group, with padding at most
-    `max_padding` of the real tokens (a 400-token prompt beside ten 20-token ones would
-    otherwise cost eleven 400-token rows)."""
-    groups: list[list] = []
-    for item in sorted(items, key=key, reverse=True):
-        g = groups[-1] if groups else None
-        if g is not None:
-            longest = key(g[0])
-            real = sum(key(x) for x in g) + key(item)
-            if longest * (len(g) + 1) <= (1 + max_padding) * real:
-                g.append(item)
-                continue
-        groups.append([item])
-    return groups
+def kv_bytes_per_token(model) -> int:
+    """Keys and values of one token over all layers, after the model's config."""
+    cfg = model.config.get_text_config()
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    itemsize = next(model.parameters()).element_size()
+    return cfg.num_hidden_layers * 2 * kv_heads * head_dim * itemsize
+
+
+def auto_kv_budget(device: torch.device, most_ever: int, fraction: float = 0.4) -> int:
+    """Bytes for the KV cache when LLMQ_KV_CACHE_MB is not set: `fraction` of the memory free
+    now (the model is loaded), as vLLM's gpu_memory_utilization; never more than the batch
+    could ever fill (`most_ever`: every row at the model's full context)."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    return max(1, min(int(free * fraction), most_ever))
 
 
 def _exit_at_once() -> None:
@@ -276,7 +311,8 @@ def main(conn, settings) -> None:
         log.exception("model worker failed to load")
         conn.send_bytes(messages.encode(RuntimeError(f"{type(exc).__name__}: {exc}")))
         return
-    conn.send_bytes(messages.encode(Ready(worker.info)))
+    blocks, block_size = getattr(worker, "kv_capacity", (0, 0))
+    conn.send_bytes(messages.encode(Ready(worker.info, blocks, block_size)))
     while True:
         try:
             msg = messages.decode(conn.recv_bytes())

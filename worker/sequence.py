@@ -34,6 +34,7 @@ class Sequence:
     pending_text: str = ""            # decoded but held back while it may begin a stop string
     first_token_time: float | None = None
     num_restarts: int = 0             # model-process crashes survived
+    num_preemptions: int = 0          # times sent back to wait for KV cache blocks
     num_cached_tokens: int = 0        # prompt tokens whose keys/values the prefix cache gave
     created_at: float | None = None   # wall clock: when the API accepted it
     admitted_at: float | None = None  # wall clock: when this worker started it

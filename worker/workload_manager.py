@@ -74,20 +74,40 @@ class SchedulerStats:
     num_prefilled: int = 0
     num_joined_running_batch: int = 0    # prefilled while other sequences were decoding
     max_running: int = 0
+    num_preemptions: int = 0             # running sequences sent back to wait for KV blocks
     num_preempted: int = 0               # running sequences that gave their slot to a fair share
 
 
+@dataclass(frozen=True)
+class KVBudget:
+    """The model process's KV cache, in blocks of block_size tokens: what admission counts."""
+
+    num_blocks: int
+    block_size: int
+
+    def blocks(self, seq: Sequence) -> int:
+        """Blocks a sequence holds once this step has computed it: its tokens so far (the
+        last sampled one gets its keys and values in this step's decode)."""
+        return -(-seq.num_tokens // self.block_size)
+
+
 class WorkloadManager:
-    """Admission bounded by `max_num_seqs` and a per-step token budget (decode tokens first,
-    then prompts; at least one newcomer per step while there is a free slot). FIFO within a
+    """Admission bounded by `max_num_seqs`, a per-step token budget (decode tokens first,
+    then prompts; at least one newcomer per step while there is a free slot) and, once
+    the model process has said how big it is, the KV cache's blocks: a newcomer joins only if
+    its blocks fit beside the running batch's, and when the running batch outgrows the cache
+    the newest sequences are preempted (vLLM's recompute preemption: back to the front of the
+    queue, keeping their output; their next prefill covers prompt and output). FIFO within a
     key; across keys (sequence owners) the key holding the fewest slots goes first, and while
     another key waits, none holds more than `key_share` of the batch (docs/security.md)."""
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 policy: BatchPolicy | None = None, key_share: float = 1.0):
+                 policy: BatchPolicy | None = None, kv_budget: KVBudget | None = None,
+                 key_share: float = 1.0):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy or ContinuousBatching()
+        self.kv_budget = kv_budget
         # A key's fair share of the batch, in slots (all of them for key_share 1).
         self.key_cap = max(1, int(max_num_seqs * key_share))
         self.waiting: deque[Sequence] = deque()
@@ -108,11 +128,20 @@ class WorkloadManager:
         seq.finish(reason, error)
         self._remove(seq)
 
+    def set_kv_budget(self, num_blocks: int, block_size: int) -> None:
+        """The model process's KV cache size (0 blocks: the backend counts for itself)."""
+        self.kv_budget = KVBudget(num_blocks, block_size) if num_blocks and block_size else None
+
     def schedule(self) -> SchedulerOutput:
+        self._preempt()
         if self.policy.may_admit(len(self.running)):
             self._preempt_for_fair_share()
         out = SchedulerOutput(decode=list(self.running))
         budget = self.max_num_batched_tokens - len(out.decode)
+        kv = self.kv_budget
+        used = sum(kv.blocks(s) for s in self.running) if kv else 0
+        # (After a preemption nobody joins: the front of the queue is now the oldest victim,
+        # and preemption stopped as soon as the batch fit without it.)
         if self.policy.may_admit(len(self.running)):
             while self.waiting and len(self.running) + len(out.prefill) < self.max_num_seqs:
                 seq = self._next_waiting(out.prefill)
@@ -121,15 +150,39 @@ class WorkloadManager:
                 # budget leaves can neither starve nor make the running batch drain first.
                 if seq.num_tokens > budget and out.prefill:
                     break
+                if kv and used + kv.blocks(seq) > kv.num_blocks:
+                    # One that can never fit goes alone into an empty batch: the model process
+                    # refuses it (longer than its context, which it caps at the cache's size).
+                    if kv.blocks(seq) <= kv.num_blocks or self.running or out.prefill:
+                        break
                 self.waiting.remove(seq)
                 out.prefill.append(seq)
                 budget -= seq.num_tokens
+                used += kv.blocks(seq) if kv else 0
         out.freed_seq_ids, self._freed = self._freed, []
         self.stats.num_steps += 1
         self.stats.num_prefilled += len(out.prefill)
         if out.decode:
             self.stats.num_joined_running_batch += len(out.prefill)
         return out
+
+    def _preempt(self) -> None:
+        """Makes the running batch fit the KV cache for this step: the newest sequences go
+        back to the front of the waiting queue (the model process frees their blocks)."""
+        kv, victims = self.kv_budget, []
+        if kv is None:
+            return
+        used = sum(kv.blocks(s) for s in self.running)
+        while used > kv.num_blocks and len(self.running) > 1:
+            seq = self.running.pop()
+            used -= kv.blocks(seq)
+            seq.state = SequenceState.WAITING
+            seq.num_preemptions += 1
+            self._freed.append(seq.seq_id)
+            victims.append(seq)
+        for seq in victims:   # newest popped first: the oldest victim ends up in front
+            self.waiting.appendleft(seq)
+        self.stats.num_preemptions += len(victims)
 
     def update(self, out: SchedulerOutput, token_ids: dict[str, int]) -> list[Sequence]:
         """Appends each sequence's new token; returns the sequences that finished on a token."""
@@ -160,6 +213,13 @@ class WorkloadManager:
             self.waiting.appendleft(seq)
         self._freed = []
         return seqs
+
+    def _remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self._freed.append(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
 
     # --- fair share across keys ------------------------------------------------------------------
     def _next_waiting(self, joining: list[Sequence]) -> Sequence:

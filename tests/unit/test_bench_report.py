@@ -116,3 +116,18 @@ def test_the_first_token_event_and_the_first_text_are_timed_apart(monkeypatch):
     assert r.ok and r.ttft == 1.0 and r.ttft_text == 2.0
     s = summarize([r], wall_s=3.0)
     assert s["ttft_p50_s"] == 1.0 and s["ttft_text_p50_s"] == 2.0
+
+
+def test_the_mixed_lengths_targets_read_each_long_run():
+    runs = [{"name": "short alone", "long_prompt_tokens": 0, "short_latency_p50_s": 10.0,
+             "rss_before_mb": 900, "rss_peak_mb": 910, "kv_mb": 10},
+            {"name": "short + 1 x 3000", "long_prompt_tokens": 3000, "short_latency_p50_s": 12.0,
+             "short_p50_over_alone": 1.2, "rss_before_mb": 900, "rss_peak_mb": 1100,
+             "kv_mb": 150, "rss_growth_over_kv": 1.33}]
+    lengths = {"short_requests": 32, "max_tokens": 64, "runs": runs}
+    got = {x["name"]: x["met"] for x in targets([], {"served_over_raw": {}}, None,
+                                                lengths=lengths)}
+    assert got["lengths: short p50 beside 1 x 3000 tokens <= 1.5 x alone"] is True
+    assert got["lengths: model RSS growth beside 1 x 3000 <= 1.25 x its KV bytes"] is False
+    table = format_table({"lengths": lengths, "targets": []})
+    assert "short + 1 x 3000" in table and "1.20" in table

@@ -469,3 +469,133 @@ def test_one_owner_keeps_fifo_order():
         wm.add(s)
     out, _ = step(wm)
     assert ids(out.prefill) == ids(seqs[:2]) and ids(wm.waiting) == ids(seqs[2:])
+
+
+# --- the KV cache budget (blocks of 4 tokens) ---------------------------------------------------
+def kv_manager(num_blocks: int, **kw) -> WorkloadManager:
+    wm = make_manager(**kw)
+    wm.set_kv_budget(num_blocks, 4)
+    return wm
+
+
+def blocks_in_use(wm: WorkloadManager) -> int:
+    return sum(wm.kv_budget.blocks(s) for s in wm.running)
+
+
+def test_admission_counts_free_blocks_not_rows():
+    wm = kv_manager(10)
+    seqs = [make_seq(11) for _ in range(4)]               # 3 blocks each, with a first token
+    for s in seqs:
+        wm.add(s)
+    out, _ = step(wm)
+    assert ids(out.prefill) == ids(seqs[:3]) and ids(wm.waiting) == [seqs[3].seq_id]
+    assert blocks_in_use(wm) == 9
+    # A short one behind it does not jump the queue (FIFO), though it would fit.
+    wm.add(make_seq(2))
+    out, _ = step(wm)
+    assert out.prefill == [] and ids(out.decode) == ids(seqs[:3])
+
+
+def test_running_out_of_blocks_mid_decode_preempts_the_newest():
+    wm = kv_manager(7)
+    a, b, c = make_seq(8, max_tokens=20), make_seq(8, max_tokens=20), make_seq(3, max_tokens=20)
+    for s in (a, b, c):
+        wm.add(s)
+    while True:
+        out = wm.schedule()
+        # What the step computes always fits: 2 + 2 + 1 blocks, then 3 + 3 + 1, then ...
+        assert sum(wm.kv_budget.blocks(s) for s in out.decode + out.prefill) <= 7
+        if wm.stats.num_preemptions:
+            break
+        wm.update(out, tokens_for(out))
+    # ... a and b reach their third blocks and c its second (3 + 3 + 2 > 7): c, the newest,
+    # goes back to the front of the queue and the model process frees it in this very step.
+    assert ids(out.decode) == ids([a, b]) and out.prefill == []
+    assert out.freed_seq_ids == [c.seq_id]
+    assert list(wm.waiting) == [c] and c.state is SequenceState.WAITING
+    assert c.num_preemptions == 1 and c.output_token_ids == [7, 7]
+    wm.update(out, tokens_for(out))
+    out, _ = step(wm)
+    assert out.prefill == [] and list(wm.waiting) == [c]   # 3 + 3 + 2 still too many
+    # Blocks free again: it comes back, output kept; its prefill covers prompt and output.
+    wm.abort(a, FinishReason.STOP)
+    out = wm.schedule()
+    assert ids(out.prefill) == [c.seq_id] and out.num_batched_tokens == 1 + 5
+
+
+def test_several_preempted_keep_their_order_at_the_front_of_the_queue():
+    wm = kv_manager(5)
+    a, b = make_seq(7, max_tokens=20), make_seq(7, max_tokens=20)   # 2 blocks each
+    wm.add(a)
+    wm.add(b)
+    step(wm)
+    newcomer, later = make_seq(1, max_tokens=20), make_seq(1)
+    wm.add(newcomer)
+    wm.add(later)
+    out, _ = step(wm)                                     # 2 + 2 + 1 = 5: the newcomer fits
+    assert ids(out.prefill) == [newcomer.seq_id]
+    out = wm.schedule()                                   # 3 + 3 + 1 > 5: two must go
+    assert wm.stats.num_preemptions == 2 and ids(out.decode) == [a.seq_id]
+    assert ids(wm.waiting) == ids([b, newcomer, later]) and out.prefill == []
+    assert sorted(out.freed_seq_ids) == sorted(ids([b, newcomer]))
+
+
+def test_the_oldest_sequence_is_never_preempted():
+    wm = kv_manager(2)
+    a = make_seq(7, max_tokens=3)
+    wm.add(a)
+    for _ in range(3):
+        out, finished = step(wm)
+    assert finished == [a] and wm.stats.num_preemptions == 0
+
+
+def test_a_prompt_bigger_than_the_whole_cache_goes_alone_to_be_refused():
+    wm = kv_manager(2)
+    small, huge, after = make_seq(4, max_tokens=2), make_seq(9), make_seq(4)
+    for s in (small, huge, after):
+        wm.add(s)
+    out, _ = step(wm)
+    assert ids(out.prefill) == [small.seq_id]             # huge waits for an empty batch
+    out, finished = step(wm)
+    assert out.prefill == [] and finished == [small]
+    out = wm.schedule()
+    assert ids(out.prefill) == [huge.seq_id] and out.decode == []
+    wm.abort(huge, FinishReason.ERROR, "longer than the context")   # what the model answers
+    wm.update(out, {})
+    out, _ = step(wm)
+    assert ids(out.prefill) == [after.seq_id]
+
+
+def test_without_a_budget_blocks_are_not_counted():
+    wm = make_manager(max_num_seqs=4, max_num_batched_tokens=8000)
+    wm.set_kv_budget(0, 0)
+    for _ in range(4):
+        wm.add(make_seq(1000))
+    out, _ = step(wm)
+    assert len(out.prefill) == 4 and wm.kv_budget is None
+
+
+def test_preemptions_reach_the_metrics_when_the_sequence_finishes():
+    import fakeredis
+
+    from common import metrics
+
+    wm = kv_manager(3)
+    old, new = make_seq(4, max_tokens=6), make_seq(4, max_tokens=6)
+    wm.add(old)
+    wm.add(new)
+    finished = []
+    for _ in range(30):
+        if not wm.num_unfinished:
+            break
+        finished += step(wm)[1]
+    assert new.num_preemptions >= 1 and old.num_preemptions == 0
+    assert wm.stats.num_preemptions == new.num_preemptions and len(finished) == 2
+    r = fakeredis.FakeRedis()
+    pipe = r.pipeline()
+    for s in finished:
+        metrics.record_finished(pipe, finish_reason="length", prompt_tokens=4,
+                                generation_tokens=6, preemptions=s.num_preemptions,
+                                queue_s=None, ttft_s=None, tpot_s=None, e2e_s=None)
+    pipe.execute()
+    assert metrics.read_snapshot(r)["counters"]["num_preemptions_total"] == new.num_preemptions

@@ -1,179 +1,240 @@
-"""BatchKVCache invariants: compact rows, right-aligned windows, trimming, relocation and growth.
+"""The paged KV cache: block tables, the budget, memory reuse, paged attention and chunked
+prefill.
 
-The unit tests feed the cache fake "prefill caches" whose keys are labelled (row tag, token
-index), so after any sequence of adds, removes and decode steps each row's unmasked keys must
-read back exactly as that sequence's tokens, in order. The last test drives a real ModelWorker
-whose cache starts tiny (8 columns) through every relocation path and compares with solo runs.
+Unit tests drive PagedKVCache and the attention function with hand-made tensors; the rest
+drive a real ModelWorker over the tiny random model and compare with sequences run alone.
 """
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
+import torch.nn.functional as F
 
 from factories import Driver, compare_to_solo, make_prompts, new_seq, recording, solo_references
-from worker.kv_cache import BatchKVCache
+from worker.kv_cache import KVCacheFull, PagedKVCache
 from worker.messages import StepRequest
-from worker.model_worker import ModelWorker
+from worker.model_worker import ModelWorker, kv_bytes_per_token
+from worker.paged_attention import paged_attention_forward
 
-H, D, LAYERS = 2, 3, 2
-
-
-class FakeLayer:
-    def __init__(self, keys, values):
-        self.keys, self.values = keys, values
+BS = 4          # tokens per block in the unit tests
+LOGIT_TOL = 1e-4
 
 
-def label(tag: int, index: int) -> float:
-    """The key written for token `index` of the sequence tagged `tag` (values are its negation)."""
-    return tag * 1000.0 + index
+def grow(cache: PagedKVCache, lengths: dict[str, int]) -> None:
+    """Adds the sequences (if new) and computes `n` more tokens of each, without a model."""
+    for sid in lengths:
+        if sid not in cache.tables:
+            cache.add(sid)
+    cache.commit(cache.plan(list(lengths.items())))
 
 
-class Model:
-    """What the cache should hold: for each sequence, the labels of its tokens so far."""
-
-    def __init__(self):
-        self.tokens: dict[str, list[float]] = {}
-        self.tags: dict[str, int] = {}
-
-    def prefill(self, cache: BatchKVCache, seqs: dict[str, int]) -> None:
-        """One prefill group: left-padded to the longest, like ModelWorker._prefill_group."""
-        longest = max(seqs.values())
-        n = len(seqs)
-        keys = torch.zeros(n, H, longest, D)
-        mask = torch.zeros(n, longest, dtype=torch.long)
-        for r, (sid, length) in enumerate(seqs.items()):
-            tag = self.tags.setdefault(sid, len(self.tags) + 1)
-            self.tokens[sid] = [label(tag, j) for j in range(length)]
-            keys[r, :, longest - length:, :] = torch.tensor(self.tokens[sid])[None, :, None]
-            mask[r, longest - length:] = 1
-        layers = [FakeLayer(keys + 0.5 * li, -(keys + 0.5 * li)) for li in range(LAYERS)]
-        cache.add(list(seqs), layers, mask, mask.sum(-1))
-
-    def decode(self, cache: BatchKVCache) -> None:
-        """One decode step as the model does it: open a column, write every row, close it."""
-        n = cache.num_rows
-        attn, pos = cache.begin_decode()
-        assert attn.shape == (n, cache.end - cache.start + 1)
-        assert bool(attn[:, -1].all()), "the new column is visible to every row"
-        assert pos[:, 0].tolist() == [len(self.tokens[s]) for s in cache.seq_ids]
-        step = torch.zeros(n, H, 1, D)
-        for r, sid in enumerate(cache.seq_ids):
-            self.tokens[sid].append(label(self.tags[sid], len(self.tokens[sid])))
-            step[r] = self.tokens[sid][-1]
-        for li, layer in enumerate(cache.cache.layers):
-            k, v = layer.update(step + 0.5 * li, -(step + 0.5 * li))
-            assert k.shape == (n, H, cache.end - cache.start + 1, D)
-            assert torch.equal(k[:, :, -1:], step + 0.5 * li)
-        cache.end_decode()
-
-    def remove(self, cache: BatchKVCache, seq_ids) -> None:
-        cache.remove(seq_ids)
-        for sid in seq_ids:
-            self.tokens.pop(sid, None)
-
-    def check(self, cache: BatchKVCache) -> None:
-        """Every invariant of the cache against what it should hold."""
-        n, s, e = cache.num_rows, cache.start, cache.end
-        assert sorted(cache.seq_ids) == sorted(self.tokens)
-        assert len(set(cache.seq_ids)) == n
-        assert 0 <= s <= e <= cache.cap
-        for buf in cache.k + cache.v:
-            assert buf.shape[0] == cache.max_rows and buf.shape[2] == cache.cap
-        if n == 0:
-            assert s == e == 0
-            return
-        mask = cache.mask[:n]
-        assert not mask[:, :s].any() and not mask[:, e:].any(), "mask outside the window"
-        assert bool(mask[:, s].any()), "leading all-padding column not trimmed"
-        assert bool(mask[:, e - 1].all()), "a row is not right-aligned to the write column"
-        for r, sid in enumerate(cache.seq_ids):
-            want = self.tokens[sid]
-            row = mask[r, s:e]
-            assert row.sum() == len(want)
-            assert not row[:e - s - len(want)].any(), "left padding must be a prefix"
-            assert int(cache.pos[r]) == len(want)
-            for li in range(LAYERS):
-                k = cache.k[li][r, :, s:e][:, row.bool()]
-                v = cache.v[li][r, :, s:e][:, row.bool()]
-                expect = (torch.tensor(want) + 0.5 * li)[None, :, None].expand(H, -1, D)
-                assert torch.equal(k, expect), f"{sid}: keys of layer {li} lost or moved"
-                assert torch.equal(v, -expect)
+# --- block tables -------------------------------------------------------------------------------
+def test_each_sequence_holds_its_own_tokens_in_blocks():
+    cache = PagedKVCache(num_blocks=100, block_size=BS)
+    grow(cache, {"short": 3, "long": 30})
+    grow(cache, {"short": 1, "long": 1})
+    assert cache.lengths == {"short": 4, "long": 31}
+    # Memory follows each sequence's own length: 1 block and 8 blocks, not 2 x 8.
+    assert [len(cache.tables[s]) for s in ("short", "long")] == [1, 8]
+    assert cache.num_free_blocks == 100 - 9
+    plan = cache.plan([("short", 1), ("long", 1)])
+    long, short = plan.rows                              # decode rows: longest first
+    assert (short.num_past, short.length, long.length) == (4, 5, 32)
+    # Slots are the blocks' token slots in table order; the new token is the last one.
+    table = cache.tables["long"]
+    assert long.slots.tolist() == [b * BS + i for b in table for i in range(BS)][:32]
+    assert plan.write_slots.tolist() == [long.slots[-1].item(), short.slots[-1].item()]
+    # A 5-token row and a 32-token row are not padded into one attention call.
+    assert [(g.start, g.slots.shape) for g in plan.decode_groups] == [(0, (1, 32)), (1, (1, 5))]
 
 
-@pytest.fixture
-def cache_and_model():
-    return BatchKVCache(max_rows=4, initial_cols=8), Model()
+def test_rows_of_similar_length_share_one_padded_group():
+    cache = PagedKVCache(num_blocks=100, block_size=BS)
+    grow(cache, {"a": 20, "b": 18, "c": 19})
+    plan = cache.plan([("a", 1), ("b", 1), ("c", 1)])
+    group, = plan.decode_groups
+    assert group.slots.shape == (3, 21) and [r.seq_id for r in plan.rows] == ["a", "c", "b"]
+    assert group.mask[:, 0, 0].sum(-1).tolist() == [21, 20, 19]
+    assert group.additive_mask(torch.float32)[:, 0, 0].isinf().sum(-1).tolist() == [0, 1, 2]
 
 
-def test_add_right_aligns_and_masks_left_padding(cache_and_model):
-    cache, m = cache_and_model
-    m.prefill(cache, {"a": 5, "b": 3})
-    m.check(cache)
-    assert cache.seq_ids == ["a", "b"]
-    assert (cache.start, cache.end) == (0, 5)
-    assert cache.cap == 128                             # 8 doubled until 5 + 64 columns fit
-    m.decode(cache)
-    m.prefill(cache, {"c": 2})                          # shorter: fits the window
-    m.check(cache)
-    assert cache.seq_ids == ["a", "b", "c"] and (cache.start, cache.end) == (0, 6)
+def test_the_budget_is_all_or_nothing_and_leaves_the_cache_as_it_was():
+    cache = PagedKVCache(num_blocks=5, block_size=BS)
+    grow(cache, {"a": 8})                                # 2 blocks
+    cache.add("b")
+    with pytest.raises(KVCacheFull):
+        cache.plan([("a", 1), ("b", 9)])                 # 1 + 3 blocks > 3 free
+    assert cache.tables == {"a": cache.tables["a"], "b": []} and len(cache.tables["a"]) == 2
+    assert cache.num_free_blocks == 3
+    grow(cache, {"b": 12})
+    assert cache.num_free_blocks == 0
 
 
-def test_remove_moves_the_last_row_into_the_hole(cache_and_model):
-    cache, m = cache_and_model
-    m.prefill(cache, {"a": 4, "b": 6, "c": 2, "d": 5})
-    m.decode(cache)
-    m.remove(cache, ["b"])
-    assert cache.seq_ids == ["a", "d", "c"]            # d (last) took b's row
-    m.check(cache)
-    m.decode(cache)
-    m.remove(cache, ["c"])                             # the last row: nothing moves
-    assert cache.seq_ids == ["a", "d"]
-    m.check(cache)
-    m.remove(cache, ["zz"])                            # unknown ids are ignored
-    assert cache.seq_ids == ["a", "d"]
-    m.prefill(cache, {"e": 3, "f": 1})
-    m.remove(cache, ["a", "e"])                        # several at once
-    assert cache.seq_ids == ["f", "d"]
-    m.check(cache)
-    m.decode(cache)
-    m.check(cache)
+def test_blocks_of_a_sequence_that_left_are_reused_lowest_first():
+    """A long sequence's blocks go back to the pool, and later sequences get the lowest free
+    blocks first: the pool's touched memory stays at its high-water mark."""
+    cache = PagedKVCache(num_blocks=64, block_size=BS)
+    grow(cache, {"short": 4, "long": 100})
+    high = max(b for t in cache.tables.values() for b in t)
+    cache.remove(["long"])
+    assert cache.num_free_blocks == 63
+    for i in range(3):
+        grow(cache, {f"again{i}": 100})
+        assert max(cache.tables[f"again{i}"]) <= high
+        cache.remove([f"again{i}"])
+    assert cache.seq_ids == ["short"]
 
 
-def test_remove_trims_leading_padding_columns(cache_and_model):
-    cache, m = cache_and_model
-    m.prefill(cache, {"long": 10, "short": 3})
-    m.decode(cache)
-    assert (cache.start, cache.end) == (0, 11)
-    m.remove(cache, ["long"])
-    assert (cache.start, cache.end) == (7, 11)         # the short row's 4 tokens remain
-    m.check(cache)
-    m.prefill(cache, {"mid": 6})                       # the window widens to the left again
-    assert (cache.start, cache.end) == (5, 11)
-    m.check(cache)
-    m.remove(cache, ["short", "mid"])
-    assert cache.num_rows == 0 and (cache.start, cache.end) == (0, 0)
-    m.check(cache)
-    m.prefill(cache, {"again": 4})                     # an emptied cache starts over
-    m.check(cache)
+def test_prompt_blocks_are_shared_by_reference_and_parked_when_unused():
+    cache = PagedKVCache(num_blocks=20, block_size=BS, prefix_blocks=8)
+    prompt = list(range(100, 110))                       # 2 full blocks and 2 tokens
+    grow(cache, {"a": 10})
+    cache.register_prompt("a", prompt, None)
+    shared = cache.prefix.match(prompt + [1, 2])
+    assert shared == cache.tables["a"][:2]
+    cache.add("b", shared)
+    assert cache.lengths["b"] == 8
+    cache.remove(["a"])                                  # b still uses the shared blocks
+    assert cache.prefix.num_parked == 0 and cache.pool.refs[shared[0]] == 1
+    cache.remove(["b"])
+    assert cache.prefix.num_parked == 2                  # findable, evictable
+    assert cache.num_free_blocks == 20
+    assert cache.prefix.match(prompt) == shared
+    grow(cache, {"big": 20 * BS})                        # needs every block: evicts them
+    assert cache.prefix.match(prompt) == [] and cache.num_free_blocks == 0
 
 
-def test_full_batch_raises_and_keeps_the_rows(cache_and_model):
-    cache, m = cache_and_model
-    m.prefill(cache, {"a": 3, "b": 3, "c": 3})
-    with pytest.raises(RuntimeError, match="full"):
-        m.prefill(cache, {"d": 2, "e": 2})
-    for sid in ("d", "e"):
-        m.tokens.pop(sid)
-    assert cache.seq_ids == ["a", "b", "c"]
-    m.check(cache)
+# --- paged attention --------------------------------------------------------------------------------
+class FakeAttention(torch.nn.Module):
+    def __init__(self, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
 
 
-def test_newcomers_beyond_the_free_rows_fail_alone_before_any_compute(sharp_model):
-    """Prefill groups join the batch's cache at the end of the step, so room is counted in
-    sequences across the step's groups: the one that does not fit gets an error, the rest run
-    and the step (and the batch) survives."""
+def reference(q, k, v, past_k, past_v, scale):
+    """One row's attention computed directly: all its keys, causal, kv heads repeated."""
+    keys, values = torch.cat([past_k, k], 1), torch.cat([past_v, v], 1)   # [kvh, L, d]
+    rep = q.shape[0] // keys.shape[0]
+    keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
+    n, length = q.shape[1], keys.shape[1]
+    mask = torch.arange(length)[None, :] <= (torch.arange(n) + length - n)[:, None]
+    return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
+                                          scale=scale)[0].transpose(0, 1)   # [n, heads, d]
+
+
+def test_paged_attention_equals_each_rows_own_attention():
+    """Decode rows of very different lengths, a prefill from scratch and a prefill chunk over
+    a cached past, in one pass: each row's output equals its attention computed alone."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, scale = 6, 2, 8, 0.3
+    cache = PagedKVCache(num_blocks=200, block_size=BS, max_group_padding=0.25)
+    past = {"d1": 3, "d2": 50, "d3": 20, "d4": 21, "chunk": 9}
+    stored = {}
+    for sid, n in past.items():   # fill the pool through the attention function itself
+        cache.add(sid)
+        plan = cache.plan([(sid, n)])
+        k, v = torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
+        paged_attention_forward(FakeAttention(), torch.randn(1, heads, n, dim), k, v, None,
+                                scaling=scale, kv_plan=plan)
+        cache.commit(plan)
+        stored[sid] = (k[0], v[0])
+    cache.add("fresh")
+    new = {"d1": 1, "d2": 1, "fresh": 5, "d3": 1, "chunk": 6, "d4": 1}
+    plan = cache.plan(list(new.items()))
+    total = sum(new.values())
+    q = torch.randn(1, heads, total, dim)
+    k, v = torch.randn(1, kv_heads, total, dim), torch.randn(1, kv_heads, total, dim)
+    out, _ = paged_attention_forward(FakeAttention(), q, k, v, None, scaling=scale, kv_plan=plan)
+    assert out.shape == (1, total, heads, dim)
+    start = 0
+    for row in plan.rows:   # the pass's tokens are in plan order
+        n = new[row.seq_id]
+        pk, pv = stored.get(row.seq_id, (torch.zeros(kv_heads, 0, dim),) * 2)
+        want = reference(q[0, :, start:start + n], k[0, :, start:start + n],
+                         v[0, :, start:start + n], pk, pv, scale)
+        torch.testing.assert_close(out[0, start:start + n], want, rtol=1e-5, atol=1e-5)
+        start += n
+    assert [len(g.slots) for g in plan.decode_groups] == [1, 2, 1]
+    assert len(plan.prefill_rows) == 2
+    # Both ways of reading a row's keys were used: a slice of consecutive blocks (d2's, alone
+    # in its group; fresh's) and a gather (the others).
+    assert plan.decode_groups[0].first_slot == cache.tables["d2"][0] * BS
+    assert [r.first_slot is not None for _t, r in plan.prefill_rows] == [True, False]
+
+
+# --- through a real ModelWorker ------------------------------------------------------------------
+def worker_with_blocks(model, info, num_blocks: int, max_num_seqs: int = 8, **kw) -> ModelWorker:
+    block_bytes = kv_bytes_per_token(model) * 8
+    return ModelWorker(model, info, max_num_seqs, kv_cache_bytes=num_blocks * block_bytes, **kw)
+
+
+def test_the_budget_caps_the_context_and_a_longer_prompt_fails_alone(sharp_model):
+    model, info = sharp_model
+    worker = worker_with_blocks(model, info, num_blocks=10)
+    assert worker.kv_capacity == (10, 8) and worker.info.max_model_len == 80
+    ok, too_long = make_prompts(2, lengths=[20, 81], vocab=info.vocab_size)
+    res = worker.step(StepRequest(prefill=[new_seq("ok", ok), new_seq("long", too_long)]))
+    assert set(res.token_ids) == {"ok"} and "exceeds" in res.errors["long"]
+    assert worker.cache.seq_ids == ["ok"] and worker.cache.num_free_blocks == 7
+
+
+def test_a_preempted_sequence_recomputed_from_its_tokens_continues_the_same(sharp_model):
+    """Preemption by recompute, as the scheduler does it: the sequence is freed mid-decode
+    and later prefilled again with its prompt and output so far; it goes on with exactly the
+    tokens (and logits) it would have produced had it never left."""
+    model, info = sharp_model
+    prompts = dict(zip(["a", "b"], make_prompts(2, lengths=[30, 17], vocab=info.vocab_size)))
+    solo = solo_references(model, info, prompts, 16)
+    worker = worker_with_blocks(model, info, num_blocks=12)
+    rec = recording(worker)
+    d = Driver(worker)
+    d.step(prefill=[new_seq("a", prompts["a"]), new_seq("b", prompts["b"])])
+    for _ in range(4):
+        d.step()
+    d.step(free=["b"])                                   # preempted: its blocks go back
+    assert worker.cache.num_free_blocks == 12 - 5        # a: 35 tokens
+    so_far = d.outputs.pop("b")
+    seq = new_seq("b", prompts["b"] + so_far)
+    seq.num_output_tokens = len(so_far)
+    d.step(prefill=[seq])
+    d.outputs["b"] = so_far + d.outputs["b"]
+    while len(d.outputs["b"]) < 12:
+        d.step()
+    for sid in prompts:   # tokens and logits, before and after the recompute
+        assert compare_to_solo(sid, solo[sid], d.outputs[sid], rec.steps[sid], LOGIT_TOL) is None
+    d.finish()
+    assert worker.cache.num_free_blocks == 12
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(sharp_model):
+    model, info = sharp_model
+    prompts = dict(zip(["run", "long"], make_prompts(2, lengths=[10, 70], vocab=info.vocab_size)))
+    solo = solo_references(model, info, prompts, 6)
+    worker = ModelWorker(model, info, 4, prefill_chunk=16)
+    rec = recording(worker)
+    first = worker.step(StepRequest(prefill=[new_seq("run", prompts["run"])]))
+    outputs = {"run": [first.token_ids["run"]], "long": []}
+    res = worker.step(StepRequest(prefill=[new_seq("long", prompts["long"])],
+                                  decode_seq_ids=["run"]))
+    steps = 1
+    while not res.token_ids.get("long"):
+        assert set(res.token_ids) == {"run"} and not res.errors   # the batch keeps decoding
+        outputs["run"].append(res.token_ids["run"])
+        res = worker.step(StepRequest(decode_seq_ids=["run", "long"]))
+        steps += 1
+    assert steps == 5                                    # 70 tokens = 4 chunks of 16 + 6
+    for sid, tok in res.token_ids.items():
+        outputs[sid].append(tok)
+    while len(outputs["long"]) < 6:
+        res = worker.step(StepRequest(decode_seq_ids=["run", "long"]))
+        for sid, tok in res.token_ids.items():
+            outputs[sid].append(tok)
+    assert compare_to_solo("long", solo["long"], outputs["long"], rec.steps["long"],
+                           LOGIT_TOL) is None
+    assert outputs["run"][:6] == solo["run"].tokens
+
+
+def test_newcomers_beyond_the_free_rows_fail_alone(sharp_model):
     model, info = sharp_model
     worker = ModelWorker(model, info, max_num_seqs=3)
     long1, long2, short1, short2 = make_prompts(4, lengths=[40, 41, 4, 5], vocab=info.vocab_size)
@@ -184,120 +245,56 @@ def test_newcomers_beyond_the_free_rows_fail_alone_before_any_compute(sharp_mode
     assert set(worker.states) == set(res.token_ids)
 
 
-def test_newcomer_longer_than_the_window_relocates_the_rows(cache_and_model):
-    cache, m = cache_and_model
-    m.prefill(cache, {"a": 3, "b": 2})
-    for _ in range(3):
-        m.decode(cache)
-    cap = cache.cap
-    m.prefill(cache, {"c": 20})                        # longer than end (6): shift right
-    assert (cache.start, cache.end) == (0, 20) and cache.cap == cap
-    m.check(cache)
-    m.prefill(cache, {"d": cap + 10})                  # longer than the buffer: grow
-    assert cache.cap >= cap + 10 + 64 and cache.end == cap + 10
-    m.check(cache)
-    m.decode(cache)
-    m.check(cache)
+def test_the_scheduler_keeps_the_worker_within_a_tight_budget_by_preemption(sharp_model):
+    """The workload manager and a model worker with room for 14 blocks (112 tokens) run six
+    sequences that need 181 tokens together, the way the engine drives them: the running
+    batch outgrows the cache, the newest sequences are preempted and recomputed later, the
+    worker never runs out of blocks, and every sequence still gets its solo tokens."""
+    from common.protocol import SamplingParams
+    from worker.messages import NewSequence
+    from worker.sequence import Sequence
+    from worker.workload_manager import WorkloadManager
 
-
-def test_decode_at_the_end_of_the_buffer_compacts_without_growing(cache_and_model):
-    cache, m = cache_and_model
-    m.prefill(cache, {"a": 3})
-    cap = cache.cap
-    while cache.end < cap - 30:
-        m.decode(cache)
-    m.prefill(cache, {"b": 2})
-    m.remove(cache, ["a"])                             # the window is now b's alone: small
-    while cache.end < cap:
-        m.decode(cache)
-    w = cache.end - cache.start
-    assert w <= cap - 64
-    m.decode(cache)                                    # no column left: moves to column 0
-    assert cache.cap == cap and (cache.start, cache.end) == (0, w + 1)
-    m.check(cache)
-
-
-def test_decode_at_the_end_of_the_buffer_grows_a_wide_window(cache_and_model):
-    cache, m = cache_and_model
-    m.prefill(cache, {"a": 3, "b": 1})
-    cap = cache.cap
-    while cache.end < cap:
-        m.decode(cache)
-    m.decode(cache)                                    # window of cap columns: must grow
-    assert cache.cap == 2 * cap and (cache.start, cache.end) == (0, cap + 1)
-    m.check(cache)
-
-
-# --- through a real ModelWorker ------------------------------------------------------------------
-LOGIT_TOL = 1e-4
-
-
-def test_worker_with_a_tiny_initial_buffer_matches_solo_runs(sharp_model):
-    """A worker whose cache starts with 8 columns goes through growth on the first prefill,
-    compaction when decoding hits the end of the buffer, and growth when a long newcomer
-    joins running rows; every sequence still produces its solo tokens and logits."""
     model, info = sharp_model
-    lengths = {"A": 60, "B": 30, "C": 8, "D": 6, "E": 100}
-    prompts = dict(zip(lengths, make_prompts(5, lengths=list(lengths.values()), seed=99)))
-    worker = ModelWorker(model, info, 4)
-    worker.cache = BatchKVCache(max_rows=4, initial_cols=8)
-    rec = recording(worker)
-    cache = worker.cache
-    relocations = []
-    original = cache._relocate
-
-    def spy(new_start, min_cap):
-        caller = sys._getframe(1).f_code.co_name
-        before = (cache.cap, cache.num_rows)
-        original(new_start, min_cap)
-        relocations.append({"by": caller, "cap": (before[0], cache.cap), "rows": before[1],
-                            "start": cache.start})
-
-    cache._relocate = spy
-    d = Driver(worker)
-    seq = lambda sid: new_seq(sid, prompts[sid])   # noqa: E731
-    d.step(prefill=[seq("A"), seq("B")])
-    while cache.end < 72:
-        d.step()
-    d.step(free=["A"], prefill=[seq("C")])             # B moves into A's row
-    while cache.end < 80:
-        d.step()
-    d.step(free=["B"], prefill=[seq("D")])             # C moves into B's row
-    cap = cache.cap
-    while not any(r["by"] == "begin_decode" for r in relocations):
-        assert cache.end <= cap
-        d.step()
-    for _ in range(3):
-        d.step()
-    d.step(prefill=[seq("E")])                         # longer than the window: grow
-    for _ in range(3):
-        d.step()
-    d.finish()
-
-    assert [(r["by"], r["cap"][0] == r["cap"][1]) for r in relocations] == [
-        ("add", False), ("begin_decode", True), ("add", False)], relocations
-    assert relocations[0]["cap"] == (8, 128)
-    assert relocations[1]["start"] == 0 and relocations[1]["rows"] == 2
-    assert relocations[2]["rows"] == 2 and cache.cap == 256
-    assert d.row_moves() >= 2
-
-    solo = solo_references(model, info, prompts, {sid: len(t) for sid, t in d.outputs.items()})
-    ties = [t for sid in prompts
-            if (t := compare_to_solo(sid, solo[sid], d.outputs[sid], rec.steps[sid], LOGIT_TOL))]
-    if ties:
-        print("near ties:", ties)
+    lengths = [20, 9, 30, 14, 25, 11]
+    prompts = {f"q{i}": ids for i, ids in
+               enumerate(make_prompts(6, lengths=lengths, vocab=info.vocab_size, seed=5))}
+    solo = solo_references(model, info, prompts, 12)
+    worker = worker_with_blocks(model, info, num_blocks=14, max_num_seqs=6)
+    wm = WorkloadManager(max_num_seqs=6)
+    wm.set_kv_budget(*worker.kv_capacity)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    seqs = [Sequence(sid, ids, params) for sid, ids in prompts.items()]
+    for s in seqs:
+        wm.add(s)
+    for _ in range(200):
+        if not wm.num_unfinished:
+            break
+        out = wm.schedule()
+        res = worker.step(StepRequest(
+            prefill=[NewSequence(s.seq_id, s.all_token_ids, s.params, s.num_output_tokens)
+                     for s in out.prefill],
+            decode_seq_ids=[s.seq_id for s in out.decode], free_seq_ids=out.freed_seq_ids))
+        assert not res.errors, res.errors
+        wm.update(out, res.token_ids)
+    assert not wm.num_unfinished and wm.stats.num_preemptions >= 1
+    assert sum(s.num_preemptions for s in seqs) == wm.stats.num_preemptions
+    for s in seqs:
+        assert s.output_token_ids == solo[s.seq_id].tokens, s.seq_id
 
 
-def test_moving_the_window_reuses_the_buffers_while_they_are_big_enough(cache_and_model):
-    # Zero-filling fresh buffers costs ~0.3 s for 64 rows of SmolLM2 on a CPU: a prefill into an
-    # empty batch (every request at concurrency 1) or a longer newcomer must not reallocate.
-    cache, m = cache_and_model
-    m.prefill(cache, {"a": 3})
-    bufs = [id(b) for b in cache.k + cache.v] + [id(cache.mask)]
-    m.decode(cache)
-    m.prefill(cache, {"b": 20})                        # longer than the window: it moves
-    m.check(cache)
-    m.remove(cache, ["a", "b"])
-    m.prefill(cache, {"c": 30})                        # into an empty batch
-    m.check(cache)
-    assert [id(b) for b in cache.k + cache.v] + [id(cache.mask)] == bufs
+def test_only_this_steps_newcomers_go_ahead_of_the_decode(sharp_model):
+    """The engine takes a partial result as the newcomers' part of the step: the first token
+    of a chunked prompt that finishes in a later step must come with the decode's tokens."""
+    model, info = sharp_model
+    run, long, short = make_prompts(3, lengths=[5, 20, 6], vocab=info.vocab_size)
+    worker = ModelWorker(model, info, 4, prefill_chunk=16)
+    worker.step(StepRequest(prefill=[new_seq("run", run)]))
+    ahead = []
+    res = worker.step(StepRequest(prefill=[new_seq("long", long)], decode_seq_ids=["run"]),
+                      early=ahead.append)
+    assert ahead == [] and set(res.token_ids) == {"run"}      # long: first chunk only
+    res = worker.step(StepRequest(prefill=[new_seq("short", short)],
+                                  decode_seq_ids=["run", "long"]), early=ahead.append)
+    assert [set(p.token_ids) for p in ahead] == [{"short"}] and ahead[0].partial
+    assert set(res.token_ids) == {"run", "long"} and not res.partial

@@ -1,10 +1,9 @@
-"""Prefix caching: PrefixCache by itself on hand-made tensors, then inside the model worker,
-where a prompt prefilled over cached blocks must give what the same prompt gives computed
-from scratch (tokens, and logits within float noise)."""
+"""Prefix caching: PrefixCache by itself on hand-made block ids, then inside the model worker,
+where a prompt prefilled over cached (shared) blocks must give what the same prompt gives
+computed from scratch (tokens, and logits within float noise)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from common.protocol import SamplingParams
 from factories import Driver, compare_to_solo, make_prompts, new_seq, recording, solo_references
@@ -16,64 +15,58 @@ B = 8          # the block size
 LOGIT_TOL = 1e-4
 
 
-def kv_of_positions(layers: int = 2, heads: int = 1, dim: int = 1):
-    """kv_of(start, end) whose values are the token positions, so a match can be read back."""
-    def kv_of(start, end):
-        pos = torch.arange(start, end, dtype=torch.float32)
-        return pos.view(1, 1, 1, -1, 1).expand(layers, 2, heads, end - start, dim)
-    return kv_of
-
-
-BLOCK_BYTES = 2 * 2 * 1 * B * 1 * 4   # layers x (k, v) x heads x tokens x dim x float32
+def cache_with(prompt: list[int], salt: str | None = None, max_parked: int = 64,
+               c: PrefixCache | None = None) -> PrefixCache:
+    """Registers the prompt's full blocks under block ids 100, 101, ... (or the next free)."""
+    c = c or PrefixCache(max_parked, block_size=B)
+    first = 100 + len(c.key_of)
+    for i, key in enumerate(c.keys(prompt, salt, len(prompt) // B)):
+        c.register(key, first + i)
+    return c
 
 
 # --- PrefixCache --------------------------------------------------------------------------------
 def test_a_match_is_whole_blocks_and_leaves_the_last_token_to_compute():
-    c = PrefixCache(1 << 20, block_size=B)
     prompt = list(range(100, 120))                      # 20 tokens: 2 whole blocks
-    assert c.insert(prompt, None, kv_of_positions()) == 2
-    assert c.insert(prompt, None, kv_of_positions()) == 0   # already there
-    assert c.match(prompt).num_tokens == 16
-    assert c.match(prompt[:16]).num_tokens == 8         # 16 cached, but one must be computed
-    assert c.match(prompt[:17] + [7, 7]).num_tokens == 16
-    m = c.match(prompt)
-    assert m.kv().shape == (2, 2, 1, 16, 1)
-    assert m.kv()[0, 0, 0, :, 0].tolist() == list(range(16))   # blocks in prompt order
-    assert c.match(prompt[:8]).num_tokens == 0 and c.match(prompt[:8]).kv() is None
+    c = cache_with(prompt)
+    assert c.match(prompt) == [100, 101]
+    assert c.match(prompt[:16]) == [100]                # 16 cached, but one must be computed
+    assert c.match(prompt[:17] + [7, 7]) == [100, 101]
+    assert c.match(prompt[:8]) == []
+    c.register(c.keys(prompt, None, 1)[0], 555)         # a key keeps its first block
+    assert c.match(prompt) == [100, 101]
 
 
 def test_a_block_is_shared_only_after_the_same_tokens_and_the_same_salt():
-    c = PrefixCache(1 << 20, block_size=B)
     prompt = list(range(100, 125))
-    c.insert(prompt, None, kv_of_positions())
+    c = cache_with(prompt)
     second_block_differs = prompt[:8] + [1] + prompt[9:]
     first_block_differs = [1] + prompt[1:]
-    assert c.match(second_block_differs).num_tokens == 8
-    assert c.match(first_block_differs).num_tokens == 0  # later blocks equal, context not
-    assert c.match(prompt, salt="tenant-b").num_tokens == 0
-    c.insert(prompt, "tenant-b", kv_of_positions())
-    assert c.match(prompt, salt="tenant-b").num_tokens == 24
+    assert c.match(second_block_differs) == [100]
+    assert c.match(first_block_differs) == []           # later blocks equal, context not
+    assert c.match(prompt, salt="tenant-b") == []
+    cache_with(prompt, "tenant-b", c=c)
+    assert c.match(prompt, salt="tenant-b") == [103, 104, 105]
 
 
-def test_eviction_keeps_the_budget_and_takes_chains_from_their_tail():
-    c = PrefixCache(3 * BLOCK_BYTES, block_size=B)
+def test_parked_blocks_are_evicted_least_recently_parked_first_within_the_cap():
     old, new = list(range(100, 117)), list(range(200, 217))   # 2 blocks each
-    c.insert(old, None, kv_of_positions())
-    c.insert(new, None, kv_of_positions())          # one of old's blocks has to go: its tail
-    assert c.num_bytes == 3 * BLOCK_BYTES and len(c.blocks) == 3
-    assert c.match(old).num_tokens == 8
-    assert c.match(new).num_tokens == 16
-    # Two more blocks: the least recently used go, old's last one, then new's tail (new's
-    # first block was touched after its tail).
-    c.insert(list(range(300, 317)), None, kv_of_positions())
-    assert c.match(new).num_tokens == 8 and c.match(old).num_tokens == 0
-    assert c.num_bytes == 3 * BLOCK_BYTES
+    c = cache_with(old, max_parked=3)
+    cache_with(new, c=c)
+    # Released last block first (as BlockPool.release does): chains lose their tails first.
+    assert c.park(101) == [] and c.park(100) == []
+    assert c.park(103) == [] and c.park(102) == [101]   # over the cap: old's tail goes
+    assert c.match(old) == [100] and c.match(new) == [102, 103]
+    c.unpark(102)                                       # in use again: not evictable
+    assert c.evict() == 100 and c.evict() == 103 and c.evict() is None
+    assert c.match(new) == [102] and c.match(old) == []
+    assert c.park(555) == [555]                         # a block holding no prefix is freed
 
 
 def test_off_with_no_budget():
-    c = PrefixCache(0)
-    assert c.insert(list(range(40)), None, kv_of_positions()) == 0
-    assert c.match(list(range(40))).num_tokens == 0
+    c = PrefixCache(0, block_size=B)
+    cache_with(list(range(40)), c=c)
+    assert c.match(list(range(40))) == [] and not c.key_of
 
 
 # --- in the model worker ------------------------------------------------------------------------
@@ -132,16 +125,12 @@ def test_a_prompt_meets_its_own_blocks_the_second_time(sharp_model):
     assert res.token_ids["c"] == first.outputs["a"][0]
 
 
-def test_a_cache_layout_it_cannot_store_turns_it_off_and_the_prefill_still_runs(tiny_model):
+def test_without_a_prefix_budget_nothing_is_reused(tiny_model):
     model, info = tiny_model
     prompt, = make_prompts(1, lengths=[20], seed=11)
-    worker = ModelWorker(model, info, 2, prefix_cache_bytes=64 << 20)
-
-    def unsupported(*_args):
-        raise RuntimeError("layers of different shapes")
-
-    worker.prefix_cache.insert = unsupported
-    res = worker.step(StepRequest(prefill=[new_seq("a", prompt)]))
-    assert not res.errors and "a" in res.token_ids
-    assert not worker.prefix_cache.enabled
-    assert worker.prefix_cache.match(prompt).num_tokens == 0
+    worker = ModelWorker(model, info, 2, prefix_cache_bytes=0)
+    for sid in ("a", "b"):
+        res = worker.step(StepRequest(prefill=[new_seq(sid, prompt)]))
+        assert not res.errors and sid in res.token_ids and not res.cached_tokens
+        worker.step(StepRequest(free_seq_ids=[sid]))
+    assert worker.cache.num_free_blocks == worker.cache.num_blocks

@@ -1,0 +1,89 @@
+"""Attention over the paged KV cache, plugged into transformers' attention interface.
+
+`use_paged_attention(model)` registers the implementation "llmq_paged" and selects it for the
+model. A forward pass given `kv_plan=` (a kv_cache.BatchPlan) writes each new token's keys and
+values into its pool slots, then attends each row over its own tokens only:
+
+- decode rows (one new token) in groups of similar length: the group's slots are gathered into
+  one padded [rows, kv heads, longest, head dim] tensor and one SDPA call does the group; the
+  query heads sharing a kv head go in as that head's query rows, so nothing is repeated;
+- prefill rows (a prompt or a chunk of one) one at a time: SDPA of the chunk's queries over the
+  row's gathered past and new keys, causal from the chunk's offset.
+
+Measured on the 2-core build machine (SmolLM2-135M, fp32, 2 threads) before choosing: see the
+"Paged KV cache" part of docs/architecture.md. A forward pass without `kv_plan` (a plain
+`model(...)` call) is transformers' own SDPA attention, unchanged.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "llmq_paged"
+
+
+def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                            **kwargs):
+    """query [1, heads, tokens, dim], key/value [1, kv heads, tokens, dim] of the pass's new
+    tokens; returns ([1, tokens, heads, dim], None) like transformers' SDPA attention."""
+    plan = kwargs.get("kv_plan")
+    if plan is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    kpool, vpool = plan.cache.layer(module.layer_idx, key)
+    kpool.index_copy_(0, plan.write_slots, key[0].transpose(0, 1))
+    vpool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1))
+    heads, tokens, dim = query.shape[1:]
+    kv_heads = key.shape[1]
+    rep = heads // kv_heads
+    q = query[0]                                        # [heads, tokens, dim]
+    out = query.new_empty(tokens, heads, dim)
+    for g in plan.decode_groups:
+        n, longest = g.slots.shape
+        k, v = _read(plan.cache, kpool, vpool, g.slots.flatten(), g.first_slot)
+        k = k.view(n, longest, kv_heads, dim).transpose(1, 2)
+        v = v.view(n, longest, kv_heads, dim).transpose(1, 2)
+        qg = q[:, g.start:g.start + n].reshape(kv_heads, rep, n, dim).permute(2, 0, 1, 3)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.additive_mask(q.dtype),
+                                           scale=scaling)
+        out[g.start:g.start + n] = o.reshape(n, heads, dim)
+    for start, r in plan.prefill_rows:
+        k, v = _read(plan.cache, kpool, vpool, r.slots, r.first_slot)
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]   # [1, kv heads, length, dim]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        qr = q[None, :, start:start + r.num_new]
+        if r.num_past == 0:
+            o = F.scaled_dot_product_attention(qr, k, v, is_causal=True, scale=scaling)
+        else:   # query i (at position num_past + i) sees keys 0..num_past + i
+            cols = torch.arange(r.length, device=q.device)
+            rows = torch.arange(r.num_new, device=q.device) + r.num_past
+            mask = cols[None, :] <= rows[:, None]
+            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scaling)
+        out[start:start + r.num_new] = o[0].transpose(0, 1)
+    return out[None], None
+
+
+def _read(cache, kpool, vpool, slots: torch.Tensor, first_slot: int | None):
+    """The keys and values at `slots`: a view of the pool when they are consecutive from
+    first_slot, else gathered into the cache's scratch buffers (reused: a fresh multi-MB
+    tensor per layer would be fresh pages for the kernel to fault in, every step)."""
+    n = slots.numel()
+    if first_slot is not None:
+        return kpool.narrow(0, first_slot, n), vpool.narrow(0, first_slot, n)
+    kbuf, vbuf = cache.scratch(n, kpool)
+    return (torch.index_select(kpool, 0, slots, out=kbuf),
+            torch.index_select(vpool, 0, slots, out=vbuf))
+
+
+def use_paged_attention(model) -> None:
+    """Registers the implementation (once per process) and selects it for this model."""
+    if NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(NAME, paged_attention_forward)
+        # Plain forward passes build the same masks as SDPA; paged ones pass no mask at all.
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+    model.set_attn_implementation(NAME)
