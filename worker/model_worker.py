@@ -143,9 +143,9 @@ class ModelWorker:
         by_id = {s.seq_id: s for s in seqs}
         # A prompt scored with prompt logprobs is computed in one chunk (its logits at every
         # position come from one pass).
-        chunks = [(s.seq_id, (len(s.token_ids) if s.params.prompt_logprobs is not None
-                              else min(self.prefill_chunk, len(s.token_ids)))
-                   - self.cache.lengths[s.seq_id]) for s in seqs]
+        left = {s.seq_id: len(s.token_ids) - self.cache.lengths[s.seq_id] for s in seqs}
+        chunks = [(s.seq_id, left[s.seq_id] if s.params.prompt_logprobs is not None
+                   else min(self.prefill_chunk, left[s.seq_id])) for s in seqs]
         done = {sid for sid, n in chunks if self.cache.lengths[sid] + n == len(by_id[sid].token_ids)}
         states = {sid: SamplingState.create(by_id[sid].params, by_id[sid].token_ids,
                                             by_id[sid].num_output_tokens,
