@@ -19,13 +19,26 @@ openai = pytest.importorskip("openai", reason="the openai client is in requireme
 
 pytestmark = pytest.mark.integration
 
-CONTEXT = 512                          # the tiny model's max_position_embeddings
-OVER = " ".join(["hello"] * 700)       # 700 tokens
+def words(n: int) -> str:
+    return " ".join(["hello"] * n)     # n tokens (the default model's tokenizer, also the tiny's)
 # A stop token id past the vocabulary passes the API (ids are bounded by int32 only) and makes
 # the sampler index outside the logits while min_tokens masks it: the model process reports
 # the error for this sequence alone (tests/reliability/test_bad_requests.py).
 POISON = {"extra_body": {"min_tokens": 5, "stop_token_ids": [2**31 - 1], "ignore_eos": True}}
 FINISHED = ("succeeded", "cancelled", "failed")
+
+
+@pytest.fixture(scope="module")
+def context(stack) -> int:
+    """The context the worker serves, from its heartbeat: the tiny model's 512 positions, or
+    the llama.cpp stack's LLMQ_MAX_MODEL_LEN."""
+    import redis
+
+    from common.store import SequenceStore
+
+    store = SequenceStore(redis.Redis.from_url(stack["redis"].url, decode_responses=True))
+    return next(int(w["max_model_len"]) for w in store.live_workers(60)
+                if w["name"] == stack["worker"].hostname)
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +63,18 @@ def call(client, model, kind: str, stream: bool, prompt: str = "Hello", **kw):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("kind", ["completions", "chat"])
-def test_prompt_over_the_context_raises_bad_request(client, stack, kind, stream):
+def test_prompt_over_the_context_raises_bad_request(client, stack, context, kind, stream):
     with pytest.raises(openai.BadRequestError) as info:
-        call(client, stack["model"], kind, stream, OVER, max_tokens=4)
+        call(client, stack["model"], kind, stream, words(context + 200), max_tokens=4)
     err = info.value
     assert err.status_code == 400 and err.code == "context_length_exceeded"
     assert err.param == ("prompt" if kind == "completions" else "messages")
-    assert f"maximum context length is {CONTEXT} tokens" in err.message
+    assert f"maximum context length is {context} tokens" in err.message
 
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])
-def test_max_tokens_past_the_room_left_raises_bad_request(client, stack, kind):
-    prompt = " ".join(["hello"] * 470)
+def test_max_tokens_past_the_room_left_raises_bad_request(client, stack, context, kind):
+    prompt = words(context - 42)
     with pytest.raises(openai.BadRequestError) as info:
         call(client, stack["model"], kind, False, prompt, max_tokens=100)
     assert info.value.param == "max_tokens" and info.value.code == "context_length_exceeded"
@@ -71,9 +84,9 @@ def test_max_tokens_past_the_room_left_raises_bad_request(client, stack, kind):
     assert resp.choices[0].finish_reason == "length"
 
 
-def test_job_routes_refuse_a_prompt_over_the_context(stack):
+def test_job_routes_refuse_a_prompt_over_the_context(stack, context):
     for path in ("/v1/jobs", "/v1/generate"):
-        r = requests.post(stack["url"] + path, json={"prompt": OVER}, timeout=30)
+        r = requests.post(stack["url"] + path, json={"prompt": words(context + 200)}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
@@ -125,14 +138,16 @@ def blind_api(stack):
     api.stop()
 
 
-def test_without_a_tokenizer_the_workers_refusal_is_still_a_bad_request(blind_api):
+def test_without_a_tokenizer_the_workers_refusal_is_still_a_bad_request(blind_api, context):
     client = openai.OpenAI(base_url=blind_api.url + "/v1", api_key="unused", max_retries=0,
                            timeout=60)
     with pytest.raises(openai.BadRequestError) as info:
-        call(client, "llmq-tests/not-a-local-model", "completions", False, OVER, max_tokens=4)
-    assert info.value.code == "context_length_exceeded" and "512" in info.value.message
+        call(client, "llmq-tests/not-a-local-model", "completions", False, words(context + 200),
+             max_tokens=4)
+    assert info.value.code == "context_length_exceeded" and str(context) in info.value.message
     with pytest.raises(openai.APIError) as info:   # streamed: the error chunk says the same
-        call(client, "llmq-tests/not-a-local-model", "chat", True, OVER, max_tokens=4)
+        call(client, "llmq-tests/not-a-local-model", "chat", True, words(context + 200),
+             max_tokens=4)
     assert info.value.body["code"] == "context_length_exceeded"
 
 
