@@ -80,6 +80,23 @@ def _start_engine(sender=None, **_kw):
         os._exit(3)
 
 
+@signals.task_received.connect
+def _hold_message(request=None, **_kw):
+    """A message is this worker's from the moment it arrives, before its task thread starts the
+    sequence: recorded, so that if the worker dies in between a peer sends it again (otherwise
+    it would wait in kombu's unacked hash for the whole visibility timeout)."""
+    engine = celery.llmq_engine
+    if engine is not None and request is not None:
+        engine.store.hold(engine.name, request.id)
+
+
+@signals.task_postrun.connect
+def _release_message(task_id=None, **_kw):
+    engine = celery.llmq_engine
+    if engine is not None and task_id:
+        engine.store.release(engine.name, task_id)
+
+
 @signals.worker_shutting_down.connect
 def _drain_engine(sig=None, how=None, **_kw):
     """SIGTERM (warm shutdown): Celery stops taking messages and waits for running tasks; the

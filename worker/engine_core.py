@@ -133,6 +133,7 @@ class EngineCore:
     # --- the door Celery tasks use -------------------------------------------------------------
     def run_sequence(self, seq_id: str, timeout_s: float | None = None) -> dict:
         """Runs one sequence to its end (called from a Celery task thread)."""
+        self._stall("received")
         for attempt in range(600):
             try:
                 seq = self.admit(seq_id)
@@ -372,7 +373,9 @@ class EngineCore:
         self._take_inbox(block=False)
         for seq in list(self.scheduler.waiting):
             self.scheduler.abort(seq, FinishReason.CANCELLED)
-        for seq_id in self.store.reclaim(self.name):
+        handed = self.store.reclaim(self.name, held=False)
+        self._stall("handback")
+        for seq_id in handed:
             log.info("handed back at shutdown", extra={"seq_id": seq_id})
             self.requeue(seq_id)
         self.detokenizers.clear()
@@ -436,6 +439,13 @@ class EngineCore:
                 time.sleep(1.0)
 
     # --- helpers ------------------------------------------------------------------------------
+    def _stall(self, moment: str) -> None:
+        """Tests only (LLMQ_TEST_STALL_AT): parks this thread at `moment`, for a fault test to
+        kill the worker exactly there."""
+        if self.settings.test_stall_at == moment:
+            log.warning("stalling at %s (LLMQ_TEST_STALL_AT)", moment)
+            threading.Event().wait()
+
     def _tokenize(self, req) -> list[int]:
         if req.messages is not None:
             text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,

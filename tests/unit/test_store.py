@@ -410,3 +410,42 @@ def test_count_usage_accumulates_in_the_window(store):
     used_requests, used_tokens, retry_after = store.count_usage("o", 1, 50)
     assert (used_requests, used_tokens) == (2, 150) and 1 <= retry_after <= 61
     assert store.count_usage("other", 1, 1)[:2] == (1, 1)
+
+
+def test_reclaim_takes_back_held_messages_never_started_once_each(store, r):
+    """A message the dead worker received but never started: its record is still queued, so
+    the reaper sends it again; one it held and started comes back once, not twice."""
+    from common.store import held_key, running_key
+
+    for s in ("held", "started", "done", "elsewhere"):
+        new(store, s)
+        store.hold("w1", s)
+    store.heartbeat("w1", {"model_loaded": 1}, 10)
+    store.heartbeat("w2", {"model_loaded": 1}, 10)
+    store.start("started", "w1")
+    store.start("done", "w1")
+    store.finish("done", FinishReason.STOP, text="")
+    store.start("elsewhere", "w2")                           # a duplicate message ran there
+    assert store.running_ids("w1") == {"held", "started", "elsewhere", "done"}
+    r.zadd(WORKERS_KEY, {"w1": time.time() - 100})
+    assert sorted(store.reclaim("w1", stale_s=15)) == ["held", "started"]
+    assert store.get_job("held")["status"] == "queued"
+    assert kinds(store.read_events("held")) == []            # it never ran: no reset
+    assert not r.exists(held_key("w1")) and not r.exists(running_key("w1"))
+    assert store.running_ids("w1") == set()
+
+
+def test_hand_back_leaves_held_messages_to_their_tasks(store, r):
+    from common.store import held_key
+
+    new(store, "a")
+    new(store, "b")
+    store.hold("w1", "a")
+    store.hold("w1", "b")
+    store.start("a", "w1")
+    # Handing back at shutdown: the running one is queued again; both stay held until their
+    # tasks return, so that a peer still finds them if this worker dies first.
+    assert store.reclaim("w1", held=False) == ["a"]
+    assert r.smembers(held_key("w1")) == {"a", "b"}
+    store.release("w1", "a")
+    assert store.running_ids("w1") == {"b"}
