@@ -61,6 +61,8 @@ class Settings:
     # TEST ONLY: the engine waits this long in every step, alongside the model's compute (a
     # floor on the step time), so the suite can run with a slow engine on a fast machine.
     test_step_delay_s: float = 0.0
+    # TEST ONLY: the worker parks at this moment (received | handback) for a test to kill it.
+    test_stall_at: str = ""
     max_queued: int = 1024
     rate_limit_rpm: int = 0          # sequences per minute per API key (0 = off)
     rate_limit_tpm: int = 0          # prompt + completion tokens per minute per key (0 = off)
@@ -136,6 +138,7 @@ class Settings:
             shutdown_grace_s=_float("LLMQ_SHUTDOWN_GRACE", d.shutdown_grace_s),
             max_step_s=_float("LLMQ_MAX_STEP", d.max_step_s),
             test_step_delay_s=_float("LLMQ_TEST_STEP_DELAY", d.test_step_delay_s),
+            test_stall_at=_env("LLMQ_TEST_STALL_AT", d.test_stall_at),
             max_queued=_int("LLMQ_MAX_QUEUED", d.max_queued),
             rate_limit_rpm=_int("LLMQ_RATE_LIMIT_RPM", d.rate_limit_rpm),
             rate_limit_tpm=_int("LLMQ_RATE_LIMIT_TPM", d.rate_limit_tpm),

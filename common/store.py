@@ -12,6 +12,7 @@ Keys (all names are built here and nowhere else):
   llmq:owner:<owner>:seqs  zset    a key's unfinished sequences -> created (its queue share)
   llmq:owner:<owner>:streams zset  a key's open SSE streams -> lease end (its stream cap)
   llmq:owner-secret        string the HMAC secret naming owners, when no setting gives one
+  llmq:held:<name>         set     ids whose message that worker received, task not yet ended
 """
 from __future__ import annotations
 
@@ -102,6 +103,12 @@ def running_key(name: str) -> str:
     return f"{PREFIX}:running:{name}"
 
 
+def held_key(name: str) -> str:
+    """The ids whose Celery message a worker has received and not yet finished the task of:
+    a message it took but had not started is taken back too if it dies."""
+    return f"{PREFIX}:held:{name}"
+
+
 # Moves a record to "running" unless it already finished, or another live worker runs it (a
 # late redelivery). Returns the status it had and the attempt number (0 = do not run); a
 # sequence found "running" under this worker's own name was lost by its previous life.
@@ -123,15 +130,17 @@ redis.call('SADD', KEYS[3], ARGV[4])
 return {st, n}
 """
 
-# Takes back the sequences a dead worker was running (once: the ZREM decides who reclaims):
-# each goes back to "queued" with a reset event, and the caller queues it again.
+# Takes back the sequences a dead worker had (once: the ZREM decides who reclaims): each it was
+# running goes back to "queued" with a reset event; each whose message it had received but not
+# started is still "queued" (its message sits unacknowledged until kombu's visibility timeout).
+# The caller queues them all again, once each.
 _RECLAIM = """
 if ARGV[2] ~= 'force' then
   local beat = redis.call('ZSCORE', KEYS[2], ARGV[1])
   if not beat or tonumber(beat) > tonumber(ARGV[2]) then return {} end
   if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return {} end
 end
-local out = {}
+local out, seen = {}, {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local rec = ARGV[5] .. id
   if redis.call('HGET', rec, 'status') == 'running' and redis.call('HGET', rec, 'worker') == ARGV[1] then
@@ -140,7 +149,16 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
                'data', ARGV[3])
     redis.call('PUBLISH', ARGV[6] .. id, '{"reset": true}')
     table.insert(out, id)
+    seen[id] = true
   end
+end
+if ARGV[7] == '1' then
+  for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+    if not seen[id] and redis.call('HGET', ARGV[5] .. id, 'status') == 'queued' then
+      table.insert(out, id)
+    end
+  end
+  redis.call('DEL', KEYS[3])
 end
 redis.call('DEL', KEYS[1])
 return out
@@ -449,14 +467,26 @@ class SequenceStore:
             self._append(self.r, seq_id, EVENT_RESET, {"attempt": int(attempt)})
         return prev, int(attempt)
 
-    def reclaim(self, worker: str, stale_s: float | None = None) -> list[str]:
-        """Sequences of a dead worker (or, with stale_s None, of this worker's previous life),
-        put back to queued with a reset event. The caller queues them again."""
+    def hold(self, worker: str, seq_id: str) -> None:
+        """A worker received the sequence's message (before its task starts it)."""
+        self.r.sadd(held_key(worker), seq_id)
+
+    def release(self, worker: str, seq_id: str) -> None:
+        """The worker's task for the sequence returned: the message is acknowledged next."""
+        self.r.srem(held_key(worker), seq_id)
+
+    def reclaim(self, worker: str, stale_s: float | None = None,
+                held: bool = True) -> list[str]:
+        """Sequences of a dead worker (or, with stale_s None, this worker's own): those it ran
+        are put back to queued with a reset event and, with `held`, those whose message it held
+        unstarted (still queued) are added. The caller queues them all again. A live worker
+        handing back at shutdown leaves `held` out: its tasks still hold those messages, and
+        should it die before it has queued them again, a peer finds them there."""
         cutoff = "force" if stale_s is None else str(time.time() - stale_s)
         return list(self._reclaim(
-            keys=[running_key(worker), WORKERS_KEY],
+            keys=[running_key(worker), WORKERS_KEY, held_key(worker)],
             args=[worker, cutoff, json.dumps({"reason": "worker lost"}), self.stream_maxlen,
-                  record_key(""), channel("")]))
+                  record_key(""), channel(""), "1" if held else "0"]))
 
     def stale_workers(self, stale_s: float) -> list[str]:
         return self.r.zrangebyscore(WORKERS_KEY, "-inf", time.time() - stale_s)
@@ -623,8 +653,9 @@ class SequenceStore:
         pipe.execute()
 
     def running_ids(self, name: str) -> set[str]:
-        """What a worker has started and not finished (its reclaimable sequences)."""
-        return self.r.smembers(running_key(name))
+        """What a worker has taken and not finished (its reclaimable sequences): started, or
+        received and not yet started."""
+        return self.r.sunion(running_key(name), held_key(name))
 
     def remove_worker(self, name: str) -> None:
         self.r.zrem(WORKERS_KEY, name)

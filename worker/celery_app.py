@@ -85,6 +85,23 @@ def _start_engine(sender=None, **_kw):
         os._exit(3)
 
 
+@signals.task_received.connect
+def _hold_message(request=None, **_kw):
+    """A message is this worker's from the moment it arrives, before its task thread starts the
+    sequence: recorded, so that if the worker dies in between a peer sends it again (otherwise
+    it would wait in kombu's unacked hash for the whole visibility timeout)."""
+    engine = celery.llmq_engine
+    if engine is not None and request is not None:
+        engine.store.hold(engine.name, request.id)
+
+
+@signals.task_postrun.connect
+def _release_message(task_id=None, **_kw):
+    engine = celery.llmq_engine
+    if engine is not None and task_id:
+        engine.store.release(engine.name, task_id)
+
+
 # How long a warm shutdown may run past the grace (the hand-back, the pool's join, the engine's
 # and Celery's own stop) before the worker leaves without them: a Redis that hangs instead of
 # refusing can hold any of those calls, and nothing else bounds them.

@@ -160,6 +160,7 @@ class EngineCore:
     # --- the door Celery tasks use -------------------------------------------------------------
     def run_sequence(self, seq_id: str, timeout_s: float | None = None) -> dict:
         """Runs one sequence to its end (called from a Celery task thread)."""
+        self._stall("received")
         for attempt in range(600):
             try:
                 seq = self.admit(seq_id)
@@ -431,7 +432,9 @@ class EngineCore:
             self.scheduler.abort(seq, FinishReason.CANCELLED)
         handed_back: set[str] = set()
         try:
-            for seq_id in self.store.reclaim(self.name):
+            handed = self.store.reclaim(self.name, held=False)
+            self._stall("handback")
+            for seq_id in handed:
                 self.requeue(seq_id)
                 handed_back.add(seq_id)
                 log.info("handed back at shutdown", extra={"seq_id": seq_id})
@@ -514,6 +517,13 @@ class EngineCore:
                 time.sleep(1.0)
 
     # --- helpers ------------------------------------------------------------------------------
+    def _stall(self, moment: str) -> None:
+        """Tests only (LLMQ_TEST_STALL_AT): parks this thread at `moment`, for a fault test to
+        kill the worker exactly there."""
+        if self.settings.test_stall_at == moment:
+            log.warning("stalling at %s (LLMQ_TEST_STALL_AT)", moment)
+            threading.Event().wait()
+
     def _tokenize(self, req) -> list[int]:
         if req.prompt_token_ids is not None:
             vocab = self.executor.info.vocab_size

@@ -32,8 +32,11 @@ def _worker_idle(stack) -> bool:
 
 
 def _tokens_so_far(url: str, seq_id: str, n: int):
+    """The job once it has n tokens, or has ended; None while it waits or is short of them (a
+    slow worker may not have started it yet: `queued` is no reason to stop waiting)."""
     job = get_job(url, seq_id)
-    return job if job["usage"]["completion_tokens"] >= n or job["status"] != "running" else None
+    ended = job["status"] in ("succeeded", "failed", "cancelled")
+    return job if job["usage"]["completion_tokens"] >= n or ended else None
 
 
 def test_cancel_a_running_job_keeps_its_text(stack):

@@ -469,3 +469,42 @@ def test_ids_are_checked_by_shape():
     assert valid_stream_id("1700000000000-0") and valid_stream_id(f"{2**64 - 1}-{2**64 - 1}")
     for bad in ["1-0\n", "1-", "-0", "1", f"{2**64}-0", "1" * 23 + "-0", "١-0", "1-0 "]:
         assert not valid_stream_id(bad), bad
+
+
+def test_reclaim_takes_back_held_messages_never_started_once_each(store, r):
+    """A message the dead worker received but never started: its record is still queued, so
+    the reaper sends it again; one it held and started comes back once, not twice."""
+    from common.store import held_key, running_key
+
+    for s in ("held", "started", "done", "elsewhere"):
+        new(store, s)
+        store.hold("w1", s)
+    store.heartbeat("w1", {"model_loaded": 1}, 10)
+    store.heartbeat("w2", {"model_loaded": 1}, 10)
+    store.start("started", "w1")
+    store.start("done", "w1")
+    store.finish("done", FinishReason.STOP, text="")
+    store.start("elsewhere", "w2")                           # a duplicate message ran there
+    assert store.running_ids("w1") == {"held", "started", "elsewhere", "done"}
+    r.zadd(WORKERS_KEY, {"w1": time.time() - 100})
+    assert sorted(store.reclaim("w1", stale_s=15)) == ["held", "started"]
+    assert store.get_job("held")["status"] == "queued"
+    assert kinds(store.read_events("held")) == []            # it never ran: no reset
+    assert not r.exists(held_key("w1")) and not r.exists(running_key("w1"))
+    assert store.running_ids("w1") == set()
+
+
+def test_hand_back_leaves_held_messages_to_their_tasks(store, r):
+    from common.store import held_key
+
+    new(store, "a")
+    new(store, "b")
+    store.hold("w1", "a")
+    store.hold("w1", "b")
+    store.start("a", "w1")
+    # Handing back at shutdown: the running one is queued again; both stay held until their
+    # tasks return, so that a peer still finds them if this worker dies first.
+    assert store.reclaim("w1", held=False) == ["a"]
+    assert r.smembers(held_key("w1")) == {"a", "b"}
+    store.release("w1", "a")
+    assert store.running_ids("w1") == {"b"}
