@@ -254,8 +254,13 @@ def healthz():
 def readyz():
     ready, workers = _readiness()
     body: dict[str, Any] = {"status": "ready" if ready else "unavailable"}
-    if authenticated() and workers is not None:
-        body["workers"] = workers
+    if authenticated():   # why, and who: only for a key (or with no keys configured)
+        if workers is None:
+            body["reason"] = "redis unavailable"
+        elif not ready:
+            body["reason"] = "no worker with the model loaded"
+        if workers is not None:
+            body["workers"] = workers
     return jsonify(body), 200 if ready else 503
 
 

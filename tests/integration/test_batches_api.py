@@ -133,7 +133,7 @@ def test_batch_runs_through_the_sdk_with_a_malformed_line_and_signed_webhooks(
     lines = [chat_line(cid, p, model) for cid, p in prompts.items()]
     raw = jsonl(lines) + b"this is not json\n" + jsonl(
         [{**chat_line("wrong-url", "x", model), "url": "/v1/completions"},
-         chat_line("bad-param", "x", model, logit_bias={"1": 2})])
+         chat_line("bad-param", "x", model, use_beam_search=True)])
     f = client.files.create(file=("batch.jsonl", raw), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h",
                                   metadata={"run": "test"},

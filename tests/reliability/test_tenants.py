@@ -117,7 +117,10 @@ def test_a_flooding_key_does_not_starve_another(world):
     """Key b sends 3 x 64 prompts with long outputs; key a's one job starts within a few engine
     steps (it does not wait for b's queue), and every sequence of b still completes."""
     seqs, tokens = 8, 48
-    worker = world.worker(LLMQ_MAX_NUM_SEQS=str(seqs), LLMQ_TASK_THREADS=str(seqs + 2))
+    # Steps of >= 50 ms: b's first wave of 48 tokens lasts >= 2.4 s on any machine, so a's job
+    # arrives at a full batch (on a fast CPU the wave could end first and free slots for it).
+    worker = world.worker(LLMQ_MAX_NUM_SEQS=str(seqs), LLMQ_TASK_THREADS=str(seqs + 2),
+                          min_step_s=0.05)
     base = world.api(api_keys=KEYS, max_num_seqs=seqs)
     a, b = base.with_key("key-a"), base.with_key("key-b")
     r = world.client()
