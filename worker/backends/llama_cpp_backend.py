@@ -53,7 +53,7 @@ class LlamaCppBackend:
         except ImportError as exc:
             raise BackendUnavailable(
                 "LLMQ_BACKEND=llama_cpp but llama-cpp-python is not installed "
-                "(make llama-cpp, or see README: optional backends)") from exc
+                "(make llama-cpp, or see docs/settings.md: Backends)") from exc
         mm = ModelManager.from_settings(settings)
         path = mm.gguf_file()
         _quiet(lib)
