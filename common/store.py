@@ -26,6 +26,7 @@ from typing import Any, Iterable
 
 import redis
 
+from .metrics import METRICS_KEY, SUCCESS_COUNTER
 from .protocol import (
     EVENT_DONE,
     EVENT_RESET,
@@ -182,6 +183,7 @@ local w = redis.call('HGET', KEYS[1], 'worker')
 if w and w ~= '' then redis.call('SREM', ARGV[8] .. w, ARGV[7]) end
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if owner and owner ~= '' then redis.call('ZREM', ARGV[10] .. owner .. ':seqs', ARGV[7]) end
+if ARGV[11] ~= '' then redis.call('HINCRBY', KEYS[5], ARGV[11], 1) end
 -- Settle the tokens-per-minute charge: the reservation made at submit becomes the real prompt
 -- plus completion count, in the window it was charged to (if that window is still open).
 local rk = redis.call('HGET', KEYS[1], 'rate_key')
@@ -328,6 +330,10 @@ class Finish:
     prompt_logprobs: list | None = None   # per prompt token (echo)
     only_if: tuple[SequenceStatus, ...] = (SequenceStatus.QUEUED, SequenceStatus.RUNNING)
     attempt: int | None = None   # set: only if the record still runs that start
+    # The engine records a run sequence's full figures itself (EngineCore._record_metrics);
+    # any other end (cancelled while queued, rejected at admission, not queued) is counted in
+    # request_success_total by the finish script, in the same call that ends it: once.
+    metrics_recorded: bool = False
 
 
 class SequenceStore:
@@ -530,14 +536,15 @@ class SequenceStore:
                error_code: str | None = None,
                only_if: tuple[SequenceStatus, ...] = (SequenceStatus.QUEUED,
                                                       SequenceStatus.RUNNING),
-               attempt: int | None = None) -> bool:
+               attempt: int | None = None, metrics_recorded: bool = False) -> bool:
         """Ends a sequence once: fields, done event, publish and TTLs in one atomic script.
         With `attempt`, only if the record is still running that start (a worker's late
         result for a sequence taken over elsewhere is refused)."""
         return self.finish_many([Finish(seq_id, reason, text=text,
                                         completion_tokens=completion_tokens, error=error,
                                         error_code=error_code, only_if=only_if,
-                                        attempt=attempt)])[0]
+                                        attempt=attempt,
+                                        metrics_recorded=metrics_recorded)])[0]
 
     def finish_many(self, items: list["Finish"]) -> list[bool]:
         """finish() for many sequences in two round trips: the records, then every script.
@@ -572,12 +579,13 @@ class SequenceStore:
             job = job_from_record({**rec, **fields})
             self._finish(
                 keys=[record_key(it.seq_id), events_key(it.seq_id), channel(it.seq_id),
-                      CANCELLED_KEY],
+                      CANCELLED_KEY, METRICS_KEY],
                 args=[",".join(s.value for s in it.only_if), json.dumps(fields),
                       encode_event(EVENT_DONE, job)["data"], encode_pubsub(EVENT_DONE, job),
                       self.stream_maxlen, self.result_ttl_s, it.seq_id, running_key(""),
                       "" if it.attempt is None else str(int(it.attempt)),
-                      owner_seqs_key("")[:-len(":seqs")]],
+                      owner_seqs_key("")[:-len(":seqs")],
+                      "" if it.metrics_recorded else f"c:{SUCCESS_COUNTER}:{it.reason.value}"],
                 client=pipe)
             queued.append(i)
         written = [False] * len(items)

@@ -383,7 +383,8 @@ class EngineCore:
             Finish(s.seq_id, s.finish_reason, text=s.text, completion_tokens=s.num_output_tokens,
                    error=s.error, cached_tokens=s.num_cached_tokens,
                    logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
-                   only_if=(SequenceStatus.RUNNING,), attempt=self._attempts.get(s))
+                   only_if=(SequenceStatus.RUNNING,), attempt=self._attempts.get(s),
+                   metrics_recorded=True)   # _record_metrics below, with the timings
             for s in seqs])
         for seq in seqs:
             del self.detokenizers[seq]
