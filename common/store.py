@@ -146,9 +146,12 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local rec = ARGV[5] .. id
   if redis.call('HGET', rec, 'status') == 'running' and redis.call('HGET', rec, 'worker') == ARGV[1] then
     redis.call('HSET', rec, 'status', 'queued', 'text', '', 'completion_tokens', 0, 'worker', '')
+    -- The same payload as the reset a start writes (SequenceStore.reset_data): the run to come.
+    local data = string.format('"attempt": %d, "reason": %s',
+                               tonumber(redis.call('HGET', rec, 'attempts') or '0') + 1, ARGV[3])
     redis.call('XADD', rec .. ':events', 'MAXLEN', '~', ARGV[4], '*', 'event', 'reset',
-               'data', ARGV[3])
-    redis.call('PUBLISH', ARGV[6] .. id, '{"reset": true}')
+               'data', '{' .. data .. '}')
+    redis.call('PUBLISH', ARGV[6] .. id, '{"reset": true, ' .. data .. '}')
     table.insert(out, id)
     seen[id] = true
   end
@@ -304,6 +307,13 @@ class TokenDelta:
     attempt: int | None = None   # the start that produced it; set, the write is fenced on it
     logprobs: list | None = None   # the token's logprobs entry, for sequences that asked
     prompt_logprobs: list | None = None   # with the first token: the prompt's (echo)
+
+
+def reset_data(attempt: int, reason: str) -> dict[str, Any]:
+    """A reset event's data, on the stream and pub/sub alike: the number of the run that comes
+    next (2 for the first re-run) and why the text so far is dropped ("worker lost", "handed
+    back"). _RECLAIM writes the same two fields in Lua."""
+    return {"attempt": attempt, "reason": reason}
 
 
 def _token_data(d: "TokenDelta") -> dict[str, Any]:
@@ -470,7 +480,7 @@ class SequenceStore:
             args=[_now(), worker, time.time() - stale_s, seq_id])
         if prev == SequenceStatus.RUNNING.value and attempt:
             # A redelivered sequence restarts from scratch: readers drop what they have.
-            self._append(self.r, seq_id, EVENT_RESET, {"attempt": int(attempt)})
+            self._append(self.r, seq_id, EVENT_RESET, reset_data(int(attempt), "worker lost"))
         return prev, int(attempt)
 
     def hold(self, worker: str, seq_id: str) -> None:
@@ -481,8 +491,8 @@ class SequenceStore:
         """The worker's task for the sequence returned: the message is acknowledged next."""
         self.r.srem(held_key(worker), seq_id)
 
-    def reclaim(self, worker: str, stale_s: float | None = None,
-                held: bool = True) -> list[str]:
+    def reclaim(self, worker: str, stale_s: float | None = None, held: bool = True,
+                reason: str = "worker lost") -> list[str]:
         """Sequences of a dead worker (or, with stale_s None, this worker's own): those it ran
         are put back to queued with a reset event and, with `held`, those whose message it held
         unstarted (still queued) are added. The caller queues them all again. A live worker
@@ -491,7 +501,7 @@ class SequenceStore:
         cutoff = "force" if stale_s is None else str(time.time() - stale_s)
         return list(self._reclaim(
             keys=[running_key(worker), WORKERS_KEY, held_key(worker)],
-            args=[worker, cutoff, json.dumps({"reason": "worker lost"}), self.stream_maxlen,
+            args=[worker, cutoff, json.dumps(reason), self.stream_maxlen,
                   record_key(""), channel(""), "1" if held else "0"]))
 
     def stale_workers(self, stale_s: float) -> list[str]:

@@ -23,14 +23,31 @@ def success(store) -> dict[str, float]:
     return metrics.read_snapshot(store.r)["success"]
 
 
-def make_engine(store, max_model_len: int = 8):
-    """An engine whose executor is only its model's description: admit() and the publish
-    path never reach the model process."""
+def make_engine(store, max_model_len: int = 8, tokenizer=None):
+    """An engine whose executor is only its model's description: admit(), update and publish
+    never reach the model process (a test plays the model's StepResults)."""
     from worker.engine_core import EngineCore
 
-    info = SimpleNamespace(max_model_len=max_model_len, vocab_size=50, eos_token_ids=(2,),
+    eos = tokenizer.eos_token_id if tokenizer else 2
+    info = SimpleNamespace(max_model_len=max_model_len, vocab_size=50_000, eos_token_ids=(eos,),
                            generation_defaults={})
-    return EngineCore("w1", Settings(), store, SimpleNamespace(info=info), tokenizer=None)
+    return EngineCore("w1", Settings(), store, SimpleNamespace(info=info), tokenizer=tokenizer)
+
+
+def step(engine, tokens: dict[str, int], pending=()):
+    """One engine step with the model's sampled `tokens`: schedule, update, publish."""
+    from worker.messages import StepResult
+
+    engine._take_inbox(block=False)
+    out = engine.scheduler.schedule()
+    return engine._publish(list(pending) + engine._update(out, StepResult(token_ids=tokens)))
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
 
 
 def submit(store, seq_id: str, n_tokens: int = 3) -> None:
@@ -63,3 +80,18 @@ def test_engine_finish_is_counted_once_not_by_the_script_too(store):
     engine._finish_many([seq])
     assert store.get_job("s")["status"] == "cancelled"
     assert success(store) == {"cancelled": 1}
+
+
+# --- bug 9: one token event per generated token ----------------------------------------------
+def test_the_eos_token_gets_its_token_event(store, tok):
+    engine = make_engine(store, max_model_len=64, tokenizer=tok)
+    submit(store, "s")
+    seq = engine.admit("s")
+    hello = tok.encode(" Hello", add_special_tokens=False)[0]
+    assert step(engine, {"s": hello}) == []
+    assert step(engine, {"s": tok.eos_token_id}) == []
+    assert seq.done.is_set()
+    events = store.read_events("s")
+    assert [k for _, k, _ in events] == ["token", "token", "done"]
+    assert [d["text"] for _, k, d in events if k == "token"] == [" Hello", ""]
+    assert events[-1][2]["usage"]["completion_tokens"] == 2
