@@ -344,9 +344,12 @@ class EngineCore:
                 # with the connection (Redis went down mid-call) is not appended twice.
                 # One token event per generated token, the last one too when its text is
                 # empty (an EOS): only entries without a token (text None) have none.
-                deltas = [(s, t, n) for s, t, n in pending if t is not None]
+                # A copy dropped meanwhile (its record restarted, here or elsewhere) has no
+                # attempt left to fence on: its pending delta is stale and never written.
+                deltas = [(s, t, n) for s, t, n in pending
+                          if t is not None and s in self._attempts]
                 refused = self.store.publish_deltas(
-                    TokenDelta(s.seq_id, t, s.text, n, self._attempts.get(s),
+                    TokenDelta(s.seq_id, t, s.text, n, self._attempts[s],
                                logprobs=self.logprobs.of_token(s, n),
                                prompt_logprobs=self.logprobs.of_prompt(s, n))
                     for s, t, n in deltas)

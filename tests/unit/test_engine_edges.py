@@ -95,3 +95,27 @@ def test_the_eos_token_gets_its_token_event(store, tok):
     assert [k for _, k, _ in events] == ["token", "token", "done"]
     assert [d["text"] for _, k, d in events if k == "token"] == [" Hello", ""]
     assert events[-1][2]["usage"]["completion_tokens"] == 2
+
+
+# --- bug 1: a stale copy writes nothing ------------------------------------------------------
+def test_restart_on_the_same_worker_drops_the_old_copys_pending_delta(store, tok):
+    """Taken for dead and restarted here: the old copy's token, sampled before the new start
+    arrived and not yet published, must not reach the record the new copy writes."""
+    from worker.messages import StepResult
+
+    engine = make_engine(store, max_model_len=64, tokenizer=tok)
+    hello, world, hi = (tok.encode(w, add_special_tokens=False)[0]
+                        for w in (" Hello", " world", " Hi"))
+    submit(store, "s")
+    engine.admit("s")
+    step(engine, {"s": hello})
+    out = engine.scheduler.schedule()
+    stale = engine._update(out, StepResult(token_ids={"s": world}))   # not yet published
+    assert engine.admit("s") is not None      # the record restarted here: attempt 2
+    assert step(engine, {"s": hi}, pending=stale) == []
+    events = store.read_events("s")
+    kinds = [k for _, k, _ in events]
+    assert kinds == ["token", "reset", "token"]
+    assert events[-1][2]["text"] == " Hi"
+    rec = store.get_record("s")
+    assert (rec["text"], rec["completion_tokens"], rec["attempts"]) == (" Hi", "1", "2")
