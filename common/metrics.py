@@ -2,10 +2,12 @@
 
 Why Redis: the figures that matter (time to first token, time per output token, queue time)
 are known only in the worker, which is another process and usually another host. Each worker
-adds its observations to one Redis hash with HINCRBY in the same round trip that finishes the
-sequence; every API replica's /metrics reads that hash, the live workers' heartbeats (running
-and waiting gauges) and the queue length, so one scrape of any replica shows the whole service
-and nothing is lost when a worker restarts. (Prometheus' multiprocess mode only covers
+adds a run sequence's observations to one Redis hash with HINCRBY right after the round trip
+that finishes it; a sequence that ends without running (cancelled while queued, rejected at
+admission) is counted in request_success_total by the store's finish script itself. Every
+API replica's /metrics reads that hash, the live workers' heartbeats (running and waiting
+gauges) and the queue length, so one scrape of any replica shows the whole service and nothing
+is lost when a worker restarts. (Prometheus' multiprocess mode only covers
 processes that share a disk; per-worker exporters would need service discovery of workers.)
 """
 from __future__ import annotations

@@ -12,12 +12,56 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+def _number(kind: type, name: str, default):
+    raw = _env(name, str(default))
+    try:
+        return kind(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") \
+            from None
+
+
 def _int(name: str, default: int) -> int:
-    return int(_env(name, str(default)))
+    return _number(int, name, default)
 
 
 def _float(name: str, default: float) -> float:
-    return float(_env(name, str(default)))
+    return _number(float, name, default)
+
+
+# Settings with a fixed set of values: (field, variable, choices).
+_CHOICES = (
+    ("batch_policy", "LLMQ_BATCH_POLICY", ("continuous", "static")),
+    ("backend", "LLMQ_BACKEND", ("transformers", "llama_cpp", "vllm")),
+    ("dtype", "LLMQ_DTYPE", ("auto", "float32", "bfloat16", "float16")),
+    ("test_stall_at", "LLMQ_TEST_STALL_AT", ("", "received", "handback")),
+)
+# Counts and sizes that must be >= 0 (field, variable); those that must be >= 1 follow.
+_NON_NEGATIVE = (
+    ("torch_threads", "LLMQ_TORCH_THREADS"), ("max_model_len", "LLMQ_MAX_MODEL_LEN"),
+    ("prefix_cache_mb", "LLMQ_PREFIX_CACHE_MB"), ("kv_cache_mb", "LLMQ_KV_CACHE_MB"),
+    ("max_stop", "LLMQ_MAX_STOP"), ("rate_limit_rpm", "LLMQ_RATE_LIMIT_RPM"),
+    ("rate_limit_tpm", "LLMQ_RATE_LIMIT_TPM"), ("key_max_streams", "LLMQ_KEY_MAX_STREAMS"),
+    ("test_step_delay_s", "LLMQ_TEST_STEP_DELAY"), ("port", "LLMQ_PORT"),
+)
+_POSITIVE = (
+    ("max_prompts", "LLMQ_MAX_PROMPTS"), ("max_tokens_limit", "LLMQ_MAX_TOKENS_LIMIT"),
+    ("default_max_tokens", "LLMQ_DEFAULT_MAX_TOKENS"),
+    ("max_prompt_chars", "LLMQ_MAX_PROMPT_CHARS"), ("max_body_bytes", "LLMQ_MAX_BODY_BYTES"),
+    ("max_num_seqs", "LLMQ_MAX_NUM_SEQS"),
+    ("max_num_batched_tokens", "LLMQ_MAX_NUM_BATCHED_TOKENS"),
+    ("result_ttl_s", "LLMQ_RESULT_TTL"), ("pending_ttl_s", "LLMQ_PENDING_TTL"),
+    ("stream_maxlen", "LLMQ_STREAM_MAXLEN"), ("visibility_timeout_s", "LLMQ_VISIBILITY_TIMEOUT"),
+    ("worker_heartbeat_s", "LLMQ_WORKER_HEARTBEAT"), ("worker_stale_s", "LLMQ_WORKER_STALE"),
+    ("shutdown_grace_s", "LLMQ_SHUTDOWN_GRACE"), ("max_step_s", "LLMQ_MAX_STEP"),
+    ("max_queued", "LLMQ_MAX_QUEUED"), ("health_timeout_s", "LLMQ_HEALTH_TIMEOUT"),
+    ("header_timeout_s", "LLMQ_HEADER_TIMEOUT"), ("max_stop_chars", "LLMQ_MAX_STOP_CHARS"),
+    ("wait_timeout_s", "LLMQ_WAIT_TIMEOUT"), ("sse_keepalive_s", "LLMQ_SSE_KEEPALIVE"),
+    ("file_max_bytes", "LLMQ_FILE_MAX_BYTES"), ("file_max_lines", "LLMQ_FILE_MAX_LINES"),
+    ("file_ttl_s", "LLMQ_FILE_TTL"), ("batch_max_inflight", "LLMQ_BATCH_MAX_INFLIGHT"),
+    ("webhook_timeout_s", "LLMQ_WEBHOOK_TIMEOUT"),
+    ("webhook_max_attempts", "LLMQ_WEBHOOK_MAX_ATTEMPTS"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +144,24 @@ class Settings:
         if not 0 <= self.batch_priority <= 9:
             raise ValueError("LLMQ_BATCH_PRIORITY must be 0..9")
 
+    def validate(self) -> "Settings":
+        """Check every value once at start, so a typo stops the process with the variable's
+        name instead of failing deep in the engine (a KeyError on the batch policy)."""
+        for name, var, choices in _CHOICES:
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{var}={getattr(self, name)!r}: choose one of "
+                                 f"{', '.join(repr(c) for c in choices)}")
+        for floor, fields in ((0, _NON_NEGATIVE), (1e-9, _POSITIVE)):
+            for name, var in fields:
+                if getattr(self, name) < floor:
+                    raise ValueError(f"{var}={getattr(self, name)!r} must be "
+                                     f"{'>= 0' if floor == 0 else '> 0'}")
+        for name, var in (("key_queue_share", "LLMQ_KEY_QUEUE_SHARE"),
+                          ("key_batch_share", "LLMQ_KEY_BATCH_SHARE")):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{var}={getattr(self, name)!r} must be in (0, 1]")
+        return self
+
     def webhook_key(self) -> bytes:
         """The HMAC key: the base64 part of LLMQ_WEBHOOK_SECRET (`whsec_<base64>`)."""
         prefix, _, b64 = self.webhook_secret.partition("_")
@@ -175,7 +237,7 @@ class Settings:
             webhook_max_attempts=_int("LLMQ_WEBHOOK_MAX_ATTEMPTS", d.webhook_max_attempts),
         )
         values.update(overrides)
-        return cls(**values)
+        return cls(**values).validate()
 
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)

@@ -26,6 +26,7 @@ from typing import Any, Iterable
 
 import redis
 
+from .metrics import METRICS_KEY, SUCCESS_COUNTER
 from .protocol import (
     EVENT_DONE,
     EVENT_RESET,
@@ -145,9 +146,12 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local rec = ARGV[5] .. id
   if redis.call('HGET', rec, 'status') == 'running' and redis.call('HGET', rec, 'worker') == ARGV[1] then
     redis.call('HSET', rec, 'status', 'queued', 'text', '', 'completion_tokens', 0, 'worker', '')
+    -- The same payload as the reset a start writes (SequenceStore.reset_data): the run to come.
+    local data = string.format('"attempt": %d, "reason": %s',
+                               tonumber(redis.call('HGET', rec, 'attempts') or '0') + 1, ARGV[3])
     redis.call('XADD', rec .. ':events', 'MAXLEN', '~', ARGV[4], '*', 'event', 'reset',
-               'data', ARGV[3])
-    redis.call('PUBLISH', ARGV[6] .. id, '{"reset": true}')
+               'data', '{' .. data .. '}')
+    redis.call('PUBLISH', ARGV[6] .. id, '{"reset": true, ' .. data .. '}')
     table.insert(out, id)
     seen[id] = true
   end
@@ -182,6 +186,7 @@ local w = redis.call('HGET', KEYS[1], 'worker')
 if w and w ~= '' then redis.call('SREM', ARGV[8] .. w, ARGV[7]) end
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if owner and owner ~= '' then redis.call('ZREM', ARGV[10] .. owner .. ':seqs', ARGV[7]) end
+if ARGV[11] ~= '' then redis.call('HINCRBY', KEYS[5], ARGV[11], 1) end
 -- Settle the tokens-per-minute charge: the reservation made at submit becomes the real prompt
 -- plus completion count, in the window it was charged to (if that window is still open).
 local rk = redis.call('HGET', KEYS[1], 'rate_key')
@@ -304,6 +309,13 @@ class TokenDelta:
     prompt_logprobs: list | None = None   # with the first token: the prompt's (echo)
 
 
+def reset_data(attempt: int, reason: str) -> dict[str, Any]:
+    """A reset event's data, on the stream and pub/sub alike: the number of the run that comes
+    next (2 for the first re-run) and why the text so far is dropped ("worker lost", "handed
+    back"). _RECLAIM writes the same two fields in Lua."""
+    return {"attempt": attempt, "reason": reason}
+
+
 def _token_data(d: "TokenDelta") -> dict[str, Any]:
     """A token event's data: its text, and its logprobs entry when the sequence asked."""
     data: dict[str, Any] = {"text": d.text}
@@ -328,6 +340,10 @@ class Finish:
     prompt_logprobs: list | None = None   # per prompt token (echo)
     only_if: tuple[SequenceStatus, ...] = (SequenceStatus.QUEUED, SequenceStatus.RUNNING)
     attempt: int | None = None   # set: only if the record still runs that start
+    # The engine records a run sequence's full figures itself (EngineCore._record_metrics);
+    # any other end (cancelled while queued, rejected at admission, not queued) is counted in
+    # request_success_total by the finish script, in the same call that ends it: once.
+    metrics_recorded: bool = False
 
 
 class SequenceStore:
@@ -464,7 +480,7 @@ class SequenceStore:
             args=[_now(), worker, time.time() - stale_s, seq_id])
         if prev == SequenceStatus.RUNNING.value and attempt:
             # A redelivered sequence restarts from scratch: readers drop what they have.
-            self._append(self.r, seq_id, EVENT_RESET, {"attempt": int(attempt)})
+            self._append(self.r, seq_id, EVENT_RESET, reset_data(int(attempt), "worker lost"))
         return prev, int(attempt)
 
     def hold(self, worker: str, seq_id: str) -> None:
@@ -475,8 +491,8 @@ class SequenceStore:
         """The worker's task for the sequence returned: the message is acknowledged next."""
         self.r.srem(held_key(worker), seq_id)
 
-    def reclaim(self, worker: str, stale_s: float | None = None,
-                held: bool = True) -> list[str]:
+    def reclaim(self, worker: str, stale_s: float | None = None, held: bool = True,
+                reason: str = "worker lost") -> list[str]:
         """Sequences of a dead worker (or, with stale_s None, this worker's own): those it ran
         are put back to queued with a reset event and, with `held`, those whose message it held
         unstarted (still queued) are added. The caller queues them all again. A live worker
@@ -485,7 +501,7 @@ class SequenceStore:
         cutoff = "force" if stale_s is None else str(time.time() - stale_s)
         return list(self._reclaim(
             keys=[running_key(worker), WORKERS_KEY, held_key(worker)],
-            args=[worker, cutoff, json.dumps({"reason": "worker lost"}), self.stream_maxlen,
+            args=[worker, cutoff, json.dumps(reason), self.stream_maxlen,
                   record_key(""), channel(""), "1" if held else "0"]))
 
     def stale_workers(self, stale_s: float) -> list[str]:
@@ -530,14 +546,15 @@ class SequenceStore:
                error_code: str | None = None,
                only_if: tuple[SequenceStatus, ...] = (SequenceStatus.QUEUED,
                                                       SequenceStatus.RUNNING),
-               attempt: int | None = None) -> bool:
+               attempt: int | None = None, metrics_recorded: bool = False) -> bool:
         """Ends a sequence once: fields, done event, publish and TTLs in one atomic script.
         With `attempt`, only if the record is still running that start (a worker's late
         result for a sequence taken over elsewhere is refused)."""
         return self.finish_many([Finish(seq_id, reason, text=text,
                                         completion_tokens=completion_tokens, error=error,
                                         error_code=error_code, only_if=only_if,
-                                        attempt=attempt)])[0]
+                                        attempt=attempt,
+                                        metrics_recorded=metrics_recorded)])[0]
 
     def finish_many(self, items: list["Finish"]) -> list[bool]:
         """finish() for many sequences in two round trips: the records, then every script.
@@ -572,12 +589,13 @@ class SequenceStore:
             job = job_from_record({**rec, **fields})
             self._finish(
                 keys=[record_key(it.seq_id), events_key(it.seq_id), channel(it.seq_id),
-                      CANCELLED_KEY],
+                      CANCELLED_KEY, METRICS_KEY],
                 args=[",".join(s.value for s in it.only_if), json.dumps(fields),
                       encode_event(EVENT_DONE, job)["data"], encode_pubsub(EVENT_DONE, job),
                       self.stream_maxlen, self.result_ttl_s, it.seq_id, running_key(""),
                       "" if it.attempt is None else str(int(it.attempt)),
-                      owner_seqs_key("")[:-len(":seqs")]],
+                      owner_seqs_key("")[:-len(":seqs")],
+                      "" if it.metrics_recorded else f"c:{SUCCESS_COUNTER}:{it.reason.value}"],
                 client=pipe)
             queued.append(i)
         written = [False] * len(items)

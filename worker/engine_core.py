@@ -245,7 +245,8 @@ class EngineCore:
     # --- the loop -----------------------------------------------------------------------------
     def _loop(self) -> None:
         # (sequence, new text, its token count at that step): what is still to be published
-        pending: list[tuple[Sequence, str, int]] = []
+        # text None: no new token, only the end to write.
+        pending: list[tuple[Sequence, str | None, int]] = []
         while not self._stop.is_set():
             if self._handback.is_set():
                 pending = self._hand_back(pending)
@@ -302,7 +303,8 @@ class EngineCore:
             decode_seq_ids=[s.seq_id for s in out.decode],
             free_seq_ids=out.freed_seq_ids)
 
-    def _update(self, out: SchedulerOutput, result: StepResult) -> list[tuple[Sequence, str]]:
+    def _update(self, out: SchedulerOutput, result: StepResult
+                ) -> list[tuple[Sequence, str | None, int]]:
         """Turns sampled tokens into text deltas and finishes sequences; returns what to publish."""
         self.last_step_time = time.time()
         for seq_id, error in result.errors.items():
@@ -325,28 +327,35 @@ class EngineCore:
                 text = seq.add_text(delta, final=seq.is_finished)
                 if seq.is_finished and seq in self.scheduler.running:   # a stop string ended it
                     self.scheduler.abort(seq, FinishReason.STOP)
-                publish.append((seq, text, seq.num_output_tokens))
+                # (no output token: an echo-only sequence ends with no token event)
+                publish.append((seq, text if seq.output_token_ids else None,
+                                seq.num_output_tokens))
             elif seq.is_finished:
-                publish.append((seq, "", seq.num_output_tokens))
+                publish.append((seq, None, seq.num_output_tokens))   # ended without a token
         return publish
 
-    def _publish(self, pending: list[tuple[Sequence, str, int]]
-                 ) -> list[tuple[Sequence, str, int]]:
+    def _publish(self, pending: list[tuple[Sequence, str | None, int]]
+                 ) -> list[tuple[Sequence, str | None, int]]:
         """Token events and finished records to Redis; cancellations back. Returns what could
         not be published (Redis unreachable): it is kept, in order, and retried next step."""
         try:
             if pending:
                 # Each delta carries its step's token count: a batch retried after a reply lost
                 # with the connection (Redis went down mid-call) is not appended twice.
-                deltas = [(s, t, n) for s, t, n in pending if t or not s.is_finished]
+                # One token event per generated token, the last one too when its text is
+                # empty (an EOS): only entries without a token (text None) have none.
+                # A copy dropped meanwhile (its record restarted, here or elsewhere) has no
+                # attempt left to fence on: its pending delta is stale and never written.
+                deltas = [(s, t, n) for s, t, n in pending
+                          if t is not None and s in self._attempts]
                 refused = self.store.publish_deltas(
-                    TokenDelta(s.seq_id, t, s.text, n, self._attempts.get(s),
+                    TokenDelta(s.seq_id, t, s.text, n, self._attempts[s],
                                logprobs=self.logprobs.of_token(s, n),
                                prompt_logprobs=self.logprobs.of_prompt(s, n))
                     for s, t, n in deltas)
                 for i in refused:   # the record is no longer this start's: stop, write nothing
                     self._drop(deltas[i][0])
-                pending = [(s, "", n) for s, t, n in pending if s.is_finished]
+                pending = [(s, None, n) for s, t, n in pending if s.is_finished]
                 self._finish_many([s for s, _t, _n in pending])
                 pending = []
             active = self.scheduler.running + list(self.scheduler.waiting)
@@ -360,7 +369,7 @@ class EngineCore:
                 else:
                     continue
                 ended.append(seq)
-            pending = [(s, "", s.num_output_tokens) for s in ended]   # kept if Redis fails
+            pending = [(s, None, s.num_output_tokens) for s in ended]   # kept if Redis fails
             self._finish_many(ended)
             pending = []
         except RedisError as exc:
@@ -383,7 +392,8 @@ class EngineCore:
             Finish(s.seq_id, s.finish_reason, text=s.text, completion_tokens=s.num_output_tokens,
                    error=s.error, cached_tokens=s.num_cached_tokens,
                    logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
-                   only_if=(SequenceStatus.RUNNING,), attempt=self._attempts.get(s))
+                   only_if=(SequenceStatus.RUNNING,), attempt=self._attempts.get(s),
+                   metrics_recorded=True)   # _record_metrics below, with the timings
             for s in seqs])
         for seq in seqs:
             del self.detokenizers[seq]
@@ -432,7 +442,7 @@ class EngineCore:
             self.scheduler.abort(seq, FinishReason.CANCELLED)
         handed_back: set[str] = set()
         try:
-            handed = self.store.reclaim(self.name, held=False)
+            handed = self.store.reclaim(self.name, held=False, reason="handed back")
             self._stall("handback")
             for seq_id in handed:
                 self.requeue(seq_id)

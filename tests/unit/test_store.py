@@ -104,7 +104,7 @@ def test_start_queued_then_redelivered(store):
     assert rec["text"] == "" and rec["completion_tokens"] == "0" and rec["worker"] == "w2"
     events = store.read_events("seq-1")
     assert kinds(events) == [EVENT_TOKEN, EVENT_RESET]
-    assert events[-1][2] == {"attempt": 2}
+    assert events[-1][2] == {"attempt": 2, "reason": "worker lost"}
 
 
 def test_start_of_finished_or_missing_does_not_run(store):
@@ -371,7 +371,9 @@ def test_reclaim_dead_worker_puts_its_sequences_back_once(store, r):
     assert job["status"] == "queued" and job["text"] == ""
     assert job["usage"]["completion_tokens"] == 0
     assert kinds(store.read_events("a")) == [EVENT_TOKEN, EVENT_RESET]
-    assert sub.messages() == [{"reset": True}]
+    # The same payload as a start's reset: the run to come, and why (issue 13, bug 9).
+    assert store.read_events("a")[-1][2] == {"attempt": 2, "reason": "worker lost"}
+    assert sub.messages() == [{"reset": True, "attempt": 2, "reason": "worker lost"}]
     assert store.get_job("c")["status"] == "succeeded"
     assert not r.exists(running_key("w1"))
     assert store.start("a", "w2") == ("queued", 2)          # runs again elsewhere
@@ -383,6 +385,19 @@ def test_reclaim_own_previous_life_is_forced(store):
     store.start("seq-1", "w1")
     assert store.reclaim("w1") == ["seq-1"]                 # no staleness check
     assert store.get_job("seq-1")["status"] == "queued"
+
+
+def test_reset_payload_is_the_same_on_the_stream_and_pubsub(store, r):
+    """Every reset says which run comes next and why, wherever it is read (issue 13, bug 9)."""
+    new(store)
+    store.start("seq-1", "w1")
+    sub = Subscriber(r, "seq-1")
+    store.start("seq-1", "w1")                              # restarted in place: attempt 2
+    store.reclaim("w1", held=False, reason="handed back")   # handed back: attempt 3 comes next
+    resets = [d for _, k, d in store.read_events("seq-1") if k == EVENT_RESET]
+    assert resets == [{"attempt": 2, "reason": "worker lost"},
+                      {"attempt": 3, "reason": "handed back"}]
+    assert sub.messages() == [{"reset": True, **d} for d in resets]
 
 
 def test_finish_removes_from_the_workers_running_set(store, r):

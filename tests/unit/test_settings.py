@@ -1,0 +1,49 @@
+"""Settings are validated once at start (issue 13, bug 11): a bad value names its variable."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from common.settings import Settings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("var,value", [
+    ("LLMQ_BATCH_POLICY", "fifo"),         # unknown choice (was a KeyError in the engine)
+    ("LLMQ_BACKEND", "onnx"),
+    ("LLMQ_MAX_NUM_SEQS", "0"),            # a count that must be positive
+    ("LLMQ_MAX_QUEUED", "-5"),
+    ("LLMQ_RATE_LIMIT_RPM", "-1"),         # 0 = off, negative is a typo
+    ("LLMQ_WORKER_HEARTBEAT", "two"),      # not a number
+    ("LLMQ_PORT", "80x"),
+    ("LLMQ_KEY_BATCH_SHARE", "1.5"),       # a share, (0, 1]
+])
+def test_bad_setting_names_its_variable(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):
+        Settings.from_env()
+
+
+def test_good_settings_pass(monkeypatch):
+    monkeypatch.setenv("LLMQ_BATCH_POLICY", "static")
+    monkeypatch.setenv("LLMQ_RATE_LIMIT_RPM", "0")
+    monkeypatch.setenv("LLMQ_MAX_NUM_SEQS", " 8 ")
+    s = Settings.from_env()
+    assert (s.batch_policy, s.rate_limit_rpm, s.max_num_seqs) == ("static", 0, 8)
+
+
+@pytest.mark.parametrize("start", [
+    "import worker.celery_app",                           # the worker's start
+    "import app; app.create_app()",                       # the API's start (gunicorn factory)
+])
+def test_start_fails_with_the_variable(start):
+    env = dict(os.environ, PYTHONPATH=ROOT, LLMQ_BATCH_POLICY="fifo",
+               LLMQ_REDIS_URL="redis://127.0.0.1:1/0")
+    p = subprocess.run([sys.executable, "-c", start], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "ValueError: LLMQ_BATCH_POLICY='fifo'" in p.stderr
