@@ -251,14 +251,8 @@ class WorkloadManager:
                 self.running.remove(victim)
                 self._freed.append(victim.seq_id)   # the model process drops its cache
                 victim.state = SequenceState.WAITING
+                victim.num_preemptions += 1         # llmq_num_preemptions_total counts it too
                 self.waiting.appendleft(victim)     # first of its key when its turn comes
                 held[victim_owner] -= 1
                 held[owner] += 1
                 self.stats.num_preempted += 1
-
-    def _remove(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-            self._freed.append(seq.seq_id)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
