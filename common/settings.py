@@ -43,6 +43,8 @@ _NON_NEGATIVE = (
     ("max_stop", "LLMQ_MAX_STOP"), ("rate_limit_rpm", "LLMQ_RATE_LIMIT_RPM"),
     ("rate_limit_tpm", "LLMQ_RATE_LIMIT_TPM"), ("key_max_streams", "LLMQ_KEY_MAX_STREAMS"),
     ("test_step_delay_s", "LLMQ_TEST_STEP_DELAY"), ("port", "LLMQ_PORT"),
+    # 0: no drain, the batch is handed back at once (a fault test kills the worker mid-hand-back)
+    ("shutdown_grace_s", "LLMQ_SHUTDOWN_GRACE"),
 )
 _POSITIVE = (
     ("max_prompts", "LLMQ_MAX_PROMPTS"), ("max_tokens_limit", "LLMQ_MAX_TOKENS_LIMIT"),
@@ -53,7 +55,7 @@ _POSITIVE = (
     ("result_ttl_s", "LLMQ_RESULT_TTL"), ("pending_ttl_s", "LLMQ_PENDING_TTL"),
     ("stream_maxlen", "LLMQ_STREAM_MAXLEN"), ("visibility_timeout_s", "LLMQ_VISIBILITY_TIMEOUT"),
     ("worker_heartbeat_s", "LLMQ_WORKER_HEARTBEAT"), ("worker_stale_s", "LLMQ_WORKER_STALE"),
-    ("shutdown_grace_s", "LLMQ_SHUTDOWN_GRACE"), ("max_step_s", "LLMQ_MAX_STEP"),
+    ("max_step_s", "LLMQ_MAX_STEP"),
     ("max_queued", "LLMQ_MAX_QUEUED"), ("health_timeout_s", "LLMQ_HEALTH_TIMEOUT"),
     ("header_timeout_s", "LLMQ_HEADER_TIMEOUT"), ("max_stop_chars", "LLMQ_MAX_STOP_CHARS"),
     ("wait_timeout_s", "LLMQ_WAIT_TIMEOUT"), ("sse_keepalive_s", "LLMQ_SSE_KEEPALIVE"),

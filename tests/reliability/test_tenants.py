@@ -143,8 +143,8 @@ def test_a_flooding_key_does_not_starve_another(world):
     for seq_id in flood:
         job = b.wait_job(seq_id, 600)
         assert job["status"] == "succeeded" and job["usage"]["completion_tokens"] == tokens, job
-    info = r.hgetall(f"llmq:worker:{worker.hostname}")
-    assert int(info.get("num_preempted", 0)) >= 1, info   # a took a slot of b's
+    # How a got its slot (a fair-share preemption of b's newest, or a slot b's share left
+    # free) is the scheduler's unit tests' business (tests/unit/test_workload_manager.py).
 
 
 def running(r, ids: list[str]) -> list[str]:

@@ -47,3 +47,9 @@ def test_start_fails_with_the_variable(start):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert "ValueError: LLMQ_BATCH_POLICY='fifo'" in p.stderr
+
+
+def test_a_zero_grace_is_a_valid_setting(monkeypatch):
+    """LLMQ_SHUTDOWN_GRACE=0 hands the batch back at once (the kill-mid-hand-back test uses it)."""
+    monkeypatch.setenv("LLMQ_SHUTDOWN_GRACE", "0")
+    assert Settings.from_env().shutdown_grace_s == 0
