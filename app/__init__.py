@@ -10,11 +10,11 @@ def create_app(settings: Settings | None = None, *, redis_client=None, celery=No
     """Builds the app: settings from LLMQ_* (or given), one Redis client, one Celery client."""
     from celery import Celery
 
+    from common.llm_engine import LLMEngine
     from common.store import SequenceStore
 
     from .api_server import bp, health_store, register_error_handlers
     from . import batches_api, files_api, jobs_list_api, metrics, openapi
-    from .llm_engine import LLMEngine
     from .openai_api import bp as openai_bp
 
     settings = settings or Settings.from_env()

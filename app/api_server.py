@@ -12,6 +12,7 @@ from flask import Blueprint, Flask, Response, current_app, g, jsonify, request, 
 from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
 
+from common.llm_engine import Overloaded, TooLarge
 from common.protocol import EVENT_DONE
 from common.webhook_guard import WebhookURLError
 
@@ -20,7 +21,6 @@ from common.store import SequenceStore, is_seq_id, valid_stream_id
 from . import submit_hooks
 from .errors import APIError, error_response, failure_of
 from .limits import check_limits
-from .llm_engine import Overloaded, TooLarge
 from .schemas import JobRequest, SamplingFields
 from .waiting import WaitTimedOut, wait_or_cancel
 

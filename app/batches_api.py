@@ -23,8 +23,8 @@ from common.batch_store import (BATCH_TASK, DISPATCH_GRACE_S, BatchStore, line_r
 from .api_server import APIError, _describe, checked_webhook, engine, parse_json_body, settings
 from .files_api import file_store
 from .listing import list_params, page_json
-from .openai_api import (ChatCompletionRequest, CompletionRequest, model_id, to_sequences,
-                         validate_request)
+from .openai_api import (ChatCompletionRequest, CompletionRequest, model_id, shape_options,
+                         to_sequences, validate_request)
 from .schemas import WebhookFields
 
 bp = Blueprint("batches", __name__)
@@ -89,7 +89,8 @@ def find_batch(batch_id: str) -> dict:
 def parse_lines(text: str, endpoint: str, batch_id: str
                 ) -> tuple[list[str], dict[int, str]]:
     """Every non-empty line, parsed: (one JSON spec per line, error lines by index). A spec is
-    what the driver submits ({"custom_id", "input", "params", "timeout", "priority"}) or, for
+    what the driver submits and how it shapes the answer ({"custom_id", "input", "params",
+    "timeout", "priority", "shape"}) or, for
     a malformed line, {"custom_id", "error"}."""
     model_cls, s = ENDPOINTS[endpoint], settings()
     specs, errors, seen = [], {}, set()
@@ -142,7 +143,7 @@ def _line_spec(obj: dict, endpoint: str, model_cls, s, seen: set) -> dict:
     params = req.sampling_params(options.get("default_max_tokens") or s.default_max_tokens,
                                  options.get("max_tokens"))
     return {"custom_id": custom_id, "input": inputs[0], "params": params.to_dict(),
-            "timeout": req.timeout, "priority": req.priority}
+            "timeout": req.timeout, "priority": req.priority, "shape": shape_options(req)}
 
 
 # --- routes -----------------------------------------------------------------------------------

@@ -13,12 +13,12 @@ from typing import Annotated, Any, Iterator, Literal
 from flask import Blueprint, Response, g, jsonify, stream_with_context
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from common.openai_responses import ChoiceShaper, finish_reason, response_body, usage
 from common.protocol import EVENT_DONE, EVENT_RESET, EVENT_TOKEN
 
 from .api_server import engine, parse_json_body, settings, submit
 from .client_connection import client_gone
 from .errors import APIError, failure_of
-from .openai_logprobs import LegacyLogprobs, chat_logprobs
 from .schemas import MAX_LOGPROBS, SamplingFields
 from .waiting import cancel_all, wait_or_cancel
 
@@ -195,22 +195,6 @@ def _text_content(content) -> str:
     return "".join(parts)
 
 
-def _usage(jobs: list[dict], n: int = 1) -> dict:
-    """Usage summed over a request's sequences; a prompt sampled n times counts once."""
-    p = sum(j["usage"]["prompt_tokens"] for j in jobs[::n])
-    c = sum(j["usage"]["completion_tokens"] for j in jobs)
-    cached = sum(j["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
-                 for j in jobs[::n])
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _finish_reason(job: dict) -> str | None:
-    """OpenAI's finish reason; a failure or a timeout never gets here (see failure_of)."""
-    reason = job.get("finish_reason")
-    return "abort" if reason in ("cancelled", "timeout") else reason
-
-
 # --- routes -----------------------------------------------------------------------------------
 @bp.get("/v1/models")
 def list_models():
@@ -252,59 +236,16 @@ def to_sequences(req: _Common) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return inputs, {"default_max_tokens": 16, "n": req.n}
 
 
-class _Shaper:
-    """Turns one request's sequences into OpenAI choices: text (with the prompt in front for
-    echo), logprobs in the route's shape, finish reasons. One per request, also when streamed
-    (completions' text offsets run on across chunks)."""
-
-    def __init__(self, req: _Common, jobs: list[dict], chat: bool):
-        self.req, self.jobs, self.chat = req, jobs, chat
-        self.echo = bool(getattr(req, "echo", False))
-        self.wants_logprobs = req.num_logprobs() is not None
-        self.as_ids = req.return_tokens_as_token_ids
-        self.legacy = [LegacyLogprobs(self.as_ids) for _ in jobs]
-
-    def logprobs(self, i: int, entries: list[dict]) -> dict | None:
-        if not self.wants_logprobs:
-            return None
-        if self.chat:
-            return chat_logprobs(entries, self.as_ids)
-        return self.legacy[i](entries)
-
-    def echoed(self, i: int, prompt_entries: list[dict] | None) -> tuple[str, list[dict]]:
-        """The echo's text and logprobs entries (completions with echo: the prompt first; a
-        prompt given as token ids is echoed as its tokens' text)."""
-        if not self.echo:
-            return "", []
-        entries = prompt_entries or []
-        text = self.jobs[i].get("prompt") or "".join(e["token"] for e in entries)
-        return text, entries if self.wants_logprobs else []
-
-    @staticmethod
-    def plain_choice(i: int, text: str, finish: str | None, chat: bool) -> dict:
-        """A choice without logprobs."""
-        if chat:
-            return {"index": i, "message": {"role": "assistant", "content": text},
-                    "logprobs": None, "finish_reason": finish}
-        return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-
-    def choice(self, i: int, text: str, entries: list[dict], finish: str | None,
-               delta: bool = False, role: bool = False) -> dict:
-        if not self.chat:
-            return {"index": i, "text": text, "logprobs": self.logprobs(i, entries),
-                    "finish_reason": finish}
-        lp = self.logprobs(i, entries) if entries or not delta else None
-        if not delta:
-            return {"index": i, "message": {"role": "assistant", "content": text},
-                    "logprobs": lp, "finish_reason": finish}
-        body = {"role": "assistant", "content": ""} if role else (
-            {"content": text} if text or not finish else {})
-        return {"index": i, "delta": body, "logprobs": lp, "finish_reason": finish}
+def shape_options(req: _Common) -> dict[str, bool]:
+    """How a request's choices are shaped: ChoiceShaper's options (a batch line keeps them)."""
+    return {"echo": bool(getattr(req, "echo", False)),
+            "wants_logprobs": req.num_logprobs() is not None,
+            "as_ids": req.return_tokens_as_token_ids}
 
 
 def _respond(req: _Common, jobs: list[dict], chat: bool):
     headers = {"X-Request-Id": jobs[0]["id"]}
-    shaper = _Shaper(req, jobs, chat)
+    shaper = ChoiceShaper(jobs, chat, **shape_options(req))
     if req.stream:
         gen = _stream_chunks(req, jobs, shaper)
         return Response(stream_with_context(gen), mimetype="text/event-stream",
@@ -316,23 +257,6 @@ def _respond(req: _Common, jobs: list[dict], chat: bool):
         err.headers = {**headers, **err.headers}
         raise
     return jsonify(response_body(finals, chat, model_id(), shaper, req.n)), 200, headers
-
-
-def response_body(finals: list[dict], chat: bool, model: str, shaper: "_Shaper | None" = None,
-                  n: int = 1) -> dict:
-    """The completion (or chat completion) object of finished jobs (batch output lines too:
-    they come without a shaper, so without logprobs)."""
-    choices = []
-    for i, f in enumerate(finals):
-        if shaper is None:
-            choices.append(_Shaper.plain_choice(i, f["text"], _finish_reason(f), chat))
-            continue
-        echo_text, echo_entries = shaper.echoed(i, f.get("prompt_logprobs"))
-        choices.append(shaper.choice(i, echo_text + f["text"],
-                                     echo_entries + f.get("logprobs", []), _finish_reason(f)))
-    return {"id": finals[0]["id"], "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": choices,
-            "usage": _usage(finals, n)}
 
 
 class SentText:
@@ -390,7 +314,7 @@ class _Choice:
         self.text = SentText()           # what went out, kept true across a `reset`
 
 
-def _stream_chunks(req: _Common, jobs: list[dict], shaper: _Shaper) -> Iterator[str]:
+def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iterator[str]:
     """The request's sequences as one chunk stream; with n > 1 (or several prompts) the
     choices' chunks interleave as their tokens arrive, each carrying its choice index."""
     eng, owner, chat = engine(), g.owner, shaper.chat
@@ -464,12 +388,12 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: _Shaper) -> Iterator[
                         yield chunk(i, rest, [])
                     c.num_tokens = data["usage"]["completion_tokens"]
                     rest_lp = data.get("logprobs", [])[c.num_entries:]   # the last token's
-                    yield chunk(i, "", rest_lp, _finish_reason(data))
+                    yield chunk(i, "", rest_lp, finish_reason(data))
                     c.done = True
                     c.final = data
         if include_usage:
             yield _data({"id": jobs[0]["id"], "object": obj, "created": created, "model": model,
-                         "choices": [], "usage": _usage([c.final for c in choices], req.n)})
+                         "choices": [], "usage": usage([c.final for c in choices], req.n)})
         yield "data: [DONE]\n\n"
     except APIError as err:
         # The status line went out with the first chunk: the error is the last chunk, as vLLM

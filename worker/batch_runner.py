@@ -18,10 +18,10 @@ from typing import Any
 
 from celery import shared_task, signals
 
-from app.llm_engine import Overloaded
-from app.openai_api import response_body
 from common.batch_store import (BATCH_TASK, DISPATCH_GRACE_S, TERMINAL, batch_object,
                                 line_request_id, line_seq_id, output_file_id)
+from common.llm_engine import Overloaded
+from common.openai_responses import ChoiceShaper, response_body
 from common.protocol import GENERATE_TASK, SamplingParams, SequenceStatus
 from common.store import job_from_record, record_key
 from common.webhook_store import WEBHOOK_TASK, event_body, event_id
@@ -188,9 +188,13 @@ class BatchDriver:
         """A finished sequence's output line (or error line), in OpenAI's shape."""
         job = job_from_record(rec)
         if job["status"] == SequenceStatus.SUCCEEDED.value:
-            body = response_body([job], self.h["endpoint"] == "/v1/chat/completions",
-                                 self.h.get("model") or "")
-            self.batches.answer(self.batch_id, i, True, self.line(i, job["id"], 200, body))
+            spec = self.batches.line(self.batch_id, i)
+            chat = self.h["endpoint"] == "/v1/chat/completions"
+            # with the line's echo and logprobs, as the route answers them
+            body = response_body([job], chat, self.h.get("model") or "",
+                                 ChoiceShaper([job], chat, **spec.get("shape", {})))
+            self.batches.answer(self.batch_id, i, True,
+                                self.line(i, job["id"], 200, body, spec.get("custom_id")))
         elif job["status"] == SequenceStatus.FAILED.value:
             error = {"message": (job["error"] or {}).get("message") or "generation failed",
                      "type": "server_error", "param": None, "code": None}

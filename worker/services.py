@@ -41,7 +41,7 @@ class Services:
 
     def submitter(self):
         """The API's engine (admission control, records, send_task), for batch lines."""
-        from app.llm_engine import LLMEngine
+        from common.llm_engine import LLMEngine
 
         return LLMEngine(self.settings, self.sequences, BatchLineSender(self.celery))
 

@@ -350,7 +350,7 @@ def test_stream_resumed_at_its_done_event_ends_with_204(api):
 def test_prompt_counter_counts_as_the_worker_tokenizes(default_model_dir):
     from transformers import AutoTokenizer
 
-    from app.prompt_counter import PromptCounter, model_folder
+    from common.prompt_counter import PromptCounter, model_folder
 
     counter = PromptCounter(model_folder(default_model_dir, "unused"))
     tok = AutoTokenizer.from_pretrained(default_model_dir)
@@ -390,7 +390,7 @@ def test_a_default_model_converted_after_the_api_started_is_counted_later(tmp_pa
                                                                           default_model_dir):
     import shutil
 
-    from app.prompt_counter import LazyPromptCounter
+    from common.prompt_counter import LazyPromptCounter
 
     lazy = LazyPromptCounter("smollm2", str(tmp_path))
     lazy.RETRY_S = 0.0

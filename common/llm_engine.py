@@ -1,7 +1,10 @@
-"""The API side of the LLM engine: turns requests into sequences, queues them, reads them back.
+"""The submitting side of the LLM engine: turns requests into sequences, queues them, reads
+them back.
 
 It never touches the model: it writes records to Redis, sends the Celery task by name, and
-follows each sequence's event stream. The worker's EngineCore is the other half.
+follows each sequence's event stream. The API's routes use it, and so does the batch driver in
+the worker (a batch line is submitted exactly as a request is); the worker's EngineCore is the
+other half.
 """
 from __future__ import annotations
 

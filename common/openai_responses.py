@@ -1,0 +1,128 @@
+"""OpenAI's response objects, built from jobs: choices in the completions and chat shapes,
+logprobs in their two shapes, usage and finish reasons. The OpenAI routes (app/openai_api.py)
+answer with them and the batch driver (worker/batch_runner.py) writes them into output lines,
+so a batch line's body is what the route would have answered.
+
+Logprobs come from the entries the worker keeps per token ({"token_id", "token", "logprob",
+"rank", "top_logprobs": [...]}, see worker/logprobs.py). Completions use the legacy shape:
+parallel lists `tokens`, `token_logprobs`, `top_logprobs` (a {token: logprob} dict per token:
+the k most likely plus the sampled one, as vLLM gives) and `text_offset` (each token's start in
+the text). Chat uses `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
+Both are built the same way streamed (a piece per chunk) and not, so the numbers agree.
+"""
+from __future__ import annotations
+
+import time
+
+
+def token_text(entry: dict, as_ids: bool = False) -> str:
+    """vLLM's return_tokens_as_token_ids writes "token_id:<id>" instead of the text."""
+    return f"token_id:{entry['token_id']}" if as_ids else entry["token"]
+
+
+class LegacyLogprobs:
+    """Builds completions' logprobs objects, keeping the text offset across stream chunks."""
+
+    def __init__(self, as_ids: bool = False):
+        self.as_ids = as_ids
+        self.offset = 0
+
+    def __call__(self, entries: list[dict]) -> dict:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                "text_offset": []}
+        for e in entries:
+            tok = token_text(e, self.as_ids)
+            out["tokens"].append(tok)
+            out["text_offset"].append(self.offset)
+            self.offset += len(e["token"])
+            out["token_logprobs"].append(e["logprob"])
+            if e["logprob"] is None:   # a prompt's first token: nothing predicts it
+                out["top_logprobs"].append(None)
+                continue
+            top = {token_text(t, self.as_ids): t["logprob"] for t in e["top_logprobs"]}
+            top.setdefault(tok, e["logprob"])
+            out["top_logprobs"].append(top)
+        return out
+
+
+def chat_logprobs(entries: list[dict], as_ids: bool = False) -> dict:
+    def item(e: dict) -> dict:
+        tok = token_text(e, as_ids)
+        return {"token": tok, "logprob": e["logprob"], "bytes": list(tok.encode("utf-8"))}
+
+    return {"content": [{**item(e), "top_logprobs": [item(t) for t in e["top_logprobs"]]}
+                        for e in entries]}
+
+
+def usage(jobs: list[dict], n: int = 1) -> dict:
+    """Usage summed over a request's sequences; a prompt sampled n times counts once."""
+    p = sum(j["usage"]["prompt_tokens"] for j in jobs[::n])
+    c = sum(j["usage"]["completion_tokens"] for j in jobs)
+    cached = sum(j["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                 for j in jobs[::n])
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def finish_reason(job: dict) -> str | None:
+    """OpenAI's finish reason; a failure or a timeout never gets here (app/errors.py's
+    failure_of answers those)."""
+    reason = job.get("finish_reason")
+    return "abort" if reason in ("cancelled", "timeout") else reason
+
+
+class ChoiceShaper:
+    """Turns one request's sequences into OpenAI choices: text (with the prompt in front for
+    echo), logprobs in the route's shape, finish reasons. One per request, also when streamed
+    (completions' text offsets run on across chunks)."""
+
+    def __init__(self, jobs: list[dict], chat: bool, echo: bool = False,
+                 wants_logprobs: bool = False, as_ids: bool = False):
+        self.jobs, self.chat, self.echo = jobs, chat, echo
+        self.wants_logprobs = wants_logprobs
+        self.as_ids = as_ids   # vLLM's return_tokens_as_token_ids
+        self.legacy = [LegacyLogprobs(as_ids) for _ in jobs]
+
+    def logprobs(self, i: int, entries: list[dict]) -> dict | None:
+        if not self.wants_logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.as_ids)
+        return self.legacy[i](entries)
+
+    def echoed(self, i: int, prompt_entries: list[dict] | None) -> tuple[str, list[dict]]:
+        """The echo's text and logprobs entries (completions with echo: the prompt first; a
+        prompt given as token ids is echoed as its tokens' text)."""
+        if not self.echo:
+            return "", []
+        entries = prompt_entries or []
+        text = self.jobs[i].get("prompt") or "".join(e["token"] for e in entries)
+        return text, entries if self.wants_logprobs else []
+
+    def choice(self, i: int, text: str, entries: list[dict], finish: str | None,
+               delta: bool = False, role: bool = False) -> dict:
+        if not self.chat:
+            return {"index": i, "text": text, "logprobs": self.logprobs(i, entries),
+                    "finish_reason": finish}
+        lp = self.logprobs(i, entries) if entries or not delta else None
+        if not delta:
+            return {"index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": lp, "finish_reason": finish}
+        body = {"role": "assistant", "content": ""} if role else (
+            {"content": text} if text or not finish else {})
+        return {"index": i, "delta": body, "logprobs": lp, "finish_reason": finish}
+
+
+def response_body(finals: list[dict], chat: bool, model: str,
+                  shaper: ChoiceShaper | None = None, n: int = 1) -> dict:
+    """The completion (or chat completion) object of finished jobs; without a shaper, plain
+    choices (no echo, no logprobs)."""
+    shaper = shaper or ChoiceShaper(finals, chat)
+    choices = []
+    for i, f in enumerate(finals):
+        echo_text, echo_entries = shaper.echoed(i, f.get("prompt_logprobs"))
+        choices.append(shaper.choice(i, echo_text + f["text"],
+                                     echo_entries + f.get("logprobs", []), finish_reason(f)))
+    return {"id": finals[0]["id"], "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": usage(finals, n)}
