@@ -18,7 +18,7 @@ from flask import Blueprint, Flask, current_app, g, jsonify
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from common.batch_store import (BATCH_TASK, DISPATCH_GRACE_S, BatchStore, line_request_id,
-                                new_batch_id)
+                                new_batch_id, validation_errors)
 
 from .api_server import APIError, _describe, checked_webhook, engine, parse_json_body, settings
 from .files_api import file_store
@@ -86,12 +86,12 @@ def find_batch(batch_id: str) -> dict:
     return batch
 
 
-def parse_lines(text: str, endpoint: str, batch_id: str
-                ) -> tuple[list[str], dict[int, str]]:
-    """Every non-empty line, parsed: (one JSON spec per line, error lines by index). A spec is
-    what the driver submits and how it shapes the answer ({"custom_id", "input", "params",
-    "timeout", "priority", "shape"}) or, for
-    a malformed line, {"custom_id", "error"}."""
+def parse_lines(text: str, endpoint: str) -> tuple[list[str], dict[int, dict[str, Any]]]:
+    """Every non-empty line, parsed: (one JSON spec per line, the malformed lines' errors by
+    index). A spec is what the driver submits and how it shapes the answer ({"custom_id",
+    "input", "params", "timeout", "priority", "shape"}) or, for a malformed line,
+    {"custom_id", "error"}; an error is {"custom_id", "code", "message", "param", "line"} (the
+    line's number in the file)."""
     model_cls, s = ENDPOINTS[endpoint], settings()
     specs, errors, seen = [], {}, set()
     for number, raw in enumerate(text.splitlines(), start=1):
@@ -106,16 +106,25 @@ def parse_lines(text: str, endpoint: str, batch_id: str
             custom_id = obj.get("custom_id")
             spec = _line_spec(obj, endpoint, model_cls, s, seen)
         except (ValueError, APIError) as exc:
-            message = exc.message if isinstance(exc, APIError) else f"not valid JSON: {exc}"
-            code = (exc.code if isinstance(exc, APIError) else None) or "invalid_request"
+            is_api = isinstance(exc, APIError)
             custom_id = custom_id if isinstance(custom_id, str) else None
-            errors[index] = json.dumps({
-                "id": line_request_id(batch_id, index), "custom_id": custom_id,
-                "response": None,
-                "error": {"code": code, "message": f"line {number}: {message}"}})
+            errors[index] = {"custom_id": custom_id,
+                             "code": (exc.code if is_api else None) or "invalid_request",
+                             "message": exc.message if is_api else f"not valid JSON: {exc}",
+                             "param": exc.param if is_api else None, "line": number}
             spec = {"custom_id": custom_id, "error": True}
         specs.append(json.dumps(spec, ensure_ascii=False))
     return specs, errors
+
+
+def error_lines(batch_id: str, errors: dict[int, dict[str, Any]]) -> dict[int, str]:
+    """The error file's lines of malformed input lines, by index."""
+    return {i: json.dumps({"id": line_request_id(batch_id, i), "custom_id": e["custom_id"],
+                           "response": None,
+                           "error": {"code": e["code"],
+                                     "message": f"line {e['line']}: {e['message']}"}},
+                          ensure_ascii=False)
+            for i, e in errors.items()}
 
 
 def _line_spec(obj: dict, endpoint: str, model_cls, s, seen: set) -> dict:
@@ -162,17 +171,20 @@ def create_batch():
         raise APIError(400, "the input file's purpose must be 'batch'", param="input_file_id")
     batch_id = new_batch_id()
     specs, errors = parse_lines(file_store().content(req.input_file_id, g.owner) or "",
-                                req.endpoint, batch_id)
+                                req.endpoint)
     if not specs:
         raise APIError(400, "the input file has no requests", param="input_file_id")
     now = time.time()
-    batch = batch_store().create({
+    fields = {
         "id": batch_id, "owner": g.owner, "status": "validating", "endpoint": req.endpoint,
         "input_file_id": req.input_file_id, "completion_window": req.completion_window,
         "created_at": now, "expires_at": now + req.window_s, "model": model_id(),
         "metadata": json.dumps(req.metadata) if req.metadata is not None else "",
         "webhook": hook[0] if hook else "", "webhook_events": ",".join(hook[1]) if hook else "",
-    }, specs, errors)
+        "errors": validation_errors([{k: e[k] for k in ("code", "message", "param", "line")}
+                                     for _, e in sorted(errors.items())]),
+    }
+    batch = batch_store().create(fields, specs, error_lines(batch_id, errors))
     dispatch(batch_id)
     return jsonify(batch)
 

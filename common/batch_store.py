@@ -78,15 +78,24 @@ redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
 return 1
 """
 
-# A line's answer, once: the first of output or error wins. KEYS: out, err, inflight, target.
+# A line's answer, once: the first of output or error wins, and only it adds its tokens to the
+# batch's usage. KEYS: out, err, inflight, target, batch. ARGV: index, line, then per usage
+# field (USAGE_FIELDS) its tokens.
 _ANSWER = """
 redis.call('SREM', KEYS[3], ARGV[1])
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
   return 0
 end
 redis.call('HSET', KEYS[4], ARGV[1], ARGV[2])
+for i = 3, #ARGV, 2 do
+  if tonumber(ARGV[i + 1]) ~= 0 then redis.call('HINCRBY', KEYS[5], ARGV[i], ARGV[i + 1]) end
+end
 return 1
 """
+# The batch's usage, summed over its answered lines: (batch field, the job's usage key).
+USAGE_FIELDS = (("input_tokens", "prompt_tokens"), ("output_tokens", "completion_tokens"),
+                ("cached_tokens", "cached_tokens"))
+MAX_ERRORS = 100   # validation errors listed in the batch's `errors` (the error file has all)
 
 # Cancel: only a batch that has not ended. KEYS: batch. ARGV: now.
 _CANCEL = """
@@ -114,7 +123,21 @@ def batch_object(h: dict[str, str], counts: tuple[int, int] | None = None) -> di
     obj["request_counts"] = {"total": int(h.get("total") or 0), "completed": completed,
                              "failed": failed}
     obj["metadata"] = json.loads(h["metadata"]) if h.get("metadata") else None
+    used = {name: int(h.get(f"usage_{name}") or 0) for name, _ in USAGE_FIELDS}
+    obj["usage"] = {"input_tokens": used["input_tokens"],
+                    "input_tokens_details": {"cached_tokens": used["cached_tokens"]},
+                    "output_tokens": used["output_tokens"],
+                    "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": used["input_tokens"] + used["output_tokens"]}
     return obj
+
+
+def validation_errors(errors: list[dict[str, Any]]) -> str:
+    """The batch's `errors` in OpenAI's shape ({"object": "list", "data": [{"code", "message",
+    "param", "line"}]}), the first MAX_ERRORS of them, as stored; "" for none."""
+    if not errors:
+        return ""
+    return json.dumps({"object": "list", "data": errors[:MAX_ERRORS]}, ensure_ascii=False)
 
 
 class BatchStore:
@@ -237,13 +260,20 @@ class BatchStore:
     def skip_line(self, batch_id: str, index: int) -> None:
         self.r.hset(batch_key(batch_id), "next_line", index + 1)
 
-    def answer(self, batch_id: str, index: int, ok: bool, line: dict[str, Any]) -> bool:
-        """Records a line's output (ok) or error line, unless it has one already."""
+    def answer(self, batch_id: str, index: int, ok: bool, line: dict[str, Any],
+               usage: dict[str, Any] | None = None) -> bool:
+        """Records a line's output (ok) or error line, unless it has one already; the first
+        answer adds its sequence's usage (a job's usage object) to the batch's."""
         target = batch_key(batch_id, "out" if ok else "err")
+        usage = usage or {}
+        tokens = {**usage, "cached_tokens": (usage.get("prompt_tokens_details") or {})
+                  .get("cached_tokens", 0)}
         written = self._answer(
             keys=[batch_key(batch_id, "out"), batch_key(batch_id, "err"),
-                  batch_key(batch_id, "inflight"), target],
-            args=[index, json.dumps(line, ensure_ascii=False)])
+                  batch_key(batch_id, "inflight"), target, batch_key(batch_id)],
+            args=[index, json.dumps(line, ensure_ascii=False),
+                  *(x for name, key in USAGE_FIELDS for x in (f"usage_{name}",
+                                                              int(tokens.get(key) or 0)))])
         if written:
             self.r.expire(target, self.ttl_s)
         return bool(written)

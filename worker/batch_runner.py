@@ -92,6 +92,10 @@ class BatchDriver:
             if status in TERMINAL or not status:
                 return {**result, "outcome": status or "gone"}
             if status == "validating":
+                if self.batches.live_counts(self.batch_id)[1] >= int(self.h["total"]):
+                    # Every line was malformed: nothing can run, the batch fails validation
+                    # (as OpenAI's does), with its `errors` and its error file.
+                    return {**result, "outcome": self.finalize("failed")}
                 self.batches.set_fields(self.batch_id, status="in_progress",
                                         in_progress_at=time.time())
                 log.info("batch started", extra={"batch_id": self.batch_id})
@@ -185,8 +189,10 @@ class BatchDriver:
         return record_key(line_seq_id(self.batch_id, i))
 
     def answer(self, i: int, rec: dict[str, str]) -> None:
-        """A finished sequence's output line (or error line), in OpenAI's shape."""
+        """A finished sequence's output line (or error line), in OpenAI's shape; its tokens
+        count in the batch's usage, whatever its end."""
         job = job_from_record(rec)
+        used = job["usage"]
         if job["status"] == SequenceStatus.SUCCEEDED.value:
             spec = self.batches.line(self.batch_id, i)
             chat = self.h["endpoint"] == "/v1/chat/completions"
@@ -194,21 +200,23 @@ class BatchDriver:
             body = response_body([job], chat, self.h.get("model") or "",
                                  ChoiceShaper([job], chat, **spec.get("shape", {})))
             self.batches.answer(self.batch_id, i, True,
-                                self.line(i, job["id"], 200, body, spec.get("custom_id")))
+                                self.line(i, job["id"], 200, body, spec.get("custom_id")), used)
         elif job["status"] == SequenceStatus.FAILED.value:
             error = {"message": (job["error"] or {}).get("message") or "generation failed",
                      "type": "server_error", "param": None, "code": None}
             self.batches.answer(self.batch_id, i, False,
-                                self.line(i, job["id"], 500, {"error": error}))
+                                self.line(i, job["id"], 500, {"error": error}), used)
         elif job["finish_reason"] == "timeout":
-            self.answer_error(i, "batch_expired", "the batch's completion window ended first")
+            self.answer_error(i, "batch_expired", "the batch's completion window ended first",
+                              usage=used)
         else:
-            self.answer_error(i, "request_cancelled", "the request was cancelled")
+            self.answer_error(i, "request_cancelled", "the request was cancelled", usage=used)
 
-    def answer_error(self, i: int, code: str, message: str, custom_id: str | None = None) -> None:
+    def answer_error(self, i: int, code: str, message: str, custom_id: str | None = None,
+                     usage: dict | None = None) -> None:
         line = self.line(i, None, None, None, custom_id)
         line["error"] = {"code": code, "message": message}
-        self.batches.answer(self.batch_id, i, False, line)
+        self.batches.answer(self.batch_id, i, False, line, usage)
 
     def line(self, i: int, request_id: str | None, status: int | None, body: Any,
              custom_id: str | None = None) -> dict:

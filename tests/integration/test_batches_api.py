@@ -148,6 +148,16 @@ def test_batch_runs_through_the_sdk_with_a_malformed_line_and_signed_webhooks(
     assert sorted(x["custom_id"] for x in out) == sorted(prompts)
     assert sorted(str(x["custom_id"]) for x in err) == ["None", "bad-param", "wrong-url"]
     assert all(x["response"] is None and x["error"]["code"] for x in err)
+    # OpenAI's `errors`: each malformed line's code, message and line number in the file.
+    assert done.errors.object == "list"
+    assert [(e.line, e.code, e.param) for e in done.errors.data] == [
+        (7, "invalid_request", None), (8, "invalid_request", "url"),
+        (9, "unsupported_parameter", "use_beam_search")]
+    # `usage` sums the lines' tokens.
+    bodies = [x["response"]["body"]["usage"] for x in out]
+    assert done.usage.input_tokens == sum(u["prompt_tokens"] for u in bodies) > 0
+    assert done.usage.output_tokens == sum(u["completion_tokens"] for u in bodies) > 0
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
 
     # Each output line is what the interactive route answers for the same request (greedy).
     for line in out:
@@ -177,6 +187,43 @@ def test_batch_runs_through_the_sdk_with_a_malformed_line_and_signed_webhooks(
     assert "Task llmq.batch[" in log
     assert f"Task llmq.batch_line[{out[0]['response']['request_id']}] received" in log
     assert f"Task llmq.webhook[{completed[0].webhook_id}] received" in log
+
+
+def test_a_batch_whose_every_line_is_malformed_fails_with_its_errors(api, model):
+    client = sdk(api)
+    raw = b"not json\n" + jsonl([chat_line("x", "hi", model, top_k="two")])
+    f = client.files.create(file=("bad.jsonl", raw), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    done = wait_batch(client, batch.id, 60)
+    assert done.status == "failed" and done.failed_at
+    assert [e.line for e in done.errors.data] == [1, 2]
+    assert all(e.code and e.message for e in done.errors.data)
+    assert done.output_file_id is None
+    err = lines_of(client, done.error_file_id)
+    assert [x["custom_id"] for x in err] == [None, "x"]
+    assert err[0]["error"]["message"].startswith("line 1: ")
+    assert (done.request_counts.total, done.request_counts.failed) == (2, 2)
+
+
+def test_batch_lines_answer_logprobs_and_are_jobs_only_their_owner_reads(api, model):
+    client, one, two = sdk(api), api.with_key(KEYS[0]), api.with_key(KEYS[1])
+    f = client.files.create(file=("lp.jsonl", jsonl(
+        [chat_line("lp", "Say hi.", model, max_tokens=3, logprobs=True, top_logprobs=2)])),
+        purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    done = wait_batch(client, batch.id)
+    [line] = lines_of(client, done.output_file_id)
+    content = line["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert len(content) == line["response"]["body"]["usage"]["completion_tokens"]
+    assert all(len(c["top_logprobs"]) == 2 for c in content)
+    # The line's job (response.request_id) is its owner's to read, and nobody else's; it is
+    # not in GET /v1/jobs (docs/batches.md says why).
+    seq_id = line["response"]["request_id"]
+    assert one.request("GET", f"/v1/jobs/{seq_id}").json()["status"] == "succeeded"
+    assert two.request("GET", f"/v1/jobs/{seq_id}").status_code == 404
+    for key in (one, two):
+        listed = key.request("GET", "/v1/jobs", params={"limit": 100}).json()["data"]
+        assert seq_id not in [j["id"] for j in listed]
 
 
 def test_batch_of_completions_and_its_listing(api, model):

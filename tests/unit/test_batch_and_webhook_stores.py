@@ -147,6 +147,21 @@ def test_a_line_is_answered_once_whatever_comes_later(r):
     assert store.get(b, "someone else") is None
 
 
+def test_batch_usage_sums_each_lines_tokens_once(r):
+    store = BatchStore(r, 3600)
+    b = new_batch(store)
+    used = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+            "prompt_tokens_details": {"cached_tokens": 2}}
+    assert store.answer(b, 0, True, {"n": 1}, used)
+    assert not store.answer(b, 0, True, {"n": 1}, used)   # a second answer adds nothing
+    assert store.answer(b, 1, False, {"n": 2}, {"prompt_tokens": 3, "completion_tokens": 1})
+    assert store.answer(b, 2, False, {"n": 3})             # no sequence, no tokens
+    assert store.get(b, "o")["usage"] == {
+        "input_tokens": 8, "input_tokens_details": {"cached_tokens": 2},
+        "output_tokens": 8, "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 16}
+
+
 def test_the_lease_has_one_holder_until_it_runs_out(r):
     store = BatchStore(r, 3600)
     b = new_batch(store)
