@@ -87,18 +87,20 @@ def _start_engine(sender=None, **_kw):
 
 @signals.task_received.connect
 def _hold_message(request=None, **_kw):
-    """A message is this worker's from the moment it arrives, before its task thread starts the
-    sequence: recorded, so that if the worker dies in between a peer sends it again (otherwise
-    it would wait in kombu's unacked hash for the whole visibility timeout)."""
+    """A sequence's message is this worker's from the moment it arrives, before its task thread
+    starts the sequence: recorded, so that if the worker dies in between a peer sends it again
+    (otherwise it would wait in kombu's unacked hash for the whole visibility timeout). Only
+    the generate task's: no other task's id names a sequence to send again."""
     engine = celery.llmq_engine
-    if engine is not None and request is not None:
+    # request.type is the task's real name (request.name is the shadow: llmq.batch_line)
+    if engine is not None and request is not None and request.type == GENERATE_TASK:
         engine.store.hold(engine.name, request.id)
 
 
 @signals.task_postrun.connect
-def _release_message(task_id=None, **_kw):
+def _release_message(task_id=None, task=None, **_kw):
     engine = celery.llmq_engine
-    if engine is not None and task_id:
+    if engine is not None and task_id and getattr(task, "name", None) == GENERATE_TASK:
         engine.store.release(engine.name, task_id)
 
 
