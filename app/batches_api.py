@@ -146,7 +146,7 @@ def _line_spec(obj: dict, endpoint: str, model_cls, s, seen: set) -> dict:
         raise APIError(400, "'stream' is not supported in a batch", param="stream")
     inputs, options = to_sequences(req)
     if options.get("n", 1) > 1:
-        raise APIError(400, "a batch line takes n = 1", param="n")
+        raise APIError(400, "a batch line takes n = 1 (and best_of 1)", param="n")
     if len(inputs) != 1:
         raise APIError(400, "a batch line takes one prompt", param="prompt")
     params = req.sampling_params(options.get("default_max_tokens") or s.default_max_tokens,

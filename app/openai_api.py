@@ -13,8 +13,9 @@ from typing import Annotated, Any, Iterator, Literal
 from flask import Blueprint, Response, g, jsonify, stream_with_context
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from common.openai_responses import ChoiceShaper, finish_reason, response_body, usage
-from common.protocol import EVENT_DONE, EVENT_RESET, EVENT_TOKEN
+from common.openai_responses import (ChoiceShaper, best_candidates, finish_reason,
+                                     response_body, usage)
+from common.protocol import EVENT_DONE, EVENT_RESET, EVENT_TOKEN, SamplingParams
 
 from .api_server import engine, parse_json_body, settings, submit
 from .client_connection import client_gone
@@ -68,6 +69,11 @@ class _Common(SamplingFields):
         """(param, message) for fields that are valid alone but not together."""
         return None
 
+    @property
+    def num_candidates(self) -> int:
+        """Sequences per prompt (completions' best_of may ask for more than n)."""
+        return self.n
+
 
 TokenIds = list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
 
@@ -77,11 +83,32 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(None, ge=0)   # 0 with echo: score the prompt only
     echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=64)   # candidates per prompt; the n best return
 
     def problem(self) -> tuple[str, str] | None:
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens: 0 needs echo (it returns the prompt and its logprobs)"
+        if self.best_of is not None and self.best_of < self.n:
+            return "best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"
+        if self.stream and self.ranks_candidates:
+            return "best_of", "best_of > n cannot be streamed (the best are known at the end)"
         return None
+
+    @property
+    def num_candidates(self) -> int:
+        """best_of candidates are generated per prompt, the n best returned."""
+        return self.best_of or self.n
+
+    @property
+    def ranks_candidates(self) -> bool:
+        return self.num_candidates > self.n
+
+    def sampling_params(self, default_max_tokens: int, max_tokens: int | None = None
+                        ) -> SamplingParams:
+        params = super().sampling_params(default_max_tokens, max_tokens)
+        if self.ranks_candidates and params.logprobs is None:
+            params.logprobs = 0   # the sampled tokens' logprobs rank the candidates
+        return params
 
     def num_prompt_logprobs(self) -> int | None:
         """Echo scores the prompt's tokens too (what evaluation harnesses send); its entries
@@ -231,9 +258,10 @@ def to_sequences(req: _Common) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     if not inputs or any(not next(iter(i.values())) for i in inputs):
         raise _error("prompt must be a non-empty string or list of token ids, or a list of "
                      "those", param="prompt")
-    if len(inputs) * req.n > settings().max_prompts:
-        raise _error(f"at most {settings().max_prompts} sequences (prompts x n)", param="prompt")
-    return inputs, {"default_max_tokens": 16, "n": req.n}
+    if len(inputs) * req.num_candidates > settings().max_prompts:
+        raise _error(f"at most {settings().max_prompts} sequences (prompts x best_of or n)",
+                     param="prompt")
+    return inputs, {"default_max_tokens": 16, "n": req.num_candidates}
 
 
 def shape_options(req: _Common) -> dict[str, bool]:
@@ -245,9 +273,8 @@ def shape_options(req: _Common) -> dict[str, bool]:
 
 def _respond(req: _Common, jobs: list[dict], chat: bool):
     headers = {"X-Request-Id": jobs[0]["id"]}
-    shaper = ChoiceShaper(jobs, chat, **shape_options(req))
     if req.stream:
-        gen = _stream_chunks(req, jobs, shaper)
+        gen = _stream_chunks(req, jobs, ChoiceShaper(jobs, chat, **shape_options(req)))
         return Response(stream_with_context(gen), mimetype="text/event-stream",
                         headers={**headers, "Cache-Control": "no-cache"})
     try:
@@ -256,7 +283,12 @@ def _respond(req: _Common, jobs: list[dict], chat: bool):
     except APIError as err:
         err.headers = {**headers, **err.headers}
         raise
-    return jsonify(response_body(finals, chat, model_id(), shaper, req.n)), 200, headers
+    k = req.num_candidates
+    chosen = best_candidates(finals, k, req.n) if k > req.n else finals
+    body = response_body(chosen, chat, model_id(),
+                         ChoiceShaper(chosen, chat, **shape_options(req)), req.n)
+    body["usage"] = usage(finals, k)   # with best_of, every candidate's tokens were spent
+    return jsonify(body), 200, headers
 
 
 class SentText:

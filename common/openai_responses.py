@@ -113,6 +113,21 @@ class ChoiceShaper:
         return {"index": i, "delta": body, "logprobs": lp, "finish_reason": finish}
 
 
+def cumulative_logprob(job: dict) -> float:
+    """The sum of a sequence's sampled tokens' logprobs (vLLM's cumulative_logprob)."""
+    return sum(e["logprob"] for e in job.get("logprobs") or [])
+
+
+def best_candidates(finals: list[dict], per_prompt: int, n: int) -> list[dict]:
+    """best_of: of each prompt's `per_prompt` candidates (input-major order), the n with the
+    highest cumulative logprob, best first, as vLLM returns them."""
+    chosen = []
+    for start in range(0, len(finals), per_prompt):
+        group = finals[start:start + per_prompt]
+        chosen += sorted(group, key=cumulative_logprob, reverse=True)[:n]
+    return chosen
+
+
 def response_body(finals: list[dict], chat: bool, model: str,
                   shaper: ChoiceShaper | None = None, n: int = 1) -> dict:
     """The completion (or chat completion) object of finished jobs; without a shaper, plain

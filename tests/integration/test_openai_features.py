@@ -1,6 +1,6 @@
 """What real clients send, unchanged, through the official `openai` SDK against the real stack:
 logprobs on both routes (streamed and not), echo scoring with max_tokens 0 (evaluation
-harnesses), n > 1, vLLM's continuous usage stats (its benchmark client), structured output (the
+harnesses), n > 1, best_of, vLLM's continuous usage stats (its benchmark client), structured output (the
 SDK's parse(), json_object, vLLM's structured_outputs) beside free sequences in one batch, the
 accepted-and-ignored and refused fields, and docs that need no internet.
 
@@ -199,6 +199,43 @@ def test_n_gives_n_choices_with_summed_usage(client, model):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
         assert "".join(c.text for c in mine) == texts[i]
         assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+
+
+def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(client, model):
+    kw = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=11,
+              extra_body={"ignore_eos": True})
+    # best_of 4 samples the same 4 candidates as n=4 (the same derived seeds): score those.
+    four = client.completions.create(n=4, logprobs=0, **kw)
+    score = {c.text: sum(c.logprobs.token_logprobs) for c in four.choices}
+    assert len(score) == 4, "two candidates sampled the same text; pick another seed"
+
+    best = client.completions.create(n=2, best_of=4, **kw)
+    chosen = [c.text for c in best.choices]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert all(c.logprobs is None for c in best.choices)   # ranked by them, not asked for
+    rest = [score[t] for t in score if t not in chosen]
+    assert min(score[t] for t in chosen) >= max(rest) - 1e-3   # the two best ...
+    assert score[chosen[0]] >= score[chosen[1]] - 1e-3       # ... best first, as vLLM
+    assert best.usage.completion_tokens == 4 * 6   # every candidate's tokens were spent
+    assert best.usage.prompt_tokens == four.usage.prompt_tokens
+
+    # Asked for, the logprobs are the chosen candidates' own.
+    with_lp = client.completions.create(n=1, best_of=4, logprobs=1, **kw)
+    top = with_lp.choices[0]
+    assert top.text == chosen[0]
+    assert sum(top.logprobs.token_logprobs) == pytest.approx(score[top.text], abs=1e-3)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"n": 2, "best_of": 1}, "must be at least n"),
+    ({"best_of": 2, "stream": True}, "cannot be streamed"),
+])
+def test_best_of_below_n_or_streamed_is_a_400(stack, extra, message):
+    r = requests.post(stack["url"] + "/v1/completions", timeout=30,
+                      json={"prompt": PROMPT, "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "best_of" and message in err["message"]
 
 
 # --- streaming usage --------------------------------------------------------------------------

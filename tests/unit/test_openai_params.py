@@ -110,10 +110,23 @@ def test_ignored_fields_are_accepted_with_a_warning(api, caplog):
 
 @pytest.mark.parametrize("field,value", [("use_beam_search", True), ("suffix", "z"),
                                          ("include_stop_str_in_output", True),
-                                         ("tool_choice", "auto"), ("best_of", 2)])
+                                         ("tool_choice", "auto")])
 def test_refused_fields_are_named(api, field, value):
     resp, calls = post(api, "/v1/completions", {"prompt": "x", field: value})
     refused(resp, field)
+    assert calls == []
+
+
+def test_best_of_samples_its_candidates_with_the_logprobs_that_rank_them(api):
+    _, calls = post(api, "/v1/completions", {"prompt": "x", "n": 2, "best_of": 3, "seed": 1})
+    assert len(calls) == 3 and len({p["seed"] for p in calls}) == 3
+    assert all(p["logprobs"] == 0 for p in calls)   # the sampled tokens' own, to rank by
+    _, calls = post(api.reset(), "/v1/completions", {"prompt": "x", "best_of": 2, "logprobs": 3})
+    assert [p["logprobs"] for p in calls] == [3, 3]
+    _, [p] = post(api.reset(), "/v1/completions", {"prompt": "x", "best_of": 1})
+    assert p["logprobs"] is None   # nothing to rank
+    resp, calls = post(api.reset(), "/v1/chat/completions", {**CHAT, "best_of": 2})
+    refused(resp, "best_of")   # OpenAI's and vLLM's chat have no best_of
     assert calls == []
 
 
