@@ -1,6 +1,7 @@
 """`make bench` / `python -m bench.bench [--quick]`: one run, results in bench/results/.
 
 Phases, all on the default model, greedy, with the output length forced:
+  0. quality  bfloat16's greedy tokens against float32's (bench/quality.py; --only quality)
   1. raw      model.generate in this process (before the stack starts, then freed)
   2. served   own redis-server + one worker + gunicorn API; closed-loop SSE clients per level
   2c. prefix  chat requests sharing the template's system turn: TTFT without, then with reuse
