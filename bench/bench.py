@@ -97,7 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip the quality guard (bfloat16's greedy tokens against float32's)")
     p.add_argument("--only", choices=["quality"], help="run this phase alone")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="LLMQ_DTYPE of the served worker (auto: bfloat16 on native-bf16 CPUs)")
+                   help="LLMQ_DTYPE of the raw phase and the served worker (auto: bfloat16 on "
+                        "CPUs with native bf16)")
     p.add_argument("--skip-structured", action="store_true",
                    help="skip the structured-output phase (its cost at the top concurrency)")
     p.add_argument("--streams", type=int, default=None,
@@ -336,8 +337,8 @@ def main(argv=None) -> int:
             return 0 if result["quality"]["bfloat16"]["passed"] else 1
     if not args.skip_raw and args.backend == "transformers":
         progress("phase 1/3: raw model.generate (in-process, before the stack starts)")
-        result["raw"] = run_raw(args.raw, args.tokens, device=args.device, progress=progress,
-                                time_limit_s=args.raw_time_limit)
+        result["raw"] = run_raw(args.raw, args.tokens, device=args.device, dtype=args.dtype,
+                                progress=progress, time_limit_s=args.raw_time_limit)
     elif not args.skip_raw:
         progress(f"phase 1/3: raw {args.backend} backend (in-process, before the stack starts)")
         result["raw"] = run_raw_backend(args.backend, args.raw, args.tokens, progress=progress,
