@@ -83,6 +83,10 @@ def _greedy(dtype: str, tokens: int, progress) -> dict:
 
     settings = Settings.from_env().replace(device="cpu", dtype=dtype, max_num_seqs=len(PROMPTS),
                                            kv_cache_mb=256, prefix_cache_mb=0)
+    if settings.torch_threads > 0:   # as the model process does (model_worker.main)
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
     t = time.perf_counter()
     worker = ModelWorker.load(settings)
     tok = ModelManager.from_settings(settings).load_tokenizer()
