@@ -1,6 +1,7 @@
 """`make bench` / `python -m bench.bench [--quick]`: one run, results in bench/results/.
 
 Phases, all on the default model, greedy, with the output length forced:
+  0. quality  bfloat16's greedy tokens against float32's (bench/quality.py; --only quality)
   1. raw      model.generate in this process (before the stack starts, then freed)
   2. served   own redis-server + one worker + gunicorn API; closed-loop SSE clients per level
   2c. prefix  chat requests sharing the template's system turn: TTFT without, then with reuse
@@ -30,6 +31,7 @@ from .batch import batch_phase
 from .loadgen import closed_loop, open_loop
 from .lengths import lengths_phase
 from .prefix import prefix_phase
+from .quality import quality_phase
 from .raw import run_raw, run_raw_backend, short_prompts
 from .stack import ROOT, Stack
 from .stop_strings import stop_strings_phase
@@ -91,6 +93,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results folder")
     p.add_argument("--skip-raw", action="store_true", help="skip the raw model.generate phase")
     p.add_argument("--skip-mixed", action="store_true", help="skip the mixed workload phase")
+    p.add_argument("--skip-quality", action="store_true",
+                   help="skip the quality guard (bfloat16's greedy tokens against float32's)")
+    p.add_argument("--only", choices=["quality"], help="run this phase alone")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="LLMQ_DTYPE of the raw phase and the served worker (auto: bfloat16 on "
+                        "CPUs with native bf16)")
     p.add_argument("--skip-structured", action="store_true",
                    help="skip the structured-output phase (its cost at the top concurrency)")
     p.add_argument("--streams", type=int, default=None,
@@ -320,10 +328,17 @@ def main(argv=None) -> int:
              f"{args.budget:.0f} s; load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
     if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
         progress("WARNING: the machine is already busy; the numbers will be noisy and low")
+    if args.only == "quality" or not (args.skip_quality or args.backend != "transformers"):
+        progress("phase 0: quality guard, greedy tokens of bfloat16 against float32")
+        result["quality"] = quality_phase(progress=progress)
+        if args.only:
+            (out_dir / f"{stamp}.json").write_text(json.dumps(result, indent=2) + "\n")
+            progress(f"results: {out_dir / f'{stamp}.json'}")
+            return 0 if result["quality"]["bfloat16"]["passed"] else 1
     if not args.skip_raw and args.backend == "transformers":
         progress("phase 1/3: raw model.generate (in-process, before the stack starts)")
-        result["raw"] = run_raw(args.raw, args.tokens, device=args.device, progress=progress,
-                                time_limit_s=args.raw_time_limit)
+        result["raw"] = run_raw(args.raw, args.tokens, device=args.device, dtype=args.dtype,
+                                progress=progress, time_limit_s=args.raw_time_limit)
     elif not args.skip_raw:
         progress(f"phase 1/3: raw {args.backend} backend (in-process, before the stack starts)")
         result["raw"] = run_raw_backend(args.backend, args.raw, args.tokens, progress=progress,
@@ -331,7 +346,7 @@ def main(argv=None) -> int:
                                         max_num_seqs=args.max_num_seqs)
     workdir = Path(tempfile.mkdtemp(prefix=f"llmq-bench-{stamp}-"))
     stack = Stack(workdir, max_num_seqs=args.max_num_seqs, device=args.device, backend=args.backend,
-                  dtype="float32" if args.device == "cpu" else "auto", api_app=args.api_app)
+                  dtype=args.dtype, api_app=args.api_app)
     error = None
     try:
         progress(f"phase 2/3: starting redis-server :{stack.redis_port}, a worker and the API "

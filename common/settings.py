@@ -75,13 +75,13 @@ class Settings:
     model: str = "smollm2"
     model_cache_dir: str = os.path.expanduser("~/.cache/llmq/models")
     device: str = "auto"          # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"           # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"           # auto | float32 | bfloat16 | float16 (auto: resolve_dtype)
     backend: str = "transformers"
     torch_threads: int = 0           # CPU threads for the model (0 = the backend's default)
     max_model_len: int = 0           # context per sequence (0 = the model's; llama.cpp: 2048)
     prefix_cache_mb: int = 256       # model process: KV of recent prompt prefixes (0 = off)
     kv_cache_mb: int = 0             # model process: KV cache budget (0 = 40 % of free memory)
-    packed_linears: bool = True      # CPU fp32: oneDNN-prepacked Linear weights (faster decode)
+    packed_linears: bool = True      # CPU fp32, bf16: oneDNN-prepacked Linear weights (faster)
     # Limits on input.
     max_prompts: int = 64
     max_tokens_limit: int = 4096

@@ -566,6 +566,7 @@ class EngineCore:
         st = self.scheduler.stats
         return {"model": self.executor.info.name if self.executor.info else "",
                 "device": self.executor.info.device if self.executor.info else "",
+                "dtype": self.executor.info.dtype if self.executor.info else "",
                 "model_loaded": int(self.executor.info is not None),
                 # the API refuses prompts past it before they queue
                 "max_model_len": self.executor.info.max_model_len if self.executor.info else 0,

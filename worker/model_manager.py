@@ -188,13 +188,49 @@ def pick_device(device: str = "auto") -> str:
 
 
 def pick_dtype(dtype: str, device: str):
+    """The torch dtype for LLMQ_DTYPE on this device (see resolve_dtype)."""
     import torch
 
+    return getattr(torch, resolve_dtype(dtype, device))
+
+
+# CPU flags (Linux /proc/cpuinfo names) of native bfloat16 arithmetic: AVX512-BF16's dot
+# products, AMX's bf16 tiles. Without them torch emulates bf16 through fp32 and is slower.
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def resolve_dtype(dtype: str, device: str, backend: str = "transformers",
+                  cpu_flags: frozenset[str] | None = None, cuda_bf16: bool | None = None) -> str:
+    """LLMQ_DTYPE as a concrete dtype name. An explicit value wins. `auto`: bfloat16 where
+    the hardware computes it natively (a CPU with AVX512-BF16 or AMX, a GPU with bf16),
+    float16 on older GPUs, float32 elsewhere. The vLLM backend on CPU always gets float32
+    under `auto` (its CPU path answered gibberish in bfloat16). The llama.cpp backend takes
+    the GGUF file's types whatever this says. `cpu_flags` and `cuda_bf16` default to this
+    machine's (tests pass them)."""
     if dtype != "auto":
-        return getattr(torch, dtype)
+        return dtype
     if str(device).startswith("cuda"):
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+        if cuda_bf16 is None:
+            import torch
+
+            cuda_bf16 = torch.cuda.is_bf16_supported()
+        return "bfloat16" if cuda_bf16 else "float16"
+    if backend == "vllm":
+        return "float32"
+    flags = cpu_flags if cpu_flags is not None else read_cpu_flags()
+    return "bfloat16" if flags & BF16_CPU_FLAGS else "float32"
+
+
+def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The first CPU's feature flags (empty where /proc/cpuinfo is missing: not Linux)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ from common import logs
 from . import messages
 from .kv_cache import PagedKVCache
 from .messages import NewSequence, Ready, Shutdown, StepRequest, StepResult
-from .model_manager import ModelManager
+from .model_manager import ModelManager, pick_device, resolve_dtype
 from .packed_linear import pack_linears
 from .paged_attention import use_paged_attention
 from .sampler import Sampler, SamplingState, prompt_logprobs
@@ -293,6 +293,15 @@ def _exit_at_once() -> None:
     os._exit(0)
 
 
+def _resolved_dtype(settings) -> str:
+    """LLMQ_DTYPE made concrete for this machine and backend, and logged: the backends read
+    this value (vLLM's gets float32 on CPU under auto)."""
+    device = pick_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device, settings.backend)
+    log.info("dtype %s on %s (LLMQ_DTYPE=%s)", dtype, device, settings.dtype)
+    return dtype
+
+
 def main(conn, settings) -> None:
     """Entry point of the spawned process: load, warm up, then serve steps until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
@@ -305,6 +314,7 @@ def main(conn, settings) -> None:
     from .backends import load_backend
 
     try:
+        settings = settings.replace(dtype=_resolved_dtype(settings))
         worker = load_backend(settings)   # transformers (default) or another engine
         worker.warm_up()
     except Exception as exc:  # noqa: BLE001 - tell the executor why, in words, then exit

@@ -4,7 +4,9 @@ torch's fp32 `F.linear` on CPU goes to a BLAS GEMM that re-packs the whole weigh
 every call. At the row counts a decode step has (one per running sequence) that packing
 costs about as much as the multiply: on the 2-core build machine a SmolLM2-135M decode step
 of 8 rows took 224 ms with nn.Linear and 118 ms packed, 64 rows 408 ms and 279 ms, with the
-same greedy tokens. Inductor's CPU freezing pass uses the same two operators.
+same greedy tokens. Inductor's CPU freezing pass uses the same two operators. The same holds
+in bfloat16 (AMX / AVX512-BF16): on this Xeon, one thread, 64 x 576 x 1536 took 0.61 ms with
+nn.Linear and 0.44 ms packed (fp32: 2.5 ms either way).
 """
 from __future__ import annotations
 
@@ -16,10 +18,13 @@ from torch import nn
 log = logging.getLogger("llmq.packed_linear")
 
 PACK_FOR_ROWS = 64   # oneDNN picks its weight layout for this many rows; any count works
+# The dtypes oneDNN packs, and how close the packed result must come to nn.Linear's (bf16 has
+# 8 bits of mantissa: a different summation order moves the last bit).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's forward over a oneDNN-prepacked copy of its weight (CPU, fp32)."""
+    """nn.Linear's forward over a oneDNN-prepacked copy of its weight (CPU, fp32 or bf16)."""
 
     def __init__(self, linear: nn.Linear, rows_hint: int = PACK_FOR_ROWS):
         super().__init__()
@@ -39,7 +44,8 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replaces the fp32 nn.Linear layers of a CPU model by PackedLinears; returns how many.
+    """Replaces the fp32 and bf16 nn.Linear layers of a CPU model by PackedLinears; returns
+    how many.
 
     One layer at a time (memory grows by one weight, not the model), and each only after its
     packed result matched nn.Linear on a small input: a torch without the oneDNN operators, or
@@ -49,16 +55,17 @@ def pack_linears(model: nn.Module) -> int:
         return 0
     swaps = [(parent, name, child) for parent in model.modules()
              for name, child in parent.named_children()
-             if type(child) is nn.Linear and child.weight.dtype == torch.float32
+             if type(child) is nn.Linear and child.weight.dtype in TOLERANCE
              and child.weight.device.type == "cpu"]
     gen = torch.Generator().manual_seed(0)
     done = 0
     for parent, name, child in swaps:
         try:
             new = PackedLinear(child)
-            x = torch.randn(3, child.in_features, generator=gen)
+            x = torch.randn(3, child.in_features, generator=gen).to(child.weight.dtype)
+            tol = TOLERANCE[child.weight.dtype]
             with torch.inference_mode():
-                same = torch.allclose(new(x), child(x), rtol=1e-4, atol=1e-4)
+                same = torch.allclose(new(x).float(), child(x).float(), rtol=tol, atol=tol)
             if not same:
                 raise ValueError(f"{name}: the packed result differs from nn.Linear")
         except Exception as exc:  # noqa: BLE001 - an old or unusual torch: keep nn.Linear

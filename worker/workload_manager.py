@@ -50,6 +50,9 @@ class SchedulerOutput:
     prefill: list[Sequence] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
     freed_seq_ids: list[str] = field(default_factory=list)
+    # Running sequences whose prompt the model process is still computing, chunk by chunk:
+    # the tokens of this step's chunk (they are in `decode`, and get no token until the last).
+    chunks: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -57,13 +60,15 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.prefill) + len(self.decode)
+        return (sum(s.num_tokens for s in self.prefill) + len(self.decode) - len(self.chunks)
+                + sum(self.chunks.values()))
 
     def split(self) -> tuple["SchedulerOutput", "SchedulerOutput"]:
         """The newcomers' part and the running batch's part, for a step whose result comes in
         two pieces (first tokens ahead of the decode)."""
         return (SchedulerOutput(prefill=self.prefill),
-                SchedulerOutput(decode=self.decode, freed_seq_ids=self.freed_seq_ids))
+                SchedulerOutput(decode=self.decode, freed_seq_ids=self.freed_seq_ids,
+                                chunks=self.chunks))
 
 
 @dataclass
@@ -92,8 +97,9 @@ class KVBudget:
 
 
 class WorkloadManager:
-    """Admission bounded by `max_num_seqs`, a per-step token budget (decode tokens first,
-    then prompts; at least one newcomer per step while there is a free slot) and, once
+    """Admission bounded by `max_num_seqs`, a per-step token budget (vLLM's chunked prefill:
+    decode tokens first, then the next chunk of prompts already being prefilled, then
+    newcomers' prompts; at least one newcomer per step while there is a free slot) and, once
     the model process has said how big it is, the KV cache's blocks: a newcomer joins only if
     its blocks fit beside the running batch's, and when the running batch outgrows the cache
     the newest sequences are preempted (vLLM's recompute preemption: back to the front of the
@@ -114,6 +120,12 @@ class WorkloadManager:
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
         self._freed: list[str] = []   # left the batch since the last step: the model frees them
+        # Prompt tokens (prompt + output after a preemption) the model process has yet to
+        # compute, of running sequences whose prefill spans steps. The model process computes
+        # min(max_num_batched_tokens, left) of each per step (ModelWorker's prefill_chunk); the
+        # scheduler mirrors that to count them in the budget (cached prefixes make it an upper
+        # bound, and a sequence that gets its first token early is dropped from it).
+        self._prompt_left: dict[str, int] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -136,8 +148,9 @@ class WorkloadManager:
         self._preempt()
         if self.policy.may_admit(len(self.running)):
             self._preempt_for_fair_share()
-        out = SchedulerOutput(decode=list(self.running))
-        budget = self.max_num_batched_tokens - len(out.decode)
+        out = SchedulerOutput(decode=list(self.running), chunks=self._next_chunks())
+        budget = (self.max_num_batched_tokens - len(out.decode) + len(out.chunks)
+                  - sum(out.chunks.values()))
         kv = self.kv_budget
         used = sum(kv.blocks(s) for s in self.running) if kv else 0
         # (After a preemption nobody joins: the front of the queue is now the oldest victim,
@@ -158,6 +171,8 @@ class WorkloadManager:
                 self.waiting.remove(seq)
                 out.prefill.append(seq)
                 budget -= seq.num_tokens
+                if seq.num_tokens > self.max_num_batched_tokens:
+                    self._prompt_left[seq.seq_id] = seq.num_tokens - self.max_num_batched_tokens
                 used += kv.blocks(seq) if kv else 0
         out.freed_seq_ids, self._freed = self._freed, []
         self.stats.num_steps += 1
@@ -165,6 +180,17 @@ class WorkloadManager:
         if out.decode:
             self.stats.num_joined_running_batch += len(out.prefill)
         return out
+
+    def _next_chunks(self) -> dict[str, int]:
+        """This step's chunk of each running sequence still being prefilled; moves them on."""
+        chunks = {}
+        for sid, left in list(self._prompt_left.items()):
+            chunks[sid] = min(left, self.max_num_batched_tokens)
+            if left > chunks[sid]:
+                self._prompt_left[sid] = left - chunks[sid]
+            else:
+                del self._prompt_left[sid]
+        return chunks
 
     def _preempt(self) -> None:
         """Makes the running batch fit the KV cache for this step: the newest sequences go
@@ -179,6 +205,7 @@ class WorkloadManager:
             seq.state = SequenceState.WAITING
             seq.num_preemptions += 1
             self._freed.append(seq.seq_id)
+            self._prompt_left.pop(seq.seq_id, None)
             victims.append(seq)
         for seq in victims:   # newest popped first: the oldest victim ends up in front
             self.waiting.appendleft(seq)
@@ -197,6 +224,7 @@ class WorkloadManager:
         for seq in out.prefill + out.decode:
             if seq.is_finished or seq.seq_id not in token_ids:
                 continue
+            self._prompt_left.pop(seq.seq_id, None)   # its prompt is all computed
             seq.append_token(token_ids[seq.seq_id])
             if seq.is_finished:
                 self._remove(seq)
@@ -208,6 +236,7 @@ class WorkloadManager:
         the front of the queue, keeping their output so far (the next prefill covers both)."""
         seqs = [s for s in self.running + out.prefill if not s.is_finished]
         self.running = []
+        self._prompt_left.clear()
         for seq in reversed(seqs):
             seq.state = SequenceState.WAITING
             self.waiting.appendleft(seq)
@@ -215,6 +244,7 @@ class WorkloadManager:
         return seqs
 
     def _remove(self, seq: Sequence) -> None:
+        self._prompt_left.pop(seq.seq_id, None)
         if seq in self.running:
             self.running.remove(seq)
             self._freed.append(seq.seq_id)
@@ -250,6 +280,7 @@ class WorkloadManager:
                 victim = next(s for s in reversed(self.running) if s.owner == victim_owner)
                 self.running.remove(victim)
                 self._freed.append(victim.seq_id)   # the model process drops its cache
+                self._prompt_left.pop(victim.seq_id, None)
                 victim.state = SequenceState.WAITING
                 victim.num_preemptions += 1         # llmq_num_preemptions_total counts it too
                 self.waiting.appendleft(victim)     # first of its key when its turn comes

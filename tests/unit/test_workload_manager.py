@@ -103,6 +103,66 @@ def test_every_step_admits_a_newcomer_while_slots_are_free():
     assert admitted == [1, 1, 1, 1, 1, 1] and len(wm.running) == 6
 
 
+def model_tokens(wm: WorkloadManager, out, token: int = 7) -> dict[str, int]:
+    """What the model process answers: no token for a sequence whose prompt it is still
+    computing in chunks (the scheduler's mirror of it: still in wm._prompt_left)."""
+    return {sid: t for sid, t in tokens_for(out, token).items() if sid not in wm._prompt_left}
+
+
+def test_a_long_prompts_next_chunks_take_the_budget_of_the_steps_after_it_joined():
+    wm = make_manager(max_num_batched_tokens=8)
+    big = make_seq(20)
+    wm.add(big)
+    out = wm.schedule()                              # chunk 1 of 20 -> 8 tokens
+    assert ids(out.prefill) == [big.seq_id] and out.chunks == {}
+    wm.update(out, model_tokens(wm, out))
+    assert big.output_token_ids == []
+    a, b = make_seq(3), make_seq(3)
+    wm.add(a)
+    wm.add(b)
+    out = wm.schedule()                              # chunk 2 (8 tokens) fills the step:
+    assert out.chunks == {big.seq_id: 8}             # one newcomer only (at least one per step)
+    assert ids(out.prefill) == [a.seq_id] and ids(out.decode) == [big.seq_id]
+    assert out.num_batched_tokens == 8 + 3
+    wm.update(out, model_tokens(wm, out))
+    out = wm.schedule()                              # the last chunk (4) + a's decode leave 3
+    assert out.chunks == {big.seq_id: 4} and ids(out.prefill) == [b.seq_id]
+    assert out.num_batched_tokens == 4 + 1 + 3 == 8
+    wm.update(out, model_tokens(wm, out))
+    assert big.output_token_ids == [7]               # its first token, from the last chunk
+    out = wm.schedule()
+    assert out.chunks == {} and out.num_batched_tokens == 3
+
+
+def test_a_wave_of_newcomers_is_spread_over_steps_while_the_joined_ones_decode():
+    wm = make_manager(max_num_batched_tokens=16)
+    wave = [make_seq(4, max_tokens=50) for _ in range(10)]
+    for s in wave:
+        wm.add(s)
+    joined = []
+    for _ in range(4):
+        out = wm.schedule()
+        assert ids(out.decode) == ids(joined)        # every joined one steps every step
+        assert out.num_batched_tokens <= 16
+        joined += out.prefill
+        wm.update(out, model_tokens(wm, out))
+    assert [len(s.output_token_ids) for s in wave] == [4, 4, 4, 4, 3, 3, 3, 2, 2, 1]
+
+
+def test_a_chunked_prompt_leaves_the_count_when_it_is_aborted_or_gets_its_token_early():
+    wm = make_manager(max_num_batched_tokens=8)
+    big, other = make_seq(30), make_seq(30)
+    wm.add(big)
+    wm.update(out := wm.schedule(), model_tokens(wm, out))
+    wm.abort(big, FinishReason.CANCELLED)
+    wm.add(other)
+    wm.update(out := wm.schedule(), model_tokens(wm, out))
+    out = wm.schedule()
+    assert out.chunks == {other.seq_id: 8}
+    wm.update(out, tokens_for(out))                  # its token came early (a cached prefix)
+    assert wm.schedule().chunks == {}
+
+
 def test_fifo_is_kept_even_when_a_later_prompt_would_fit():
     wm = make_manager(max_num_batched_tokens=10)
     a, big, small = make_seq(6), make_seq(8), make_seq(1)

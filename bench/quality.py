@@ -1,0 +1,117 @@
+"""The quality guard of a lower-precision dtype: the same greedy tokens as float32.
+
+Sixteen short chat prompts (the README's Paris question first) run greedy through the model
+worker in this process, once per dtype, all prompts as one batch, exactly `tokens` new tokens
+each. Against float32, per prompt, over the positions up to float32's end of answer (its first
+EOS, included; all of them when there is none):
+  - positional: the fraction of positions holding the same token;
+  - prefix: the fraction before the first divergence (after it, both continue from different
+    texts, so later positions are not comparable; this is the stricter figure).
+The answers (text up to EOS) are compared too: the Paris answer must still say Paris. The
+in-process decode rate of each dtype at the same batch is reported beside it.
+"""
+from __future__ import annotations
+
+import gc
+import time
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 times 7?",
+    "Who wrote Romeo and Juliet?",
+    "Give me a synonym for happy.",
+    "What is the boiling point of water in Celsius?",
+    "Translate 'good morning' into Spanish.",
+    "What planet is known as the Red Planet?",
+    "Write one sentence about cats.",
+    "What is the largest ocean on Earth?",
+    "How many days are in a leap year?",
+    "What gas do plants absorb from the air?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "What is the opposite of cold?",
+    "Which language is spoken in Brazil?",
+    "Suggest a name for a pet goldfish.",
+]
+TARGET = 0.95
+
+
+def quality_phase(tokens: int = 64, dtypes=("float32", "bfloat16"), progress=print) -> dict:
+    """Greedy tokens per dtype; the first dtype is the reference for the others."""
+    runs = {d: _greedy(d, tokens, progress) for d in dtypes}
+    ref_name, ref = dtypes[0], runs[dtypes[0]]
+    out = {"prompts": len(PROMPTS), "tokens": tokens, "reference": ref_name, "target": TARGET,
+           "answers": {ref_name: ref["answers"][0]}, "decode_tokens_per_s":
+           {d: r["decode_tokens_per_s"] for d, r in runs.items()}}
+    for d in dtypes[1:]:
+        cmp = compare(ref["tokens"], runs[d]["tokens"], ref["eos"])
+        cmp["answers_unchanged"] = sum(a == b for a, b in zip(ref["answers"], runs[d]["answers"]))
+        cmp["paris_answer"] = runs[d]["answers"][0]
+        cmp["paris_ok"] = "paris" in runs[d]["answers"][0].lower()
+        cmp["passed"] = cmp["prefix_match"] >= TARGET and cmp["paris_ok"]
+        cmp["speedup"] = round(runs[d]["decode_tokens_per_s"] / ref["decode_tokens_per_s"], 2)
+        out[d] = cmp
+        progress(f"quality: {d} vs {ref_name}: {cmp['prefix_match']:.1%} of positions until the "
+                 f"first divergence, {cmp['positional_match']:.1%} positional, "
+                 f"{cmp['answers_unchanged']}/{len(PROMPTS)} answers unchanged, Paris "
+                 f"{'kept' if cmp['paris_ok'] else 'LOST'} ({cmp['paris_answer'][:60]!r}); "
+                 f"in-process decode {cmp['speedup']}x "
+                 f"-> {'PASS' if cmp['passed'] else 'FAIL'} (target {TARGET:.0%})")
+    return out
+
+
+def compare(ref: list[list[int]], other: list[list[int]], eos: set[int]) -> dict:
+    """Match fractions of `other` against `ref`, over ref's positions up to its first EOS."""
+    positions = same = prefix = 0
+    for r, o in zip(ref, other):
+        n = next((i + 1 for i, t in enumerate(r) if t in eos), len(r))
+        hits = [a == b for a, b in zip(r[:n], o[:n])]
+        positions += n
+        same += sum(hits)
+        prefix += hits.index(False) if False in hits else len(hits)
+    return {"positions": positions, "positional_match": round(same / max(1, positions), 4),
+            "prefix_match": round(prefix / max(1, positions), 4)}
+
+
+def _greedy(dtype: str, tokens: int, progress) -> dict:
+    """All prompts as one batch through a fresh model worker in `dtype`."""
+    from common.protocol import SamplingParams
+    from common.settings import Settings
+    from worker.messages import NewSequence, StepRequest
+    from worker.model_manager import ModelManager
+    from worker.model_worker import ModelWorker
+
+    settings = Settings.from_env().replace(device="cpu", dtype=dtype, max_num_seqs=len(PROMPTS),
+                                           kv_cache_mb=256, prefix_cache_mb=0)
+    if settings.torch_threads > 0:   # as the model process does (model_worker.main)
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
+    t = time.perf_counter()
+    worker = ModelWorker.load(settings)
+    tok = ModelManager.from_settings(settings).load_tokenizer()
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=False) for p in PROMPTS]
+    greedy = SamplingParams(temperature=0.0)
+    seqs = [NewSequence(f"q{i}", list(p), greedy) for i, p in enumerate(ids)]
+    out = {s.seq_id: [] for s in seqs}
+
+    def take(res) -> None:
+        for sid, t_id in res.token_ids.items():
+            out[sid].append(t_id)
+
+    take(worker.step(StepRequest(prefill=seqs), early=take))
+    t0 = time.perf_counter()
+    for _ in range(tokens - 1):
+        take(worker.step(StepRequest(decode_seq_ids=list(out))))
+    rate = len(seqs) * (tokens - 1) / (time.perf_counter() - t0)
+    eos = set(worker.info.eos_token_ids)
+    got = [out[s.seq_id] for s in seqs]
+    answers = [tok.decode(g[:next((i for i, x in enumerate(g) if x in eos), len(g))],
+                          skip_special_tokens=True).strip() for g in got]
+    progress(f"quality: {dtype}: {len(seqs)} prompts x {tokens} tokens in "
+             f"{time.perf_counter() - t:.1f} s (load included), decode {rate:.0f} tok/s")
+    del worker
+    gc.collect()
+    return {"tokens": got, "answers": answers, "eos": eos,
+            "decode_tokens_per_s": round(rate, 1)}
