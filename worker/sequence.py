@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from common.protocol import FinishReason, SamplingParams
 
+from .detokenizer import IncrementalDetokenizer
 from .stop_strings import StopStringMatcher
 
 
@@ -42,7 +43,13 @@ class Sequence:
     owner: str = ""                   # the API key's owner id: the scheduler's fair share
     logprobs: list[dict] | None = None          # one entry per output token, when asked for
     prompt_logprobs: list[dict] | None = None   # one per prompt token (echo)
-    done: threading.Event = field(default_factory=threading.Event)
+    # This copy's run of its record: set at admission, the start (attempt) its writes are
+    # fenced on, and whether it is closed: its end written, or given up (dropped for a newer
+    # start, handed back). A closed copy writes nothing more.
+    attempt: int | None = None
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
+    is_closed: bool = False
+    done: threading.Event = field(default_factory=threading.Event)   # its task thread waits
     _stops: StopStringMatcher | None = field(default=None, repr=False)
 
     @property
