@@ -82,11 +82,19 @@ class OutputProcessor:
         delta = detok.step(seq.output_token_ids[-1]) if seq.output_token_ids else ""
         if seq.is_finished:
             delta += detok.flush()
-        text = seq.add_text(delta, final=seq.is_finished)   # stop strings end it here
-        if seq.is_finished and seq in self.scheduler.running:
-            self.scheduler.abort(seq, FinishReason.STOP)
+        text = seq.add_text(delta, final=seq.is_finished)
+        if seq.is_cut_at_stop:
+            self._end_at_stop_string(seq)
         # (no output token: an echo-only sequence ends with no token event)
         return Output(seq, text if seq.output_token_ids else None, seq.num_output_tokens)
+
+    def _end_at_stop_string(self, seq: Sequence) -> None:
+        """The text ends at a stop string: "stop", even when the same token also reached the
+        length limit (vLLM and OpenAI report a stop string before the length)."""
+        if seq.is_finished:
+            seq.finish_reason = FinishReason.STOP
+        else:
+            self.scheduler.abort(seq, FinishReason.STOP)
 
     # --- ends decided outside a token ----------------------------------------------------------
     def abort(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
