@@ -13,7 +13,8 @@ The audit, over every record the run made:
   duplicated      finished records whose token events (after the last reset) do not add up
                   to their final text and completion count (a delta written twice, or lost)
   no_ttl          llmq keys the run made that have no expiry (shared singletons excepted)
-and the worker's and the API's resident memory after a warm-up wave and at the end.
+and the worker's and the API's resident memory after a warm-up wave and after each fifth of the
+run.
 Prints one JSON object; exits 1 when any count above is not zero.
 """
 from __future__ import annotations
@@ -176,14 +177,21 @@ def main(argv: list[str] | None = None) -> int:
         r = redis.Redis.from_url(stack.redis_url, decode_responses=True)
         t0 = time.monotonic()
         warm = wave(stack.url, args.warmup, args.concurrency, args.seed + 1)
-        before = {"worker": rss_mb(stack.worker), "api": rss_mb(stack.api)}
-        counts = wave(stack.url, args.requests, args.concurrency, args.seed)
+        # RSS after the warm-up, then after each fifth of the run: growth that flattens is
+        # caches filling; growth that goes on is a leak.
+        series = [{"done": 0, "worker": rss_mb(stack.worker), "api": rss_mb(stack.api)}]
+        counts: dict[str, int] = {}
+        for part in range(5):
+            n = args.requests * (part + 1) // 5 - args.requests * part // 5
+            for k, v in wave(stack.url, n, args.concurrency, args.seed * 5 + part).items():
+                counts[k] = counts.get(k, 0) + v
+            series.append({"done": series[-1]["done"] + n, "worker": rss_mb(stack.worker),
+                           "api": rss_mb(stack.api)})
         result = audit(r, args.settle)
-        after = {"worker": rss_mb(stack.worker), "api": rss_mb(stack.api)}
         report = {"requests": args.requests, "concurrency": args.concurrency,
                   "wall_s": round(time.monotonic() - t0, 1), "outcomes": counts,
                   "warmup_outcomes": warm, **result,
-                  "rss_mb": {"after_warmup": before, "at_end": after},
+                  "rss_mb": series,
                   "load": psutil.getloadavg(), "logs": str(workdir)}
         print(json.dumps(report, indent=2))
         bad = result["lost"] + result["finished_twice"] + result["duplicated"] + result["no_ttl"]
