@@ -11,13 +11,14 @@ export FLOWER_PORT ?= 5555
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help setup venv redis-server model llama-cpp run api worker redis flower test test-fast \
-  test-slow-engine bench bench-quick compose-check clean
+  test-slow-engine bench bench-quick soak compose-check clean
 
 help:
 	@echo "make run      set up (venv, packages, redis-server, model) and start Redis, worker, API, Flower"
 	@echo "make test     run the whole test suite (installs what it needs)"
 	@echo "make test-slow-engine   the fault tests again, every engine step slowed to >= 50 ms"
 	@echo "make bench    benchmark (results in bench/results/); make bench-quick for a short run"
+	@echo "make soak     5,000 short requests with cancels and hang-ups, then an audit of Redis (SOAK_ARGS='-n 500')"
 	@echo "make api | worker | redis | flower   start one part alone"
 	@echo "make llama-cpp   add the optional llama.cpp backend (compiles llama.cpp: ~10 min on 2 cores)"
 
@@ -97,6 +98,9 @@ bench: setup
 
 bench-quick: setup
 	$(BIN)/python -m bench.bench --quick $(BENCH_ARGS)
+
+soak: setup
+	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
 compose-check:
 	docker-compose -f docker-compose.yml config -q && echo "docker-compose.yml is valid"

@@ -29,7 +29,7 @@ def per_token_ms(stop_chars: int, num_stops: int, tokens: int) -> float:
     stops = ["a" * stop_chars + "X"] + [chr(0x62 + k) * stop_chars for k in range(num_stops - 1)]
     seq = Sequence("s", [1], SamplingParams(max_tokens=10**6, stop=stops))
     seq.add_text("a" * stop_chars)          # hold `stop_chars` characters back
-    assert len(seq.pending_text) == stop_chars and not seq.is_finished
+    assert len(seq.pending_text) == stop_chars and not seq.is_cut_at_stop
     t0 = time.perf_counter()
     for _ in range(tokens):
         seq.add_text("a")

@@ -26,10 +26,10 @@ from typing import Any
 
 import redis
 
+from .keys import Keys
 from .owner_index import OwnerIndex
 
-PREFIX = "llmq"
-ACTIVE_KEY = f"{PREFIX}:batches:active"
+ACTIVE_KEY = Keys.batches_active
 BATCH_TASK = "llmq.batch"   # the Celery task that drives one batch (sent by name)
 DISPATCH_GRACE_S = 60.0     # a dispatched driver has this long to start before another is sent
 TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -37,8 +37,7 @@ _TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "comple
           "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 
 
-def batch_key(batch_id: str, part: str = "") -> str:
-    return f"{PREFIX}:batch:{batch_id}" + (f":{part}" if part else "")
+batch_key = Keys.batch
 
 
 def new_batch_id() -> str:

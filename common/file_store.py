@@ -21,17 +21,11 @@ from typing import Any
 
 import redis
 
+from .keys import Keys
 from .owner_index import OwnerIndex
 
-PREFIX = "llmq"
-
-
-def file_key(file_id: str) -> str:
-    return f"{PREFIX}:file:{file_id}"
-
-
-def content_key(file_id: str) -> str:
-    return f"{PREFIX}:file:{file_id}:content"
+file_key = Keys.file
+content_key = Keys.file_content
 
 
 def new_file_id() -> str:

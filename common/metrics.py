@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 
-METRICS_KEY = "llmq:metrics"
+from .keys import Keys
+
+METRICS_KEY = Keys.metrics
 
 # vLLM's metric names (vllm:*), with the llmq_ prefix.
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {

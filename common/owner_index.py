@@ -12,11 +12,9 @@ from typing import Any, Callable
 
 import redis
 
-PREFIX = "llmq"
+from .keys import Keys
 
-
-def index_key(owner: str, kind: str) -> str:
-    return f"{PREFIX}:owner:{owner or 'anonymous'}:{kind}"
+index_key = Keys.owner_index
 
 
 class UnknownCursor(ValueError):

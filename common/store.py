@@ -1,6 +1,6 @@
 """The Redis key schema and every read and write of a sequence's record, stream and channel.
 
-Keys (all names are built here and nowhere else):
+Keys (all names are built in common/keys.py, and read and written only by the stores):
   llmq:seq:<id>            hash    the sequence record (status, prompt, params, text, usage, times)
   llmq:seq:<id>:events     stream  token / reset / done events; entry ids are the SSE ids
   llmq:tokens:<id>         pub/sub the same events, at-most-once, for direct subscribers
@@ -26,7 +26,8 @@ from typing import Any, Iterable
 
 import redis
 
-from .metrics import METRICS_KEY, SUCCESS_COUNTER
+from .keys import Keys
+from .metrics import METRICS_KEY, SUCCESS_COUNTER, record_finished
 from .protocol import (
     EVENT_DONE,
     EVENT_RESET,
@@ -40,11 +41,14 @@ from .protocol import (
     encode_pubsub,
 )
 
-PREFIX = "llmq"
-CANCELLED_KEY = f"{PREFIX}:cancelled"
-WORKERS_KEY = f"{PREFIX}:workers"
+# The names, all built in common/keys.py (under the same names as before, for the importers).
+CANCELLED_KEY = Keys.cancelled
+WORKERS_KEY = Keys.workers
+OWNER_SECRET_KEY = Keys.owner_secret
+record_key, events_key, channel = Keys.record, Keys.events, Keys.channel
+worker_key, running_key, held_key = Keys.worker, Keys.running, Keys.held
+owner_seqs_key, owner_streams_key, rate_key = Keys.owner_seqs, Keys.owner_streams, Keys.rate
 PRIORITY_SEP = "\x06\x16"   # kombu's Redis priority-queue separator
-OWNER_SECRET_KEY = f"{PREFIX}:owner-secret"
 
 # Ids are checked by shape before they become part of a key name: "seq-<id>:events" names a
 # stream, not a record, and a newline or a 23-digit stream id makes Redis itself fail.
@@ -63,51 +67,12 @@ def valid_stream_id(entry_id: str) -> bool:
     return bool(m) and int(m[1]) <= _U64 and int(m[2]) <= _U64
 
 
-def record_key(seq_id: str) -> str:
-    return f"{PREFIX}:seq:{seq_id}"
-
-
-def events_key(seq_id: str) -> str:
-    return f"{PREFIX}:seq:{seq_id}:events"
-
-
-def channel(seq_id: str) -> str:
-    return f"{PREFIX}:tokens:{seq_id}"
-
-
-def worker_key(name: str) -> str:
-    return f"{PREFIX}:worker:{name}"
-
-
-def owner_seqs_key(owner: str) -> str:
-    return f"{PREFIX}:owner:{owner}:seqs"
-
-
-def owner_streams_key(owner: str) -> str:
-    return f"{PREFIX}:owner:{owner}:streams"
-
-
-def rate_key(owner: str, window: int) -> str:
-    return f"{PREFIX}:rate:{owner}:{window}"
-
-
 def reserved_tokens(req: SequenceRequest) -> int:
     """What a sequence is charged against its key's tokens per minute when it is accepted:
     max_tokens plus its prompt as OpenAI estimates it (a token per 4 bytes; the API does not
     tokenize). The end settles the charge with the real prompt and completion counts."""
     text = req.prompt or "".join(m.get("content", "") for m in req.messages or [])
     return req.params.max_tokens + math.ceil(len(text.encode("utf-8")) / 4)
-
-
-def running_key(name: str) -> str:
-    """The ids a worker has started and not finished (what to take back if it dies)."""
-    return f"{PREFIX}:running:{name}"
-
-
-def held_key(name: str) -> str:
-    """The ids whose Celery message a worker has received and not yet finished the task of:
-    a message it took but had not started is taken back too if it dies."""
-    return f"{PREFIX}:held:{name}"
 
 
 # Moves a record to "running" unless it already finished, or another live worker runs it (a
@@ -447,7 +412,7 @@ class SequenceStore:
                            count=count, block=block_ms)
         out = []
         for key, entries in res or []:
-            seq_id = key.removeprefix(f"{PREFIX}:seq:").removesuffix(":events")
+            seq_id = key.removeprefix(Keys.record("")).removesuffix(":events")
             for entry_id, fields in entries:
                 kind, data = decode_event(fields)
                 out.append((seq_id, entry_id, kind, data))
@@ -594,7 +559,7 @@ class SequenceStore:
                       encode_event(EVENT_DONE, job)["data"], encode_pubsub(EVENT_DONE, job),
                       self.stream_maxlen, self.result_ttl_s, it.seq_id, running_key(""),
                       "" if it.attempt is None else str(int(it.attempt)),
-                      owner_seqs_key("")[:-len(":seqs")],
+                      Keys.owner(""),
                       "" if it.metrics_recorded else f"c:{SUCCESS_COUNTER}:{it.reason.value}"],
                 client=pipe)
             queued.append(i)
@@ -602,6 +567,15 @@ class SequenceStore:
         for i, ok in zip(queued, pipe.execute() if queued else []):
             written[i] = bool(ok)
         return written
+
+    def record_metrics(self, observations: list[dict[str, Any]]) -> None:
+        """Run sequences' figures (common/metrics.record_finished's arguments), one round trip."""
+        if not observations:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for obs in observations:
+            record_finished(pipe, **obs)
+        pipe.execute()
 
     def _append(self, pipe, seq_id: str, kind: str, data: dict[str, Any]) -> None:
         pipe.xadd(events_key(seq_id), encode_event(kind, data),

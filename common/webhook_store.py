@@ -22,19 +22,16 @@ from typing import Any
 
 import redis
 
-PREFIX = "llmq"
-WATCH_KEY = f"{PREFIX}:webhooks:watch"
+from .keys import Keys
+
+WATCH_KEY = Keys.webhooks_watch
 WEBHOOK_TASK = "llmq.webhook"   # the Celery task that delivers one event (sent by name)
 EVENTS = ("started", "completed")        # in the order they happen
 EVENT_TTL_S = 3 * 24 * 3600              # longer than any retry schedule
 
 
-def registration_key(seq_id: str) -> str:
-    return f"{PREFIX}:webhook:job:{seq_id}"
-
-
-def event_key(event_id: str) -> str:
-    return f"{PREFIX}:webhook:event:{event_id}"
+registration_key = Keys.webhook_registration
+event_key = Keys.webhook_event
 
 
 def event_id(subject_id: str, event_type: str) -> str:
@@ -115,7 +112,7 @@ class WebhookStore:
         """(seq_id, event, url) of job events to queue now, marked dispatching."""
         now = time.time()
         flat = self._due(keys=[WATCH_KEY],
-                         args=[registration_key(""), f"{PREFIX}:seq:", now,
+                         args=[registration_key(""), Keys.record(""), now,
                                now - redispatch_after_s])
         pairs = list(zip(flat[::2], flat[1::2]))
         pipe = self.r.pipeline(transaction=False)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from common.protocol import FinishReason, SamplingParams
 
+from .detokenizer import IncrementalDetokenizer
 from .stop_strings import StopStringMatcher
 
 
@@ -32,6 +33,7 @@ class Sequence:
     error: str | None = None
     text: str = ""                    # the text streamed so far; final text when finished
     pending_text: str = ""            # decoded but held back while it may begin a stop string
+    is_cut_at_stop: bool = False      # the text reached a stop string (the output processor ends it)
     first_token_time: float | None = None
     num_restarts: int = 0             # model-process crashes survived
     num_preemptions: int = 0          # times sent back to wait for KV cache blocks
@@ -42,7 +44,13 @@ class Sequence:
     owner: str = ""                   # the API key's owner id: the scheduler's fair share
     logprobs: list[dict] | None = None          # one entry per output token, when asked for
     prompt_logprobs: list[dict] | None = None   # one per prompt token (echo)
-    done: threading.Event = field(default_factory=threading.Event)
+    # This copy's run of its record: set at admission, the start (attempt) its writes are
+    # fenced on, and whether it is closed: its end written, or given up (dropped for a newer
+    # start, handed back). A closed copy writes nothing more.
+    attempt: int | None = None
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
+    is_closed: bool = False
+    done: threading.Event = field(default_factory=threading.Event)   # its task thread waits
     _stops: StopStringMatcher | None = field(default=None, repr=False)
 
     @property
@@ -95,8 +103,8 @@ class Sequence:
         """Takes newly decoded text and returns the part that may be streamed now.
 
         With stop strings, a tail that could be the start of one is held back, and the text is
-        cut just before a stop string when one appears (which ends the sequence). `final`
-        releases whatever is held back. The streamed pieces always add up to `self.text`.
+        cut just before a stop string when one appears (`is_cut_at_stop`: the output processor
+        ends the sequence). `final` releases whatever is held back. The streamed pieces always add up to `self.text`.
         The matcher reads only `delta`, so the cost per token does not grow with what is held.
         """
         if not self.params.stop:
@@ -109,9 +117,7 @@ class Sequence:
         if hit is not None:
             end, length = hit
             emit, self.pending_text = buf[:len(self.pending_text) + end - length], ""
-            if self.finish_reason is FinishReason.LENGTH:
-                self.finish_reason = FinishReason.STOP   # the text ends at a stop string
-            self.finish(FinishReason.STOP)
+            self.is_cut_at_stop = True
         elif final:
             emit, self.pending_text = buf, ""
         else:

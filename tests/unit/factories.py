@@ -60,3 +60,88 @@ class RecordingCelery:
 def make_settings(**overrides) -> Settings:
     """Defaults that do not depend on the environment (no LLMQ_* lookups)."""
     return Settings(**overrides)
+
+
+# --- an engine without a model process ----------------------------------------------------------
+WORDS = 1000       # WordTokenizer's vocabulary: token t (t != EOS) reads " w<t>"
+
+
+class WordTokenizer:
+    """A tokenizer whose every token is a word: decode([5, 6]) == " w5 w6" (EOS decodes to
+    nothing, as a special token does), so a test can read a sequence's text from its ids."""
+
+    eos_token_id = EOS
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join("" if t == EOS and skip_special_tokens else f" w{t}" for t in ids)
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [int(w[1:]) for w in text.split()]}
+
+
+class ScriptedBackend:
+    """A model backend that samples hand-made tokens: sequence s's output token number n is
+    `script[s][n]`, FILLER past its script. It can fail one sequence (`errors`) or the whole
+    step (`crash_at`, 1-based step numbers), and records every StepRequest it was sent."""
+
+    FILLER = 7
+
+    def __init__(self, script: dict[str, list[int]] | None = None, max_model_len: int = 512,
+                 crash_at: tuple[int, ...] = (), errors: dict[str, str] | None = None):
+        from worker.model_manager import ModelInfo
+
+        self.info = ModelInfo(name="scripted", path="", eos_token_ids=(EOS,),
+                              max_model_len=max_model_len, vocab_size=WORDS, device="cpu",
+                              dtype="float32", generation_defaults={})
+        self.script = script or {}
+        self.crash_at = set(crash_at)
+        self.errors = dict(errors or {})
+        self.requests = []
+        self.num_steps = 0
+        self._made: dict[str, int] = {}   # output tokens each running sequence has
+
+    def warm_up(self) -> None:
+        pass
+
+    def step(self, req, early=None):
+        from worker.messages import StepResult
+
+        self.requests.append(req)
+        self.num_steps += 1
+        if self.num_steps in self.crash_at:
+            raise RuntimeError(f"scripted crash at step {self.num_steps}")
+        for seq_id in req.free_seq_ids:
+            self._made.pop(seq_id, None)
+        res = StepResult()
+        for new in req.prefill:
+            self._made[new.seq_id] = new.num_output_tokens
+        for seq_id in [s.seq_id for s in req.prefill] + req.decode_seq_ids:
+            if seq_id in self.errors:
+                res.errors[seq_id] = self.errors[seq_id]
+                continue
+            n = self._made[seq_id]
+            script = self.script.get(seq_id, [])
+            res.token_ids[seq_id] = script[n] if n < len(script) else self.FILLER
+            self._made[seq_id] = n + 1
+        if early is not None and req.prefill and req.decode_seq_ids:
+            # the newcomers' first tokens go ahead of the decode, as the model worker sends them
+            new = {s.seq_id for s in req.prefill}
+            early(StepResult(token_ids={k: v for k, v in res.token_ids.items() if k in new},
+                             errors={k: v for k, v in res.errors.items() if k in new},
+                             partial=True))
+            res.token_ids = {k: v for k, v in res.token_ids.items() if k not in new}
+            res.errors = {k: v for k, v in res.errors.items() if k not in new}
+        return res
+
+
+def make_engine(store, backend=None, requeue=None, **settings):
+    """An EngineCore over an in-process executor running `backend` (a ScriptedBackend by
+    default), with the WordTokenizer; started (its model loaded), its loop not running."""
+    from worker.engine_core import EngineCore
+    from worker.inprocess_executor import InProcessExecutor
+
+    backend = backend or ScriptedBackend()
+    executor = InProcessExecutor(backend_factory=lambda: backend)
+    executor.start()
+    return EngineCore("w1", Settings(**settings), store, executor, WordTokenizer(),
+                      requeue=requeue)

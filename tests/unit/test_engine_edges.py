@@ -40,7 +40,10 @@ def step(engine, tokens: dict[str, int], pending=()):
 
     engine._take_inbox(block=False)
     out = engine.scheduler.schedule()
-    return engine._publish(list(pending) + engine._update(out, StepResult(token_ids=tokens)))
+    engine.output.pending += list(pending)
+    engine.output.update(out, StepResult(token_ids=tokens))
+    engine.output.publish()
+    return engine.output.pending
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +78,9 @@ def test_engine_finish_is_counted_once_not_by_the_script_too(store):
     engine = make_engine(store)
     submit(store, "s")
     seq = engine.admit("s")
-    engine.scheduler.add(engine.inbox.get_nowait())
-    engine.scheduler.abort(seq, FinishReason.CANCELLED)
-    engine._finish_many([seq])
+    engine._take_inbox(block=False)
+    engine.output.abort(seq, FinishReason.CANCELLED)
+    engine.output.publish()
     assert store.get_job("s")["status"] == "cancelled"
     assert success(store) == {"cancelled": 1}
 
@@ -110,7 +113,8 @@ def test_restart_on_the_same_worker_drops_the_old_copys_pending_delta(store, tok
     engine.admit("s")
     step(engine, {"s": hello})
     out = engine.scheduler.schedule()
-    stale = engine._update(out, StepResult(token_ids={"s": world}))   # not yet published
+    engine.output.update(out, StepResult(token_ids={"s": world}))
+    stale, engine.output.pending = engine.output.pending, []   # not yet published
     assert engine.admit("s") is not None      # the record restarted here: attempt 2
     assert step(engine, {"s": hi}, pending=stale) == []
     events = store.read_events("s")

@@ -115,7 +115,7 @@ def feed(seq: Sequence, deltas, final_last: bool = False) -> list[str]:
     out = []
     for i, d in enumerate(deltas):
         out.append(seq.add_text(d, final=final_last and i == len(deltas) - 1))
-        if seq.is_finished and not (final_last and i == len(deltas) - 1):
+        if seq.is_cut_at_stop and not (final_last and i == len(deltas) - 1):
             break
     return out
 
@@ -123,25 +123,25 @@ def feed(seq: Sequence, deltas, final_last: bool = False) -> list[str]:
 def test_without_stop_strings_text_passes_through():
     s = make_seq(1)
     assert feed(s, ["Hel", "lo", ""]) == ["Hel", "lo", ""]
-    assert s.text == "Hello" and s.pending_text == "" and not s.is_finished
+    assert s.text == "Hello" and s.pending_text == "" and not s.is_cut_at_stop
 
 
 def test_stop_string_cuts_text_before_it_and_stops():
     s = make_seq(1, stop=["END"])
     assert s.add_text("Hello END and more") == "Hello "
-    assert s.text == "Hello " and s.finish_reason is FinishReason.STOP
+    assert s.text == "Hello " and s.is_cut_at_stop
 
 
 def test_stop_string_at_the_very_start_yields_empty_text():
     s = make_seq(1, stop=["###"])
-    assert s.add_text("###x") == "" and s.text == "" and s.is_finished
+    assert s.add_text("###x") == "" and s.text == "" and s.is_cut_at_stop
 
 
 def test_stop_string_split_across_deltas():
     s = make_seq(1, stop=["STOP"])
     pieces = feed(s, ["abc S", "T", "O", "P tail"])
     assert pieces == ["abc ", "", "", ""]
-    assert s.text == "abc " and s.finish_reason is FinishReason.STOP
+    assert s.text == "abc " and s.is_cut_at_stop
     assert "S" not in "".join(pieces)
 
 
@@ -150,7 +150,7 @@ def test_held_back_text_is_released_when_not_a_stop_string():
     assert s.add_text("a ST") == "a "
     assert s.pending_text == "ST"
     assert s.add_text("ART") == "START"
-    assert s.text == "a START" and not s.is_finished and s.pending_text == ""
+    assert s.text == "a START" and not s.is_cut_at_stop and s.pending_text == ""
 
 
 def test_final_releases_held_back_text():
@@ -173,7 +173,7 @@ def test_overlapping_prefix_is_held_until_resolved():
     assert s.add_text("a") == ""                     # "aa" could still become "aab"
     assert s.add_text("a") == "a"                    # "aaa": only the last "aa" may start it
     assert s.add_text("b!") == ""
-    assert s.text == "xa" and s.is_finished
+    assert s.text == "xa" and s.is_cut_at_stop
 
 
 def test_stop_string_found_in_final_delta():
@@ -183,16 +183,16 @@ def test_stop_string_found_in_final_delta():
     assert s.text == "line"
 
 
-def test_stop_string_completed_by_the_last_allowed_token_reports_stop():
-    """The text is cut at a stop string, so the reason is "stop" even on the last token
-    (vLLM and OpenAI report stop strings before the length limit)."""
+def test_stop_string_completed_by_the_last_allowed_token_is_cut():
+    """The sequence reports the cut; the output processor makes the reason "stop" even on the
+    last token (tests/unit/test_engine_core.py: a stop string and the length at once)."""
     s = make_seq(1, stop=["END"], max_tokens=2)
     s.append_token(5)
     assert s.add_text("ok EN") == "ok "
-    s.append_token(6)                                # hits max_tokens: LENGTH for now
+    s.append_token(6)                                # hits max_tokens
     assert s.finish_reason is FinishReason.LENGTH
     assert s.add_text("D", final=True) == ""
-    assert s.text == "ok " and s.finish_reason is FinishReason.STOP
+    assert s.text == "ok " and s.is_cut_at_stop
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -209,16 +209,16 @@ def test_pieces_always_add_up_to_text(seed):
     for i, d in enumerate(deltas):
         pieces.append(s.add_text(d, final=i == len(deltas) - 1))
         assert "".join(pieces) == s.text
-        if s.is_finished:
+        if s.is_cut_at_stop:
             break
     # The streamed text is a prefix of the full text that ends right before a stop string, or
     # the whole text when none occurs; a stop string never leaks into it.
     assert full.startswith(s.text)
     if any(x in full for x in stops):
-        assert s.finish_reason is FinishReason.STOP
+        assert s.is_cut_at_stop
         assert any(full[len(s.text):].startswith(x) for x in stops)
     else:
-        assert s.text == full and not s.is_finished
+        assert s.text == full and not s.is_cut_at_stop
     assert not any(x in s.text for x in stops)
 
 
@@ -276,10 +276,10 @@ def test_incremental_stop_matching_agrees_with_a_full_rescan(seed):
         i += n
     for piece in pieces:
         s.add_text(piece)
-        if s.is_finished:
+        if s.is_cut_at_stop:
             break
     else:
         s.add_text("", final=True)
     cut = _reference_cut(text, stops)
     assert s.text == (text if cut is None else text[:cut]), (stops, pieces)
-    assert s.is_finished == (cut is not None)
+    assert s.is_cut_at_stop == (cut is not None)

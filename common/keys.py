@@ -1,0 +1,103 @@
+"""Every Redis key llmq makes, named here and nowhere else (the stores' schema).
+
+The store modules (`common/store.py` and the batch, file, webhook and owner-index stores beside
+it) are the only readers and writers of these keys; `tests/unit/test_keys.py` checks that no
+other module spells a key. Celery's own keys (kombu's queues, `unacked`, `_kombu.binding.*`)
+are kombu's. Ids are checked by shape before they become part of a name
+(`store.is_seq_id`): "seq-<id>:events" names a stream, not a record.
+"""
+from __future__ import annotations
+
+PREFIX = "llmq"
+
+
+class Keys:
+    """Redis key names: constants for the shared keys, a function per kind of keyed one."""
+
+    cancelled = f"{PREFIX}:cancelled"          # set: ids whose cancellation was asked for
+    workers = f"{PREFIX}:workers"              # zset: worker name -> last engine heartbeat
+    owner_secret = f"{PREFIX}:owner-secret"    # string: the HMAC secret naming owners
+    metrics = f"{PREFIX}:metrics"              # hash: histogram buckets and counters
+    batches_active = f"{PREFIX}:batches:active"   # zset: batch id -> driver lease end
+    webhooks_watch = f"{PREFIX}:webhooks:watch"   # set: ids with a webhook registration
+
+    # --- sequences -------------------------------------------------------------------------
+    @staticmethod
+    def record(seq_id: str) -> str:
+        """hash: the sequence record."""
+        return f"{PREFIX}:seq:{seq_id}"
+
+    @staticmethod
+    def events(seq_id: str) -> str:
+        """stream: token / reset / done events; entry ids are the SSE ids."""
+        return f"{PREFIX}:seq:{seq_id}:events"
+
+    @staticmethod
+    def channel(seq_id: str) -> str:
+        """pub/sub: the same events, at-most-once."""
+        return f"{PREFIX}:tokens:{seq_id}"
+
+    # --- workers ---------------------------------------------------------------------------
+    @staticmethod
+    def worker(name: str) -> str:
+        """hash: what that worker reports (model, device, counters)."""
+        return f"{PREFIX}:worker:{name}"
+
+    @staticmethod
+    def running(name: str) -> str:
+        """set: the ids a worker has started and not finished (what to take back if it dies)."""
+        return f"{PREFIX}:running:{name}"
+
+    @staticmethod
+    def held(name: str) -> str:
+        """set: the ids whose Celery message a worker has received and not yet finished the
+        task of: a message it took but had not started is taken back too if it dies."""
+        return f"{PREFIX}:held:{name}"
+
+    # --- keys (owners) ---------------------------------------------------------------------
+    @staticmethod
+    def owner(owner: str) -> str:
+        """The prefix of an owner's keys (the finish script appends ':seqs')."""
+        return f"{PREFIX}:owner:{owner}"
+
+    @staticmethod
+    def owner_seqs(owner: str) -> str:
+        """zset: an owner's unfinished sequences -> created (its queue share)."""
+        return f"{Keys.owner(owner)}:seqs"
+
+    @staticmethod
+    def owner_streams(owner: str) -> str:
+        """zset: an owner's open SSE streams -> lease end (its stream cap)."""
+        return f"{Keys.owner(owner)}:streams"
+
+    @staticmethod
+    def owner_index(owner: str, kind: str) -> str:
+        """zset: an owner's jobs, files or batches, newest first."""
+        return f"{Keys.owner(owner or 'anonymous')}:{kind}"
+
+    @staticmethod
+    def rate(owner: str, window: int) -> str:
+        """hash: an owner's sequences and tokens in one minute (rate limits)."""
+        return f"{PREFIX}:rate:{owner}:{window}"
+
+    # --- files, batches, webhooks ----------------------------------------------------------
+    @staticmethod
+    def file(file_id: str) -> str:
+        return f"{PREFIX}:file:{file_id}"
+
+    @staticmethod
+    def file_content(file_id: str) -> str:
+        return f"{PREFIX}:file:{file_id}:content"
+
+    @staticmethod
+    def batch(batch_id: str, part: str = "") -> str:
+        """hash: a batch; with `part`, one of its lists and hashes (lines, answers)."""
+        return f"{PREFIX}:batch:{batch_id}" + (f":{part}" if part else "")
+
+    @staticmethod
+    def webhook_registration(seq_id: str) -> str:
+        return f"{PREFIX}:webhook:job:{seq_id}"
+
+    @staticmethod
+    def webhook_event(event_id: str) -> str:
+        return f"{PREFIX}:webhook:event:{event_id}"

@@ -1,0 +1,212 @@
+"""EngineCore in one process: a scripted backend behind the in-process executor, fakeredis for
+the store. Every end is written once, whatever ends it; cancels, deadlines, a record restarted
+on the same worker, a model crash mid-step and the hand-back at drain."""
+from __future__ import annotations
+
+import threading
+import time
+
+import fakeredis
+import pytest
+
+from common import metrics
+from common.protocol import FinishReason, SamplingParams, SequenceRequest
+from common.store import SequenceStore
+
+from .factories import EOS, ScriptedBackend, make_engine
+
+pytest.importorskip("lupa", reason="fakeredis needs lupa to run the store's Lua scripts")
+
+
+@pytest.fixture
+def store():
+    return SequenceStore(fakeredis.FakeRedis(decode_responses=True))
+
+
+def submit(store, seq_id: str = "s", prompt=(3, 4, 5), deadline=None, **params) -> None:
+    store.create([SequenceRequest(seq_id=seq_id, prompt_token_ids=list(prompt),
+                                  params=SamplingParams(**params), deadline=deadline)])
+
+
+def run(engine, seqs, max_steps: int = 200) -> None:
+    """Steps the engine (no loop thread) until the sequences have ended and all is written."""
+    for _ in range(max_steps):
+        if all(s.done.is_set() for s in seqs) and not engine.output.has_pending:
+            return
+        engine.step()
+    raise AssertionError(f"not finished after {max_steps} steps")
+
+
+def events(store, seq_id: str = "s") -> list[tuple[str, dict]]:
+    return [(k, d) for _i, k, d in store.read_events(seq_id)]
+
+
+def assert_ended_once(store, engine, seq, reason: FinishReason) -> None:
+    """One done event, the record's final status, one count in the metrics, and nothing more
+    written by later steps."""
+    assert seq.done.is_set() and seq.is_closed and seq.finish_reason is reason
+    kinds = [k for k, _d in events(store, seq.seq_id)]
+    assert kinds.count("done") == 1 and kinds[-1] == "done"
+    job = store.get_job(seq.seq_id)
+    assert (job["status"], job["finish_reason"]) == (reason.status.value, reason.value)
+    assert metrics.read_snapshot(store.r)["success"].get(reason.value) == 1
+    for _ in range(3):
+        engine.step()
+    assert [k for k, _d in events(store, seq.seq_id)] == kinds
+    assert seq.seq_id not in engine.output.admitted
+
+
+@pytest.mark.parametrize("params, script, reason, text", [
+    ({}, [5, EOS], FinishReason.STOP, " w5"),                                   # EOS
+    ({"stop_token_ids": [9]}, [5, 9], FinishReason.STOP, " w5 w9"),             # a stop token
+    ({"stop": [" w6"]}, [5, 6, 8], FinishReason.STOP, " w5"),                   # a stop string
+    ({"max_tokens": 3}, [5], FinishReason.LENGTH, " w5 w7 w7"),                 # the length
+    ({"max_tokens": 2, "stop": [" w6"]}, [5, 6], FinishReason.STOP, " w5"),     # both at once
+])
+def test_each_end_on_a_token_is_written_once(store, params, script, reason, text):
+    engine = make_engine(store, ScriptedBackend({"s": script}))
+    submit(store, **params)
+    seq = engine.admit("s")
+    run(engine, [seq])
+    assert_ended_once(store, engine, seq, reason)
+    assert store.get_job("s")["text"] == text
+    streamed = "".join(d["text"] for k, d in events(store) if k == "token")
+    assert streamed == text   # the pieces add up to the text; no stop string leaks
+
+
+def test_a_sequence_the_model_fails_ends_once_with_its_error(store):
+    engine = make_engine(store, ScriptedBackend(errors={"bad": "boom"}))
+    submit(store, "bad")
+    submit(store, "good", max_tokens=2)
+    bad, good = engine.admit("bad"), engine.admit("good")
+    run(engine, [bad, good])
+    assert_ended_once(store, engine, bad, FinishReason.ERROR)
+    assert store.get_job("bad")["error"] == {"message": "boom"}
+    assert store.get_job("good")["status"] == "succeeded"   # the batch went on without it
+
+
+def test_cancel_mid_run_keeps_the_text_and_frees_the_model(store):
+    backend = ScriptedBackend()
+    engine = make_engine(store, backend)
+    submit(store, max_tokens=100)
+    seq = engine.admit("s")
+    for _ in range(4):
+        engine.step()
+    store.request_cancel("s")
+    run(engine, [seq])
+    assert_ended_once(store, engine, seq, FinishReason.CANCELLED)
+    job = store.get_job("s")
+    assert 0 < job["usage"]["completion_tokens"] < 100
+    assert job["text"] == " w7" * job["usage"]["completion_tokens"]
+    assert any("s" in req.free_seq_ids for req in backend.requests)   # its KV cache is freed
+    assert store.cancelled_among(["s"]) == set()   # the flag goes with the end
+
+
+def test_deadline_ends_a_running_sequence_with_timeout(store):
+    engine = make_engine(store)
+    submit(store, max_tokens=100, deadline=time.time() + 3600)
+    seq = engine.admit("s")
+    for _ in range(3):
+        engine.step()
+    seq.deadline = time.time() - 1   # (the clock moved past it)
+    run(engine, [seq])
+    assert_ended_once(store, engine, seq, FinishReason.TIMEOUT)
+    assert store.get_job("s")["status"] == "cancelled"
+
+
+def test_restart_of_a_record_on_the_same_worker_streams_only_the_new_copy(store):
+    """Bug 1's seam: this worker was taken for dead and the record restarted here while the old
+    copy still runs, its last token not yet published. The old copy stops, writes nothing;
+    after the reset, readers get exactly the new copy's tokens."""
+    backend = ScriptedBackend({"s": [5, 6, 8]})
+    engine = make_engine(store, backend)
+    submit(store, max_tokens=3)
+    old = engine.admit("s")
+    engine.step()                       # " w5" sampled
+    engine.step()                       # " w5" published, " w6" sampled (pending)
+    assert engine.output.has_pending
+    new = engine.admit("s")             # attempt 2, same worker name
+    run(engine, [old, new])
+    assert old.done.is_set() and old.is_closed and old.finish_reason is FinishReason.CANCELLED
+    kinds = [k for k, _d in events(store)]
+    assert kinds == ["token", "reset", "token", "token", "token", "done"]
+    assert [d["text"] for k, d in events(store)[2:5]] == [" w5", " w6", " w8"]
+    rec = store.get_record("s")
+    assert (rec["text"], rec["completion_tokens"], rec["attempts"]) == (" w5 w6 w8", "3", "2")
+    assert_ended_once(store, engine, new, FinishReason.LENGTH)
+
+
+def test_a_model_crash_mid_step_resumes_from_the_tokens_made(store):
+    script = {"s": [5, 6, 8, 9]}
+    engine = make_engine(store, ScriptedBackend(script, crash_at=(3,)))
+    submit(store, max_tokens=4)
+    seq = engine.admit("s")
+    run(engine, [seq])
+    assert engine.executor.num_starts == 2
+    assert_ended_once(store, engine, seq, FinishReason.LENGTH)
+    assert store.get_job("s")["text"] == " w5 w6 w8 w9"   # as without the crash
+    assert "reset" not in [k for k, _d in events(store)]  # readers see no restart
+    assert seq.num_restarts == 1
+
+
+def test_a_sequence_that_crashes_the_model_every_time_fails_alone(store):
+    engine = make_engine(store, ScriptedBackend(crash_at=tuple(range(1, 20))))
+    submit(store)
+    seq = engine.admit("s")
+    run(engine, [seq])
+    assert_ended_once(store, engine, seq, FinishReason.ERROR)
+    assert "crashed 3 times" in store.get_job("s")["error"]["message"]
+
+
+def test_newcomers_first_tokens_ahead_of_the_decode_end_once(store):
+    """A newcomer joining a running batch gets its token from the partial result; both
+    sequences still end once each."""
+    engine = make_engine(store, ScriptedBackend({"b": [EOS]}))
+    submit(store, "a", max_tokens=5)
+    a = engine.admit("a")
+    engine.step()
+    submit(store, "b")
+    b = engine.admit("b")
+    run(engine, [a, b])
+    assert [k for k, _d in events(store, "b")] == ["token", "done"]
+    assert store.get_job("a")["usage"]["completion_tokens"] == 5
+    assert store.get_job("b")["finish_reason"] == "stop"
+
+
+class SignallingBackend(ScriptedBackend):
+    """Sets `running` once a few steps have run: the sequence is mid-generation."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.running = threading.Event()
+
+    def step(self, req, early=None):
+        res = super().step(req, early)
+        if self.num_steps >= 3:
+            self.running.set()
+        return res
+
+
+def test_drain_hands_the_batch_back_and_new_work_goes_back_too(store):
+    requeued = []
+    backend = SignallingBackend(max_model_len=1_000_000)
+    engine = make_engine(store, backend, lambda seq_id, priority=None: requeued.append(seq_id))
+    submit(store, max_tokens=900_000)
+    engine.start()
+    try:
+        result = {}
+        task = threading.Thread(target=lambda: result.update(engine.run_sequence("s")))
+        task.start()
+        assert backend.running.wait(30)
+        engine.drain(grace_s=0)
+        task.join(30)
+        assert not task.is_alive() and not result.get("stranded")
+        assert requeued == ["s"]
+        kinds = [k for k, _d in events(store)]
+        assert "done" not in kinds and kinds[-1] == "reset"
+        assert events(store)[-1][1] == {"attempt": 2, "reason": "handed back"}
+        assert store.get_job("s")["status"] == "queued"
+        submit(store, "late")
+        assert engine.admit("late") is None and requeued == ["s", "late"]
+    finally:
+        engine.stop()

@@ -1,0 +1,55 @@
+"""Every Redis key is named in common/keys.py: no other module spells one."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = re.compile(r"llmq:[\w{]")   # "llmq:seq:...", f"llmq:{...}"; not a log line's "llmq: "
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring nodes (they describe keys; they build none)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                out.add(id(body[0].value))
+    return out
+
+
+def key_spellings(path: Path) -> list[str]:
+    """The string literals and f-strings of a module that spell an llmq key (or its prefix)."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip, found = _docstrings(tree), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            skip.update(id(v) for v in node.values)   # its parts are judged with it
+            text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+            names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            if KEY.search(text) or ("PREFIX" in names and text.startswith("{}:")):
+                found.append((node.lineno, text))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                and id(node) not in skip and KEY.search(node.value)):
+            found.append((node.lineno, node.value[:40]))
+    return [f"{path.name}:{line}: {text!r}" for line, text in sorted(found)]
+
+
+def test_no_module_but_common_keys_spells_a_redis_key():
+    modules = [p for d in ("app", "worker", "common", "bench", "scripts")
+               for p in (ROOT / d).rglob("*.py")]
+    assert len(modules) > 40
+    found = [hit for p in modules if p != ROOT / "common" / "keys.py" for hit in key_spellings(p)]
+    assert found == []
+
+
+def test_the_check_sees_a_key_spelled_elsewhere(tmp_path):
+    module = tmp_path / "probe.py"
+    module.write_text('"""llmq:seq:<id> in a docstring is prose."""\nPREFIX = "llmq"\n'
+                      'A = f"llmq:seq:{1}"\nB = f"{PREFIX}:x:{2}"\nC = "llmq:cancelled"\n'
+                      'D = "llmq: a log line"\n')
+    assert [h.split(": ", 1)[0] for h in key_spellings(module)] == [
+        "probe.py:3", "probe.py:4", "probe.py:5"]

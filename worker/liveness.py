@@ -1,0 +1,103 @@
+"""Liveness: this worker's heartbeat, and taking back what dead workers were running."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Callable, Iterator
+
+from common.store import SequenceStore
+
+log = logging.getLogger("llmq.engine")
+
+
+class Liveness:
+    """Heart-beats while the engine advances and, once it has beaten steadily itself, reaps
+    workers whose heartbeat stopped: their running sequences go back to the queue."""
+
+    def __init__(self, name: str, settings, store: SequenceStore, stats: Callable[[], dict],
+                 requeue: Callable[..., None], stop: threading.Event):
+        self.name = name
+        self.settings = settings
+        self.store = store
+        self.stats = stats
+        self.requeue = requeue
+        self._stop = stop
+        self._progress = time.monotonic()
+        self._step_started: float | None = None
+        self._beating_since: float | None = None   # start of the current run of good beats
+
+    def start(self) -> None:
+        threading.Thread(target=self._beat_loop, name="llmq-heartbeat", daemon=True).start()
+        self.beat()
+
+    def take_back_own(self) -> None:
+        """Whatever this worker name was running before a crash is ours to run again."""
+        for seq_id in self.store.reclaim(self.name):
+            log.warning("re-queueing a sequence lost by this worker's previous run",
+                        extra={"seq_id": seq_id})
+            self.requeue(seq_id)
+
+    # --- what the engine reports ----------------------------------------------------------------
+    def progress(self) -> None:
+        """The loop turned (or published): it is alive."""
+        self._progress = time.monotonic()
+
+    def step_started(self) -> None:
+        """A model step (or a model restart) began: progress for up to LLMQ_MAX_STEP."""
+        self._step_started = time.monotonic()
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        self.step_started()
+        try:
+            yield
+        finally:
+            self._step_started = None
+
+    def advancing(self) -> bool:
+        """The loop turned recently, or a step is in flight for less than LLMQ_MAX_STEP (a long
+        prefill is progress; a hang is not)."""
+        now = time.monotonic()
+        in_step = self._step_started is not None and (
+            now - self._step_started < self.settings.max_step_s)
+        return in_step or now - self._progress < self.settings.worker_stale_s / 2
+
+    # --- the heartbeat --------------------------------------------------------------------------
+    def _beat_loop(self) -> None:
+        """A stuck engine goes silent: /readyz turns red and other workers reclaim its work."""
+        while not self._stop.wait(self.settings.worker_heartbeat_s):
+            if self.advancing():
+                self.beat()
+            else:
+                self._beating_since = None
+
+    def beat(self) -> None:
+        try:
+            self.store.heartbeat(self.name, self.stats(), ttl_s=self.settings.worker_stale_s * 4)
+        except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again next beat
+            self._beating_since = None
+            log.warning("heartbeat failed: %s", exc)
+            return
+        # Judge others dead only after beating without a gap for LLMQ_WORKER_STALE ourselves:
+        # after a Redis outage (or a pause of this engine) every heartbeat in Redis is old, and
+        # the first worker back would otherwise take its live peers' sequences from them.
+        now = time.monotonic()
+        if self._beating_since is None:
+            self._beating_since = now
+        if now - self._beating_since >= self.settings.worker_stale_s:
+            try:
+                self.reap_dead_workers()
+            except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again next beat
+                log.warning("reaping failed: %s", exc)
+
+    def reap_dead_workers(self) -> None:
+        """Takes back what workers that stopped heart-beating were running."""
+        for name in self.store.stale_workers(self.settings.worker_stale_s):
+            if name == self.name:
+                continue
+            for seq_id in self.store.reclaim(name, self.settings.worker_stale_s):
+                log.warning("re-queueing a sequence of dead worker %s", name,
+                            extra={"seq_id": seq_id})
+                self.requeue(seq_id)
