@@ -60,3 +60,21 @@ class RecordingCelery:
 def make_settings(**overrides) -> Settings:
     """Defaults that do not depend on the environment (no LLMQ_* lookups)."""
     return Settings(**overrides)
+
+
+class FakeStream:
+    """What requests gives for a streamed POST: SSE in the HTTP chunks given (bench clients)."""
+
+    status_code = 200
+
+    def __init__(self, chunks: list[bytes], headers: dict | None = None):
+        self.chunks, self.headers = chunks, headers or {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def iter_content(self, chunk_size=None):
+        yield from self.chunks
