@@ -130,7 +130,7 @@ def format_rates(eff: dict) -> list[str]:
              f"compute limit: {eff['flops_per_token'] / 1e9:.3f} GFLOP/token; torch matmul at the "
              f"model's decode shapes, {eff['threads']} threads:"]
     for name, by_batch in eff["rates_gflops"].items():
-        parts = [f"batch {b}: {r:.0f} GFLOP/s = {r * 1e9 / eff['flops_per_token']:.0f} tok/s"
+        parts = [f"batch {b}: {r:.4g} GFLOP/s = {r * 1e9 / eff['flops_per_token']:.4g} tok/s"
                  for b, r in sorted(by_batch.items(), key=lambda kv: int(kv[0]))]
         lines.append(f"  {name:>8}: " + "; ".join(parts))
     return lines

@@ -70,10 +70,11 @@ class LlmqSystem:
 
     role = "llmq"
 
-    def __init__(self, backend: str, workdir: Path, dtype: str, tokens: int, **stack_kwargs):
+    def __init__(self, backend: str, workdir: Path, tokens: int, row_dtype: str | None = None,
+                 **stack_kwargs):
         self.name = f"llmq[{backend}]"
         self.backend = backend
-        self.dtype = dtype
+        self.dtype = row_dtype or stack_kwargs.get("dtype", "float32")   # what the row served in
         self.skip = None
         self.force = {**FORCE_LENGTH, "min_tokens": tokens}
         self.stack = Stack(workdir / f"llmq-{backend}", backend=backend, **stack_kwargs)
@@ -162,7 +163,7 @@ def build_systems(args, workdir: Path, model_dir: str, gguf: str, dtype: str) ->
 
     def llmq(backend):
         row_dtype = gguf_type(gguf) if backend == "llama_cpp" else dtype
-        return LlmqSystem(backend, workdir, row_dtype, args.peers_tokens, **stack_kwargs)
+        return LlmqSystem(backend, workdir, args.peers_tokens, row_dtype, **stack_kwargs)
 
     systems = [llmq(args.backend)]
     if "vllm" in args.peers:

@@ -149,3 +149,22 @@ def test_a_peer_is_started_measured_at_each_level_and_stopped(tmp_path):
     lv = entry["levels"][1]
     assert lv["compute_fraction"] == pytest.approx(lv["tokens_per_s_all"] / 1000.0, rel=1e-3)
     assert peer.proc is None   # stopped
+
+
+def test_the_systems_are_llmq_then_the_peers_then_llmqs_other_backends(tmp_path):
+    from argparse import Namespace
+
+    from bench.peers import build_systems
+
+    args = Namespace(max_num_seqs=64, device="cpu", api_app="app.wsgi:application",
+                     peers_tokens=64, backend="transformers", peers=["vllm", "llama-server"],
+                     llama_server=str(tmp_path / "absent"),
+                     llmq_backends=["llama_cpp", "transformers"])
+    systems = build_systems(args, tmp_path, "/m", "/x/m.Q4_1.gguf", "float32")
+    assert [s.name for s in systems] == ["llmq[transformers]", "vLLM", "llama-server",
+                                         "llmq[llama_cpp]"]
+    assert [s.dtype for s in systems] == ["float32", "float32", "Q4_1", "Q4_1"]
+    assert systems[3].stack.backend == "llama_cpp" and systems[3].stack.max_num_seqs == 64
+    assert "make peers" in systems[2].skip
+    assert systems[0].force == {"ignore_eos": True, "min_tokens": 64}
+    assert systems[2].force == {"ignore_eos": True}   # llama-server has no min_tokens
