@@ -130,9 +130,12 @@ def vllm_peer(model_dir: str, workdir: Path, max_num_seqs: int, tokens: int) -> 
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KVCACHE_GIB), "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
-    argv = lambda port: [sys.executable, "-m", "vllm.entrypoints.openai.api_server",  # noqa: E731
-                         "--model", model_dir, "--dtype", "float32", "--max-model-len", "2048",
-                         "--max-num-seqs", str(max_num_seqs), "--host", HOST, "--port", str(port)]
+
+    def argv(port: int) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                "--dtype", "float32", "--max-model-len", "2048",
+                "--max-num-seqs", str(max_num_seqs), "--host", HOST, "--port", str(port)]
+
     skip = None if importlib.util.find_spec("vllm") else "vllm is not installed (make vllm)"
     # The first start compiles for 1-2 minutes (cached in ~/.cache/vllm); a shared CPU, more.
     return ServerPeer("vLLM", argv, env, "float32", {**FORCE_LENGTH, "min_tokens": tokens},
@@ -141,9 +144,12 @@ def vllm_peer(model_dir: str, workdir: Path, max_num_seqs: int, tokens: int) -> 
 
 def llama_server_peer(binary: Path, gguf: str, workdir: Path, slots: int) -> ServerPeer:
     threads = str(os.cpu_count() or 1)   # as the llama_cpp backend (LLMQ_TORCH_THREADS unset)
-    argv = lambda port: [str(binary), "-m", gguf, "--host", HOST, "--port", str(port),  # noqa: E731
-                         "-np", str(slots), "-c", str(slots * LLAMA_SERVER_CONTEXT_PER_SLOT),
-                         "-t", threads, "-tb", threads, "--cont-batching"]
+
+    def argv(port: int) -> list[str]:
+        return [str(binary), "-m", gguf, "--host", HOST, "--port", str(port), "-np", str(slots),
+                "-c", str(slots * LLAMA_SERVER_CONTEXT_PER_SLOT), "-t", threads, "-tb", threads,
+                "--cont-batching"]
+
     skip = None if os.access(binary, os.X_OK) else f"{binary} is not built (make peers)"
     return ServerPeer("llama-server", argv, dict(os.environ), gguf_type(gguf), dict(FORCE_LENGTH),
                       workdir / "llama-server.log", ready_timeout_s=300, skip=skip)
