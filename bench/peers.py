@@ -94,10 +94,15 @@ class ServerPeer:
     role = "peer"
 
     def __init__(self, name: str, argv, env: dict, dtype: str, force: dict, log_path: Path,
-                 ready_timeout_s: float, skip: str | None = None):
+                 ready_timeout_s: float, absent=lambda: None):
         self.name, self.argv, self.env, self.dtype, self.force = name, argv, env, dtype, force
-        self.log_path, self.ready_timeout_s, self.skip = log_path, ready_timeout_s, skip
+        self.log_path, self.ready_timeout_s, self.absent = log_path, ready_timeout_s, absent
         self.proc: Proc | None = None
+
+    @property
+    def skip(self) -> str | None:
+        """Why the peer cannot run, asked when its turn comes (a build may finish meanwhile)."""
+        return self.absent()
 
     def start(self) -> str:
         port = free_port()
@@ -136,10 +141,12 @@ def vllm_peer(model_dir: str, workdir: Path, max_num_seqs: int, tokens: int) -> 
                 "--dtype", "float32", "--max-model-len", "2048",
                 "--max-num-seqs", str(max_num_seqs), "--host", HOST, "--port", str(port)]
 
-    skip = None if importlib.util.find_spec("vllm") else "vllm is not installed (make vllm)"
+    def absent():
+        return None if importlib.util.find_spec("vllm") else "vllm is not installed (make vllm)"
+
     # The first start compiles for 1-2 minutes (cached in ~/.cache/vllm); a shared CPU, more.
     return ServerPeer("vLLM", argv, env, "float32", {**FORCE_LENGTH, "min_tokens": tokens},
-                      workdir / "vllm.log", ready_timeout_s=900, skip=skip)
+                      workdir / "vllm.log", ready_timeout_s=900, absent=absent)
 
 
 def llama_server_peer(binary: Path, gguf: str, workdir: Path, slots: int) -> ServerPeer:
@@ -150,9 +157,11 @@ def llama_server_peer(binary: Path, gguf: str, workdir: Path, slots: int) -> Ser
                 "-c", str(slots * LLAMA_SERVER_CONTEXT_PER_SLOT), "-t", threads, "-tb", threads,
                 "--cont-batching"]
 
-    skip = None if os.access(binary, os.X_OK) else f"{binary} is not built (make peers)"
+    def absent():
+        return None if os.access(binary, os.X_OK) else f"{binary} is not built (make peers)"
+
     return ServerPeer("llama-server", argv, dict(os.environ), gguf_type(gguf), dict(FORCE_LENGTH),
-                      workdir / "llama-server.log", ready_timeout_s=300, skip=skip)
+                      workdir / "llama-server.log", ready_timeout_s=300, absent=absent)
 
 
 def gguf_type(path: str) -> str:

@@ -99,6 +99,10 @@ def test_an_absent_peer_is_skipped_without_starting_anything(tmp_path):
     entry = run_system(peer, [1], {0: [], 1: ["x"]}, 8, 10.0, None, progress=lambda m: None)
     assert "make peers" in entry["skipped"] and entry["levels"] == [] and "error" not in entry
     assert peer.proc is None
+    # Asked when its turn comes: a `make peers` that finishes meanwhile is seen.
+    (tmp_path / "no-llama-server").write_text("#!/bin/sh\n")
+    (tmp_path / "no-llama-server").chmod(0o755)
+    assert peer.skip is None
 
 
 # A stand-in for a peer's OpenAI server: /health, /v1/models, streaming /v1/completions.
