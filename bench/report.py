@@ -253,6 +253,9 @@ def format_peers(peers: dict | None, eff: dict | None = None) -> list[str]:
         if sys_.get("skipped") or sys_.get("error"):
             what = f"skipped: {sys_['skipped']}" if sys_.get("skipped") else f"error: {sys_['error']}"
             lines.append(f"  {sys_['name']}: {what}")
+    if any((lv.get("compute_fraction") or 0) > 1 for x in peers["systems"] for lv in x["levels"]):
+        lines.append("  WARNING: a row is above 100% of the limit: the matmul rates were measured "
+                     "while other processes held the CPU; the limit column is not to be trusted")
     lines.append("  (x best: tok/s over the best peer's at that concurrency; limit: tok/s x "
                  "FLOPs/token over this machine's matmul rate at that batch, in the row's dtype; "
                  "GGUF rows against float32's)")

@@ -177,3 +177,7 @@ def test_the_peers_table_comes_first_with_a_row_per_system_and_level():
     assert row.split()[3:] == ["231.0", "4100", "8200", "50", "200", "1.33", "51%", "0"]
     assert "llmq[vllm]: error: RuntimeError: worker exited" in table
     assert table.index("vLLM") < table.index("llmq[llama_cpp]")
+    assert "WARNING" not in table
+    # A limit exceeded says the rates were measured on a busy machine.
+    peers["systems"][1]["levels"][0]["compute_fraction"] = 1.7
+    assert "above 100% of the limit" in format_table({"peers": peers, "targets": []})
