@@ -11,7 +11,7 @@ export FLOWER_PORT ?= 5555
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help setup venv redis-server model llama-cpp run api worker redis flower test test-fast \
-  test-slow-engine bench bench-quick soak compose-check clean
+  test-slow-engine bench bench-quick soak peers compose-check clean
 
 help:
 	@echo "make run      set up (venv, packages, redis-server, model) and start Redis, worker, API, Flower"
@@ -21,6 +21,7 @@ help:
 	@echo "make soak     5,000 short requests with cancels and hang-ups, then an audit of Redis (SOAK_ARGS='-n 500')"
 	@echo "make api | worker | redis | flower   start one part alone"
 	@echo "make llama-cpp   add the optional llama.cpp backend (compiles llama.cpp: ~10 min on 2 cores)"
+	@echo "make peers   build llama-server and check vLLM, the bench's peers (~7 min once, then cached)"
 
 setup: venv redis-server model
 
@@ -60,6 +61,11 @@ llama-cpp: venv
 	    CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 	      $(BIN)/pip wheel --no-deps -w $(LLAMA_WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION); }; \
 	  $(BIN)/pip install $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl; }
+
+# The bench's peers: llama-server built from the same llama.cpp sources, cached in
+# ~/.cache/llmq/peers/; vLLM is checked (an absent peer is skipped by the bench).
+peers: venv
+	PY=$(BIN)/python LLAMA_CPP_VERSION=$(LLAMA_CPP_VERSION) nice -n 10 bash scripts/peers.sh
 
 run: setup
 	bash scripts/run.sh

@@ -2,6 +2,9 @@
 
 Phases, all on the default model, greedy, with the output length forced:
   0. quality  bfloat16's greedy tokens against float32's (bench/quality.py; --only quality)
+  0. peers    llmq and its peers (vLLM's own server, llama.cpp's llama-server) on the same load,
+              one at a time, with the fraction of this machine's compute limit each reached
+              (the first table; --only peers runs it alone, in about 10 minutes)
   1. raw      model.generate in this process (before the stack starts, then freed)
   2. served   own redis-server + one worker + gunicorn API; closed-loop SSE clients per level
   2c. prefix  chat requests sharing the template's system turn: TTFT without, then with reuse
@@ -27,8 +30,10 @@ from datetime import datetime
 from pathlib import Path
 
 from . import report
+from .efficiency import measure as measure_efficiency
 from .batch import batch_phase
 from .loadgen import closed_loop, open_loop
+from .peers import LLAMA_SERVER, PEER_NAMES, build_systems, peers_phase
 from .lengths import lengths_phase
 from .prefix import prefix_phase
 from .quality import quality_phase
@@ -38,6 +43,7 @@ from .stop_strings import stop_strings_phase
 from .streams import streams_phase
 from .structured import format_lines as structured_lines, structured_phase
 from .workload import mixed_requests, poisson_offsets
+from worker.model_manager import resolve_dtype
 
 T0 = time.monotonic()
 
@@ -49,8 +55,8 @@ def progress(msg: str) -> None:
 class Budget:
     """The whole run's time budget; phases ask how much is left."""
 
-    def __init__(self, seconds: float):
-        self.deadline = T0 + seconds
+    def __init__(self, seconds: float, start: float = T0):
+        self.deadline = start + seconds
         self.skipped: list[str] = []
 
     def left(self) -> float:
@@ -95,7 +101,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-mixed", action="store_true", help="skip the mixed workload phase")
     p.add_argument("--skip-quality", action="store_true",
                    help="skip the quality guard (bfloat16's greedy tokens against float32's)")
-    p.add_argument("--only", choices=["quality"], help="run this phase alone")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="LLMQ_DTYPE of the raw phase and the served worker (auto: bfloat16 on "
                         "CPUs with native bf16)")
@@ -117,7 +122,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-app", default="app.wsgi:application",
                    help="the WSGI app gunicorn serves (module:variable, importable from the repo)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="LLMQ_MAX_NUM_SEQS of the worker")
+    p.add_argument("--only", choices=["peers", "quality"],
+                   help="run only this phase (peers: the peers table, ~10 min; quality: the "
+                        "bfloat16 quality guard, ~2 min)")
+    p.add_argument("--skip-peers", action="store_true",
+                   help="skip the peers table (quick runs skip it unless --only peers)")
+    p.add_argument("--peers", default=",".join(PEER_NAMES),
+                   help=f"peers to compare against, of {','.join(PEER_NAMES)} (default: all; "
+                        "an absent one is reported as skipped)")
+    p.add_argument("--llmq-backends", default="",
+                   help="more llmq backends for the peers table besides --backend, e.g. "
+                        "llama_cpp,vllm")
+    p.add_argument("--peers-concurrency", default="1,16,64", help="the peers table's levels")
+    p.add_argument("--peers-requests", default="8,64,128",
+                   help="requests per peers level (one per level, or one for all)")
+    p.add_argument("--peers-tokens", type=int, default=64, help="output tokens per peers request")
+    p.add_argument("--peers-level-time-limit", type=float, default=45.0,
+                   help="per peers level: no new request after this many seconds, streams "
+                        "closed after twice that (default 45)")
+    p.add_argument("--llama-server", default=str(LLAMA_SERVER),
+                   help="the llama-server binary (`make peers` builds it there)")
     args = p.parse_args(argv)
+    _peers_args(p, args)
     q = args.quick
     args.levels = _ints(args.concurrency) if args.concurrency else ([1, 8, 32] if q else [1, 8, 32, 64])
     if args.raw_batches:
@@ -141,6 +167,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     lengths = args.lengths or ("3000" if q else "3000,8000")
     args.lengths = [] if lengths.strip() == "0" else _ints(lengths)
     return args
+
+
+def _peers_args(p: argparse.ArgumentParser, args) -> None:
+    """Checks the peers options against each other and the backend choices."""
+    args.peers = [x for x in args.peers.replace(" ", "").split(",") if x]
+    if bad := [x for x in args.peers if x not in PEER_NAMES]:
+        p.error(f"--peers: unknown {bad}; choose from {list(PEER_NAMES)}")
+    backends = p._option_string_actions["--backend"].choices
+    args.llmq_backends = [x for x in args.llmq_backends.replace(" ", "").split(",") if x]
+    if bad := [x for x in args.llmq_backends if x not in backends]:
+        p.error(f"--llmq-backends: unknown {bad}; choose from {list(backends)}")
+    args.peers_concurrency = _ints(args.peers_concurrency)
+    requests = _ints(args.peers_requests)
+    if len(requests) == 1:
+        requests *= len(args.peers_concurrency)
+    if len(requests) != len(args.peers_concurrency):
+        p.error("--peers-requests: one number, or one per --peers-concurrency level")
+    args.peers_requests = requests
+    args.run_peers = args.only == "peers" or not (args.skip_peers or args.quick)
 
 
 def _ints(s: str) -> list[int]:
@@ -230,9 +275,6 @@ PROMPT_TOKEN_WEIGHT = 0.5
 def mixed_phase(stack: Stack, args, served: list[dict], budget: Budget) -> dict:
     from transformers import AutoTokenizer
 
-    from common.settings import Settings
-    from worker.model_manager import ModelManager
-
     # The reference is the closed-loop throughput at concurrency 32 (else the nearest level
     # below): the mixed workload's batch holds some 20-40 sequences, not 64, and its long
     # prompts make each step dearer, so the c=64 rate overloads even continuous batching (its
@@ -244,7 +286,7 @@ def mixed_phase(stack: Stack, args, served: list[dict], budget: Budget) -> dict:
         progress("SKIPPED mixed workload: no served throughput to derive the arrival rate from")
         return None
     ref_tps = max(ref, key=lambda lv: lv["concurrency"])["tokens_per_s"]
-    tok = AutoTokenizer.from_pretrained(ModelManager(cache_dir=Settings.from_env().model_cache_dir).resolve())
+    tok = AutoTokenizer.from_pretrained(_model_manager().resolve())
     reqs = mixed_requests(tok, args.mixed_requests, args.seed, args.prompt_range, args.output_range)
     mean_out = sum(r["max_tokens"] for r in reqs) / len(reqs)
     mean_prompt = sum(r["prompt_tokens"] for r in reqs) / len(reqs)
@@ -295,10 +337,7 @@ def mixed_phase(stack: Stack, args, served: list[dict], budget: Budget) -> dict:
 def _lengths(stack: Stack, args, progress) -> dict:
     from transformers import AutoTokenizer
 
-    from common.settings import Settings
-    from worker.model_manager import ModelManager
-
-    model_dir = ModelManager(cache_dir=Settings.from_env().model_cache_dir).resolve()
+    model_dir = _model_manager().resolve()
     return lengths_phase(stack, AutoTokenizer.from_pretrained(model_dir), model_dir,
                          tokens=args.tokens, long_lengths=args.lengths, progress=progress)
 
@@ -308,33 +347,24 @@ def _on_term(signum, _frame):
     raise SystemExit(128 + signum)   # unwinds through the finally that stops the stack
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_term)
-    signal.signal(signal.SIGHUP, _on_term)
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"meta": {
-        "timestamp": stamp, "quick": args.quick, "git": git_commit(), "python": sys.version.split()[0],
-        "platform": platform.platform(), "cpus": os.cpu_count(),
-        "load_avg_start": list(os.getloadavg()),
-        "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))},
-    }}
-    budget = Budget(args.budget)
-    progress(f"llmq bench{' (quick)' if args.quick else ''}, backend {args.backend}: levels {args.levels}, "
-             f"{args.tokens} tokens/request, raw batches {[] if args.skip_raw else args.raw}, "
-             f"{0 if args.skip_mixed else args.mixed_requests} mixed requests, budget "
-             f"{args.budget:.0f} s; load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
-    if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
-        progress("WARNING: the machine is already busy; the numbers will be noisy and low")
-    if args.only == "quality" or not (args.skip_quality or args.backend != "transformers"):
-        progress("phase 0: quality guard, greedy tokens of bfloat16 against float32")
-        result["quality"] = quality_phase(progress=progress)
-        if args.only:
-            (out_dir / f"{stamp}.json").write_text(json.dumps(result, indent=2) + "\n")
-            progress(f"results: {out_dir / f'{stamp}.json'}")
-            return 0 if result["quality"]["bfloat16"]["passed"] else 1
+def _model_manager():
+    from common.settings import Settings
+    from worker.model_manager import ModelManager
+
+    return ModelManager(cache_dir=Settings.from_env().model_cache_dir)
+
+
+def _peers(args, workdir: Path, model_dir: str, dtype: str, eff: dict) -> dict:
+    from transformers import AutoTokenizer
+
+    systems = build_systems(args, workdir, model_dir, _model_manager().gguf_file(), dtype)
+    return peers_phase(systems, AutoTokenizer.from_pretrained(model_dir), args.peers_concurrency,
+                       args.peers_requests, args.peers_tokens, args.peers_level_time_limit,
+                       eff=eff, progress=progress)
+
+
+def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None:
+    """Raw, served and the phases after it on llmq's own stack; returns the error, if any."""
     if not args.skip_raw and args.backend == "transformers":
         progress("phase 1/3: raw model.generate (in-process, before the stack starts)")
         result["raw"] = run_raw(args.raw, args.tokens, device=args.device, dtype=args.dtype,
@@ -344,9 +374,8 @@ def main(argv=None) -> int:
         result["raw"] = run_raw_backend(args.backend, args.raw, args.tokens, progress=progress,
                                         time_limit_s=args.raw_time_limit,
                                         max_num_seqs=args.max_num_seqs)
-    workdir = Path(tempfile.mkdtemp(prefix=f"llmq-bench-{stamp}-"))
     stack = Stack(workdir, max_num_seqs=args.max_num_seqs, device=args.device, backend=args.backend,
-                  dtype=args.dtype, api_app=args.api_app)
+                  dtype=result["meta"]["dtype"], api_app=args.api_app)
     error = None
     try:
         progress(f"phase 2/3: starting redis-server :{stack.redis_port}, a worker and the API "
@@ -400,22 +429,74 @@ def main(argv=None) -> int:
     finally:
         progress("stopping the stack")
         stack.stop()
+    return error
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGHUP, _on_term)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # what llmq's transformers backend serves in (auto: bfloat16 where the CPU computes it)
+    dtype = resolve_dtype(args.dtype, args.device)
+    result = {"meta": {
+        "timestamp": stamp, "quick": args.quick, "git": git_commit(), "python": sys.version.split()[0],
+        "platform": platform.platform(), "cpus": os.cpu_count(), "dtype": dtype,
+        "load_avg_start": list(os.getloadavg()),
+        "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))},
+    }}
+    progress(f"llmq bench{' (quick)' if args.quick else ''}, backend {args.backend}: "
+             + ("peers table only" if args.only == "peers" else
+                f"levels {args.levels}, {args.tokens} tokens/request, raw batches "
+                f"{[] if args.skip_raw else args.raw}, {0 if args.skip_mixed else args.mixed_requests} "
+                f"mixed requests, budget {args.budget:.0f} s")
+             + f"; load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
+    if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
+        progress("WARNING: the machine is already busy; the numbers will be noisy and low")
+    workdir = Path(tempfile.mkdtemp(prefix=f"llmq-bench-{stamp}-"))
+    error, budget = None, None
+    try:
+        model_dir = _model_manager().resolve()
+        if args.only == "quality" or not (args.only or args.skip_quality
+                                          or args.backend != "transformers"):
+            progress("phase 0: quality guard, greedy tokens of bfloat16 against float32")
+            result["quality"] = quality_phase(progress=progress)
+        batches = args.peers_concurrency if args.run_peers else []
+        batches = batches + (args.levels if args.only != "peers" else [])
+        progress("phase 0: this machine's fp32 and bf16 matmul rates at the model's decode shapes")
+        result["efficiency"] = measure_efficiency(model_dir, batches, progress)
+        if args.run_peers:
+            progress(f"phase 0: peers table at concurrency {args.peers_concurrency} "
+                     f"(logs in {workdir})")
+            result["peers"] = _peers(args, workdir, model_dir, dtype, result["efficiency"])
+        if args.only not in ("peers", "quality"):
+            # The budget covers the llmq phases; the peers table has its own per-level limits.
+            budget = Budget(args.budget, start=time.monotonic())
+            error = llmq_phases(args, result, budget, workdir)
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - write what we have
+        error = f"{type(exc).__name__}: {exc}"
+        progress(f"ERROR: {error}")
     result.setdefault("served", [])
     result["meta"]["load_avg_end"] = list(os.getloadavg())
     result["meta"]["elapsed_s"] = round(time.monotonic() - T0, 1)
     result["meta"]["logs"] = str(workdir)
-    result["meta"]["skipped"] = budget.skipped
+    result["meta"]["skipped"] = budget.skipped if budget else []
     if error:
         result["error"] = error
     result["ratios"] = report.compute_ratios(result.get("raw"), result["served"], result.get("mixed"))
-    result["targets"] = report.targets(result["served"], result["ratios"], result.get("mixed"),
-                                       result.get("prefix"), result.get("raw"),
-                                       result.get("stop_strings"), result.get("lengths"))
+    result["targets"] = [] if args.only == "peers" else report.targets(
+        result["served"], result["ratios"], result.get("mixed"), result.get("prefix"),
+        result.get("raw"), result.get("stop_strings"), result.get("lengths"))
+    if result.get("peers"):
+        result["targets"] += report.peer_targets(result["peers"], args.backend)
     json_path = out_dir / f"{stamp}.json"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
-    png_path = out_dir / f"{stamp}.png"
+    png_path = out_dir / f"{stamp}.png" if result["served"] or result.get("raw") else None
     try:
-        report.plot(result, png_path)
+        if png_path:
+            report.plot(result, png_path)
     except Exception as exc:  # noqa: BLE001 - the numbers matter more than the picture
         progress(f"plot failed: {type(exc).__name__}: {exc}")
         png_path = None

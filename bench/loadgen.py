@@ -1,7 +1,9 @@
 """Load generators: one streaming request (SSE), closed-loop clients and open-loop arrivals.
 
-Every request is POST /v1/generate with "stream": true; the client timestamps each `event:
-token` as its HTTP chunk arrives, and reads the usage from the final `event: done`.
+llmq's own requests are POST /v1/generate with "stream": true; the client timestamps each
+`event: token` as its HTTP chunk arrives, and reads the usage from the final `event: done`.
+The peers table sends every system (llmq and its peers) the same streaming POST
+/v1/completions instead (stream_completion), timed per chunk as vLLM's benchmark client does.
 """
 from __future__ import annotations
 
@@ -66,6 +68,8 @@ class Inflight:
         self.lock = threading.Lock()
         self.ids: set[str] = set()
         self.cancelled = 0
+        # After it, a client that cancels by closing its stream (stream_completion) does so.
+        self.deadline: float | None = None
 
     def add(self, seq_id: str | None) -> None:
         if seq_id:
@@ -162,6 +166,65 @@ def stream_generate(session: requests.Session, url: str, payload: dict,
     return res
 
 
+def stream_completion(session: requests.Session, url: str, payload: dict,
+                      start: float | None = None, inflight: Inflight | None = None) -> RequestResult:
+    """Sends one streaming POST /v1/completions (OpenAI's wire format, which llmq, vLLM and
+    llama-server all serve) and reads it to `data: [DONE]`. Each chunk with text is a token
+    event; the usage chunk (stream_options.include_usage) gives the counts, else the chunks are
+    counted. Past inflight.deadline it closes the stream: every server aborts on disconnect."""
+    res = RequestResult(start=time.perf_counter() if start is None else start,
+                        expected_tokens=int(payload.get("max_tokens") or 0))
+    chunks = 0
+    try:
+        with session.post(f"{url}/v1/completions", json=payload, stream=True,
+                          timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S)) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                res.end = time.perf_counter()
+                return res
+            buf, finish = b"", None
+            for chunk in resp.iter_content(chunk_size=None):
+                now = time.perf_counter()
+                buf = (buf + chunk).replace(b"\r\n", b"\n")   # SSE allows either line end
+                while b"\n\n" in buf:
+                    block, buf = buf.split(b"\n\n", 1)
+                    _, data = _parse_event(block)
+                    if data == "[DONE]":
+                        res.status = "succeeded" if finish else "stream ended without a finish reason"
+                        res.completion_tokens = res.completion_tokens or chunks
+                        continue
+                    if not data:
+                        continue
+                    body = json.loads(data)
+                    if body.get("error"):
+                        res.error = str(body["error"])[:300]
+                    usage = body.get("usage") or {}
+                    if usage.get("completion_tokens") is not None:
+                        res.completion_tokens = int(usage["completion_tokens"])
+                        res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    for choice in body.get("choices") or []:
+                        finish = choice.get("finish_reason") or finish
+                        if choice.get("text"):
+                            chunks += 1
+                            if res.first_token is None:
+                                res.first_token = res.first_text = now
+                            res.token_times.append(now)
+                if res.status:
+                    break
+                if inflight is not None and inflight.deadline and now > inflight.deadline:
+                    res.status = "cancelled"
+                    res.completion_tokens = chunks
+                    inflight.cancelled += 1
+                    break
+            res.end = time.perf_counter()
+            if not res.status and res.error is None:
+                res.error = "stream ended without data: [DONE]"
+    except (requests.RequestException, ValueError) as exc:
+        res.end = time.perf_counter()
+        res.error = f"{type(exc).__name__}: {exc}"[:300]
+    return res
+
+
 def _parse_event(block: bytes) -> tuple[str, str]:
     kind, data = "message", []
     for line in block.decode("utf-8", "replace").split("\n"):
@@ -174,8 +237,10 @@ def _parse_event(block: bytes) -> tuple[str, str]:
 
 def closed_loop(url: str, concurrency: int, payloads: list[dict],
                 max_duration_s: float | None = None,
-                hard_limit_s: float | None = None) -> tuple[list[RequestResult], float, bool]:
-    """`concurrency` clients; each sends the next payload as soon as its previous request ended.
+                hard_limit_s: float | None = None,
+                send=stream_generate) -> tuple[list[RequestResult], float, bool]:
+    """`concurrency` clients; each sends the next payload as soon as its previous request ended
+    (send: stream_generate, or stream_completion for the OpenAI route).
     After max_duration_s no new request starts; after hard_limit_s the running ones are
     cancelled. Returns (results, wall seconds from the common start to the last end, cut)."""
     inflight, finished = Inflight(), threading.Event()
@@ -199,7 +264,7 @@ def closed_loop(url: str, concurrency: int, payloads: list[dict],
                         truncated[0] = True
                         return
                     next_index[0] += 1
-                r = stream_generate(session, url, payloads[i], inflight=inflight)
+                r = send(session, url, payloads[i], inflight=inflight)
                 with lock:
                     results.append(r)
         finally:
@@ -209,6 +274,7 @@ def closed_loop(url: str, concurrency: int, payloads: list[dict],
     for t in threads:
         t.start()
     t0[0] = time.perf_counter()
+    inflight.deadline = t0[0] + hard_limit_s if hard_limit_s else None
     barrier.wait()
     _watchdog(url, inflight, t0[0] + hard_limit_s if hard_limit_s else None, finished)
     for t in threads:

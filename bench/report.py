@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .efficiency import format_served
 from .loadgen import RequestResult
 
 
@@ -45,7 +46,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
         # The stream has an event per token; a first token without text (a special token)
         # leaves the first text later.
         "ttft_text_p50_s": pct(ttft_text, 50),
-        "itl_p50_s": pct(itl, 50), "itl_p95_s": pct(itl, 95),
+        "itl_p50_s": pct(itl, 50), "itl_p95_s": pct(itl, 95), "itl_p99_s": pct(itl, 99),
         "latency_p50_s": pct(lat, 50), "latency_p95_s": pct(lat, 95), "latency_p99_s": pct(lat, 99),
         "cut_requests": len(censored),
         "tokens_per_s_all": round(all_tokens / wall_s, 2) if wall_s > 0 else None,
@@ -168,6 +169,100 @@ def targets(served: list[dict], ratios: dict, mixed: dict | None,
     return out
 
 
+# --- peers (bench/peers.py) ---------------------------------------------------------------------
+# llmq's backends against the peer that runs the same engine, and the issue's bar for each:
+# (peer, minimum tok/s ratio, the levels it holds at, TTFT p50 at most this x the peer's).
+SAME_ENGINE = {"llama_cpp": ("llama-server", 0.95, None, None), "vllm": ("vLLM", 0.9, (1, 64), 1.2)}
+
+
+def best_peer_ratios(systems: list[dict]) -> dict[int, dict]:
+    """Marks each level of each system with its tok/s over the best peer's at that level (the
+    peers' own rows too); returns {concurrency: {"name", "tokens_per_s"}} of the best peers."""
+    best: dict[int, dict] = {}
+    for sys_ in systems:
+        for lv in sys_.get("levels", []) if sys_["role"] == "peer" else []:
+            tps = lv.get("tokens_per_s_all")
+            if tps and tps > best.get(lv["concurrency"], {}).get("tokens_per_s", 0):
+                best[lv["concurrency"]] = {"name": sys_["name"], "tokens_per_s": tps}
+    for sys_ in systems:
+        for lv in sys_.get("levels", []):
+            lv["over_best_peer"] = _ratio(lv.get("tokens_per_s_all"),
+                                          best.get(lv["concurrency"], {}).get("tokens_per_s"))
+    return best
+
+
+def _level(systems: list[dict], name: str, c: int) -> dict | None:
+    sys_ = next((s for s in systems if s["name"] == name), None)
+    return next((lv for lv in (sys_ or {}).get("levels", []) if lv["concurrency"] == c), None)
+
+
+def peer_targets(peers: dict, backend: str) -> list[dict]:
+    """Issue 17's bars (llmq[backend] at or above the best peer at c=16 and 64, at least half
+    the compute limit at c=64) and each same-engine pair's (issue 14 for vLLM, 17 for
+    llama.cpp), for the systems that ran."""
+    systems, out = peers["systems"], []
+    for c in (16, 64):
+        lv = _level(systems, f"llmq[{backend}]", c)
+        v = lv and lv.get("over_best_peer")
+        out.append({"name": f"peers: llmq[{backend}] >= best peer @{c}", "value": v,
+                    "met": None if v is None else v >= 1.0})
+    lv = _level(systems, f"llmq[{backend}]", 64)
+    v = lv and lv.get("compute_fraction")
+    out.append({"name": f"peers: llmq[{backend}] >= 0.5 of the compute limit @64", "value": v,
+                "met": None if v is None else v >= 0.5})
+    for engine, (peer, bar, at, ttft_bar) in SAME_ENGINE.items():
+        name = f"llmq[{engine}]"
+        if not any(s["name"] == name and s.get("levels") for s in systems):
+            continue
+        for c in at or peers["levels"]:
+            ours, theirs = _level(systems, name, c), _level(systems, peer, c)
+            v = _ratio(ours and ours.get("tokens_per_s_all"), theirs and theirs.get("tokens_per_s_all"))
+            out.append({"name": f"peers: {name} >= {bar} x {peer} @{c}", "value": v,
+                        "met": None if v is None else v >= bar})
+            if ttft_bar:
+                v = _ratio(ours and ours.get("ttft_p50_s"), theirs and theirs.get("ttft_p50_s"))
+                out.append({"name": f"peers: {name} TTFT p50 <= {ttft_bar} x {peer} @{c}",
+                            "value": v, "met": None if v is None else v <= ttft_bar})
+    return out
+
+
+def format_peers(peers: dict | None, eff: dict | None = None) -> list[str]:
+    """The bench's first table: every system at each level, same load, same client."""
+    if not peers:
+        return []
+    lines = [f"Peers: the same load for all, one system at a time (streaming /v1/completions, "
+             f"{peers['prompt_tokens']}-token prompts, {peers['max_tokens']} tokens each, closed "
+             f"loop; requests {'/'.join(map(str, peers['requests']))}; load avg "
+             f"{peers['load_avg_start'][0]:.1f} -> {peers['load_avg_end'][0]:.1f}; times in ms)"]
+    if eff:
+        lines.append(f"  CPU: {eff['cpu']['model']}; flags: {' '.join(eff['cpu']['flags'])}")
+    lines.append(f"  {'conc':>4} {'system':<20} {'dtype':<8} {'tok/s':>7} {'TTFT50':>7} {'TTFT99':>7}"
+                 f" {'ITL50':>6} {'ITL99':>6} {'x best':>6} {'limit':>6} {'fail':>4}")
+    for c in peers["levels"]:
+        for sys_ in peers["systems"]:
+            lv = next((x for x in sys_.get("levels", []) if x["concurrency"] == c), None)
+            if lv is None:
+                continue
+            lines.append(
+                f"  {c:>4} {sys_['name']:<20} {sys_['dtype']:<8} {_f(lv['tokens_per_s_all']):>7}"
+                f" {_ms(lv['ttft_p50_s']):>7} {_ms(lv['ttft_p99_s']):>7} {_ms(lv['itl_p50_s']):>6}"
+                f" {_ms(lv.get('itl_p99_s')):>6} {_f(lv.get('over_best_peer'), '{:.2f}'):>6}"
+                f" {_f(lv.get('compute_fraction') and 100 * lv['compute_fraction'], '{:.0f}%'):>6}"
+                f" {lv['failures']:>4}{'  (cut by time limit)' if lv.get('truncated') else ''}")
+    for sys_ in peers["systems"]:
+        if sys_.get("skipped") or sys_.get("error"):
+            what = f"skipped: {sys_['skipped']}" if sys_.get("skipped") else f"error: {sys_['error']}"
+            lines.append(f"  {sys_['name']}: {what}")
+    if any((lv.get("compute_fraction") or 0) > 1 for x in peers["systems"] for lv in x["levels"]):
+        lines.append("  WARNING: a row is above 100% of the limit: the matmul rates were measured "
+                     "while other processes held the CPU; the limit column is not to be trusted")
+    lines.append("  (x best: tok/s over the best peer's at that concurrency; limit: tok/s x "
+                 "FLOPs/token over this machine's matmul rate at that batch, in the row's dtype; "
+                 "GGUF rows against float32's)")
+    lines.append("")
+    return lines
+
+
 # --- the table ----------------------------------------------------------------------------------
 def _f(v, fmt="{:.1f}", none="-"):
     return none if v is None else fmt.format(v)
@@ -178,7 +273,7 @@ def _ms(v):
 
 
 def format_table(result: dict) -> str:
-    lines = []
+    lines = format_peers(result.get("peers"), result.get("efficiency"))
     raw = result.get("raw")
     if raw:
         what = raw.get("info", {}).get("method", "model.generate")
@@ -210,6 +305,8 @@ def format_table(result: dict) -> str:
                 f" {_ms(lv.get('ttft_text_p50_s')):>7} {_ms(lv['itl_p50_s']):>6}"
                 f" {_ms(lv['itl_p95_s']):>6} {_ms(lv['latency_p50_s']):>7}"
                 f" {_ms(lv['latency_p99_s']):>7}{'  (cut by time limit)' if lv.get('truncated') else ''}")
+        lines.extend(format_served(result.get("efficiency"), served,
+                                   result.get("meta", {}).get("dtype", "float32")))
         lines.append("")
     mixed = result.get("mixed")
     if mixed:

@@ -145,3 +145,21 @@ def make_engine(store, backend=None, requeue=None, **settings):
     executor.start()
     return EngineCore("w1", Settings(**settings), store, executor, WordTokenizer(),
                       requeue=requeue)
+
+
+class FakeStream:
+    """What requests gives for a streamed POST: SSE in the HTTP chunks given (bench clients)."""
+
+    status_code = 200
+
+    def __init__(self, chunks: list[bytes], headers: dict | None = None):
+        self.chunks, self.headers = chunks, headers or {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def iter_content(self, chunk_size=None):
+        yield from self.chunks

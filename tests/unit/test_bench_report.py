@@ -1,9 +1,12 @@
 """bench/report.py: the split of a level's wall time from the engine's StepTiming totals, request
-summaries (requests cut by a time limit), and the mixed-workload target."""
+summaries (requests cut by a time limit), the mixed-workload target, and the peers table (each
+row against the best peer, the issues' bars for the systems that ran)."""
 import pytest
 
 from bench.loadgen import RequestResult
-from bench.report import compute_ratios, format_split, format_table, summarize, targets, time_split
+from bench.report import (best_peer_ratios, compute_ratios, format_split, format_table, peer_targets,
+                          summarize, targets, time_split)
+from .factories import FakeStream
 
 
 def totals(steps, step_s, prefill, decode, publish, host):
@@ -80,25 +83,6 @@ def test_the_ttft_target_is_printed_beside_raw_generates_first_tokens_of_64_prom
     assert "raw_first_token_s" not in targets(served, ratios, None)[-1]
 
 
-class _FakeStream:
-    """What requests gives for POST /v1/generate with stream: SSE in HTTP chunks."""
-
-    status_code = 200
-    headers = {"X-Request-Id": "seq-1"}
-
-    def __init__(self, chunks):
-        self.chunks = chunks
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def iter_content(self, chunk_size=None):
-        yield from self.chunks
-
-
 def test_the_first_token_event_and_the_first_text_are_timed_apart(monkeypatch):
     from bench import loadgen
 
@@ -110,7 +94,7 @@ def test_the_first_token_event_and_the_first_text_are_timed_apart(monkeypatch):
 
     class Session:
         def post(self, *a, **kw):
-            return _FakeStream(chunks)
+            return FakeStream(chunks, {"X-Request-Id": "seq-1"})
 
     r = loadgen.stream_generate(Session(), "http://x", {"max_tokens": 2}, start=-1.0)
     assert r.ok and r.ttft == 1.0 and r.ttft_text == 2.0
@@ -131,3 +115,69 @@ def test_the_mixed_lengths_targets_read_each_long_run():
     assert got["lengths: model RSS growth beside 1 x 3000 <= 1.25 x its KV bytes"] is False
     table = format_table({"lengths": lengths, "targets": []})
     assert "short + 1 x 3000" in table and "1.20" in table
+
+
+def _system(name, role, dtype, *levels, **extra):
+    return {"name": name, "role": role, "dtype": dtype, **extra, "levels": [
+        {"concurrency": c, "tokens_per_s_all": tps, "ttft_p50_s": ttft, "ttft_p99_s": 2 * ttft,
+         "itl_p50_s": 0.05, "itl_p99_s": 0.2, "failures": 0, "compute_fraction": frac}
+        for c, tps, ttft, frac in levels]}
+
+
+def _peers_result():
+    systems = [_system("llmq[transformers]", "llmq", "float32", (1, 21.0, 0.1, 0.03),
+                       (64, 231.0, 4.1, 0.51)),
+               _system("vLLM", "peer", "float32", (1, 21.5, 0.1, 0.03), (64, 173.0, 5.3, 0.38)),
+               _system("llama-server", "peer", "Q4_1", (1, 97.0, 0.02, 0.15), (64, 169.0, 6.4, 0.4)),
+               _system("llmq[llama_cpp]", "llmq", "Q4_1", (1, 78.0, 0.03, 0.12),
+                       (64, 160.6, 7.0, 0.37)),
+               {"name": "llmq[vllm]", "role": "llmq", "dtype": "float32", "levels": [],
+                "error": "RuntimeError: worker exited"}]
+    return {"levels": [1, 64], "requests": [8, 128], "max_tokens": 64, "prompt_tokens": 40,
+            "load_avg_start": [1.5, 1, 1], "load_avg_end": [2.0, 1, 1], "systems": systems}
+
+
+def test_each_row_is_read_against_the_best_peer_at_its_level():
+    peers = _peers_result()
+    best = best_peer_ratios(peers["systems"])
+    assert best == {1: {"name": "llama-server", "tokens_per_s": 97.0},
+                    64: {"name": "vLLM", "tokens_per_s": 173.0}}
+    llmq = peers["systems"][0]["levels"]
+    assert llmq[0]["over_best_peer"] == pytest.approx(21 / 97, abs=1e-3)
+    assert llmq[1]["over_best_peer"] == pytest.approx(231 / 173, abs=1e-3)
+    assert peers["systems"][2]["levels"][0]["over_best_peer"] == 1.0
+    # Without a peer that ran, there is nothing to be read against.
+    alone = [_system("llmq[transformers]", "llmq", "float32", (1, 21.0, 0.1, 0.03))]
+    assert best_peer_ratios(alone) == {} and alone[0]["levels"][0]["over_best_peer"] is None
+
+
+def test_the_peer_targets_follow_the_issues_bars_for_the_systems_that_ran():
+    peers = _peers_result()
+    best_peer_ratios(peers["systems"])
+    t = {x["name"]: x for x in peer_targets(peers, "transformers")}
+    assert t["peers: llmq[transformers] >= best peer @64"]["met"] is True
+    assert t["peers: llmq[transformers] >= best peer @16"]["met"] is None   # not measured
+    assert t["peers: llmq[transformers] >= 0.5 of the compute limit @64"]["met"] is True
+    same = t["peers: llmq[llama_cpp] >= 0.95 x llama-server @64"]
+    assert same["value"] == pytest.approx(160.6 / 169, abs=1e-3) and same["met"] is True
+    assert t["peers: llmq[llama_cpp] >= 0.95 x llama-server @1"]["met"] is False
+    # llmq[vllm] failed to start: no pair target for it.
+    assert not [name for name in t if "llmq[vllm]" in name]
+
+
+def test_the_peers_table_comes_first_with_a_row_per_system_and_level():
+    peers = _peers_result()
+    best_peer_ratios(peers["systems"])
+    eff = {"cpu": {"model": "Xeon", "flags": ["avx2", "avx512_bf16"]}}
+    table = format_table({"peers": peers, "efficiency": eff, "targets": []})
+    lines = table.splitlines()
+    assert lines[0].startswith("Peers: the same load for all")
+    assert "flags: avx2 avx512_bf16" in lines[1]
+    row = next(x for x in lines if "64 llmq[transformers]" in x)
+    assert row.split()[3:] == ["231.0", "4100", "8200", "50", "200", "1.33", "51%", "0"]
+    assert "llmq[vllm]: error: RuntimeError: worker exited" in table
+    assert table.index("vLLM") < table.index("llmq[llama_cpp]")
+    assert "WARNING" not in table
+    # A limit exceeded says the rates were measured on a busy machine.
+    peers["systems"][1]["levels"][0]["compute_fraction"] = 1.7
+    assert "above 100% of the limit" in format_table({"peers": peers, "targets": []})

@@ -1,0 +1,155 @@
+"""This machine's own compute limit, and the fraction of it a served rate reaches (issue 17).
+
+At start-up the bench times torch matmuls at the model's decode shapes (batch x hidden x out of
+each layer's q, k, v, o, gate, up and down, and the lm_head), in fp32 and bf16, with as many
+distinct weights as the model has, so that a batch-1 step reads all of them as decode does. One
+token costs 2 FLOPs per weight of those matmuls (about 0.27 GFLOP for SmolLM2-135M; attention
+over a ~100-token context adds ~3% and is left out). Served tok/s x FLOPs per token / the rate
+measured at the level's batch is then the fraction of the compute limit reached: a figure that
+compares across machines, where an absolute tok/s moves by 3x between CPUs.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+# The flags that decide which kernels a CPU runs (printed with every benchmark).
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+DTYPES = ("float32", "bfloat16")
+
+
+def cpu_info(path: str = "/proc/cpuinfo") -> dict:
+    """The CPU's model name and which of CPU_FLAGS it reports."""
+    model, flags = "unknown", set()
+    try:
+        for line in Path(path).read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags]}
+
+
+def linear_shapes(config: dict) -> list[tuple[int, int]]:
+    """(in, out) of every matmul weight a token goes through, from a Llama-style config."""
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or h // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    layer = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+    return layer * config["num_hidden_layers"] + [(h, config["vocab_size"])]
+
+
+def flops_per_token(shapes: list[tuple[int, int]]) -> int:
+    """2 FLOPs (a multiply and an add) per weight per token."""
+    return 2 * sum(i * o for i, o in shapes)
+
+
+def fraction_of_limit(tokens_per_s: float | None, flops_token: float,
+                      rate_gflops: float | None) -> float | None:
+    """Served tok/s x FLOPs per token / the measured matmul rate."""
+    if tokens_per_s is None or not rate_gflops:
+        return None
+    return round(tokens_per_s * flops_token / (rate_gflops * 1e9), 4)
+
+
+def measure_rates(shapes: list[tuple[int, int]], batches: list[int], dtypes=DTYPES,
+                  min_time_s: float = 0.3) -> dict[str, dict[str, float]]:
+    """GFLOP/s of one decode step's matmuls (its fastest of at least 3, and of min_time_s),
+    {dtype: {str(batch): rate}}."""
+    import torch
+    import torch.nn.functional as F
+
+    weights = [torch.randn(o, i) * 0.02 for i, o in shapes]
+    flops_step = flops_per_token(shapes)
+    rates: dict[str, dict[str, float]] = {}
+    for name in dtypes:
+        dt = getattr(torch, name)
+        weights = [w.to(dt) for w in weights]   # the previous dtype's copies are freed
+        rates[name] = {}
+        for batch in sorted(set(batches)):
+            xs = {i: torch.randn(batch, i, dtype=dt) for i in {i for i, _ in shapes}}
+
+            def step():
+                for w in weights:
+                    F.linear(xs[w.shape[1]], w)
+
+            with torch.inference_mode():
+                step()   # warm-up: kernel selection, first touch of the weights
+                # The fastest of a few steps: the limit is what the machine can do, and a step
+                # that other processes slowed says less about that than the quickest one.
+                times, t0 = [], time.perf_counter()
+                while len(times) < 3 or time.perf_counter() - t0 < min_time_s:
+                    t = time.perf_counter()
+                    step()
+                    times.append(time.perf_counter() - t)
+            rates[name][str(batch)] = round(flops_step * batch / min(times) / 1e9, 3)
+    del weights
+    return rates
+
+
+def measure(model_dir: str, batches: list[int], progress=print) -> dict:
+    """The efficiency block of a result: FLOPs per token, the CPU, the measured rates."""
+    import torch
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    shapes = linear_shapes(config)
+    t = time.perf_counter()
+    rates = measure_rates(shapes, batches)
+    out = {"flops_per_token": flops_per_token(shapes), "threads": torch.get_num_threads(),
+           "cpu": cpu_info(), "rates_gflops": rates,
+           "measure_s": round(time.perf_counter() - t, 1)}
+    for line in format_rates(out):
+        progress(line)
+    return out
+
+
+def rate_for(eff: dict, dtype: str, batch: int) -> tuple[str, float | None]:
+    """The measured rate for a row's dtype (GGUF and other non-torch dtypes: float32's) at its
+    batch, or at the nearest measured batch below it."""
+    rates = eff["rates_gflops"]
+    name = dtype if dtype in rates else "float32"
+    by_batch = {int(b): r for b, r in rates.get(name, {}).items()}
+    below = [b for b in by_batch if b <= batch]
+    return name, by_batch[max(below)] if below else None
+
+
+def fraction_for(eff: dict | None, tokens_per_s: float | None, dtype: str,
+                 batch: int) -> float | None:
+    if not eff:
+        return None
+    return fraction_of_limit(tokens_per_s, eff["flops_per_token"], rate_for(eff, dtype, batch)[1])
+
+
+def format_rates(eff: dict) -> list[str]:
+    cpu = eff["cpu"]
+    lines = [f"CPU: {cpu['model']}; flags: {' '.join(cpu['flags']) or 'none of ' + ', '.join(CPU_FLAGS)}",
+             f"compute limit: {eff['flops_per_token'] / 1e9:.3f} GFLOP/token; torch matmul at the "
+             f"model's decode shapes, {eff['threads']} threads:"]
+    for name, by_batch in eff["rates_gflops"].items():
+        parts = [f"batch {b}: {r:.4g} GFLOP/s = {r * 1e9 / eff['flops_per_token']:.4g} tok/s"
+                 for b, r in sorted(by_batch.items(), key=lambda kv: int(kv[0]))]
+        lines.append(f"  {name:>8}: " + "; ".join(parts))
+    return lines
+
+
+def format_served(eff: dict | None, served: list[dict], dtype: str) -> list[str]:
+    """The fraction of the compute limit each served level reached."""
+    if not eff or not served:
+        return []
+    lines = [f"Compute limit reached (served tok/s x {eff['flops_per_token'] / 1e9:.3f} GFLOP/token "
+             f"/ {dtype} matmul rate at the level's batch)"]
+    for lv in served:
+        c = lv["concurrency"]
+        name, rate = rate_for(eff, dtype, c)
+        frac = fraction_of_limit(lv["tokens_per_s"], eff["flops_per_token"], rate)
+        lines.append(f"  c={c:<3} {'-' if lv['tokens_per_s'] is None else lv['tokens_per_s']:>7} "
+                     f"tok/s of {'-' if rate is None else round(rate * 1e9 / eff['flops_per_token'])} "
+                     f"({name}): {'-' if frac is None else f'{100 * frac:.1f}%'}")
+    return lines

@@ -1,0 +1,253 @@
+"""The bench's first table: llmq and its peers under the same load, in the same run (issue 17).
+
+One system at a time, each started here on a free loopback port and stopped before the next:
+  llmq[<backend>]  the bench's Stack (redis-server, one worker, the API) for --backend and each
+                   name in --llmq-backends (generic over the backend name)
+  vLLM             vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on
+                   the converted SmolLM2 folder, float32, when vllm is importable
+  llama-server     llama.cpp's server (`make peers` builds it) on the GGUF the llama_cpp backend
+                   loads, one slot per sequence (continuous batching)
+A peer that is absent is reported as skipped, never as an error. The load is the same for all,
+from the same client: streaming POST /v1/completions, 40-token synthetic prompts (distinct from
+their first token, so no prefix cache helps), exactly `tokens` output tokens (ignore_eos, and
+min_tokens where the server takes it), closed loop at each concurrency.
+"""
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from .efficiency import fraction_for
+from .loadgen import closed_loop, stream_completion
+from .report import best_peer_ratios, summarize
+from .stack import HOST, Proc, Stack, free_port, wait_until
+from worker.model_manager import resolve_dtype
+
+PEER_NAMES = ("vllm", "llama-server")
+LLAMA_SERVER = Path.home() / ".cache" / "llmq" / "peers" / "bin" / "llama-server"
+PROMPT_TOKENS = 40
+# llama-server's context per slot: a 40-token prompt and 64 tokens fit with room (-c is
+# slots x this; the KV buffer is allocated whole at start).
+LLAMA_SERVER_CONTEXT_PER_SLOT = 512
+VLLM_KVCACHE_GIB = 1   # 64 x ~100 tokens need ~0.3 GiB in fp32; the machine is shared
+FORCE_LENGTH = {"ignore_eos": True}   # every server takes it; min_tokens is added where taken
+WORDS = ("river stone light garden window music paper winter market silver story forest "
+         "engine candle harbor letter mountain yellow bridge signal coffee planet thunder "
+         "lantern velvet meadow compass orchard castle whisper ribbon falcon glacier").split()
+
+
+def synthetic_prompts(tokenizer, n: int, num_tokens: int = PROMPT_TOKENS, offset: int = 0,
+                      seed: int = 17) -> list[str]:
+    """n distinct prompts of about num_tokens tokens each: a number, then random words, cut to
+    num_tokens tokens (decoded text re-encodes to within a token or so of it)."""
+    rng = random.Random(seed + offset)
+    out = []
+    for i in range(offset, offset + n):
+        words = [str(i)] + [rng.choice(WORDS) for _ in range(num_tokens)]
+        ids = tokenizer.encode(" ".join(words), add_special_tokens=False)[:num_tokens]
+        out.append(tokenizer.decode(ids))
+    return out
+
+
+def completion_payload(model: str, prompt: str, tokens: int, force: dict) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, **force}
+
+
+def served_model(url: str) -> str:
+    """The model id the server lists first (GET /v1/models: llmq, vLLM and llama-server)."""
+    r = requests.get(f"{url}/v1/models", timeout=10)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+class LlmqSystem:
+    """llmq on one backend: the bench's own stack, started for this table alone."""
+
+    role = "llmq"
+
+    def __init__(self, backend: str, workdir: Path, tokens: int, row_dtype: str | None = None,
+                 **stack_kwargs):
+        self.name = f"llmq[{backend}]"
+        self.backend = backend
+        self.dtype = row_dtype or stack_kwargs.get("dtype", "float32")   # what the row served in
+        self.skip = None
+        self.force = {**FORCE_LENGTH, "min_tokens": tokens}
+        self.stack = Stack(workdir / f"llmq-{backend}", backend=backend, **stack_kwargs)
+
+    def start(self) -> str:
+        self.stack.start("continuous")
+        return self.stack.url
+
+    def stop(self) -> None:
+        self.stack.stop()
+
+
+class ServerPeer:
+    """A peer's own OpenAI-compatible server: one process group on a free loopback port, ready
+    when GET /health answers 200 (vLLM once its engine is up, llama-server once loaded)."""
+
+    role = "peer"
+
+    def __init__(self, name: str, argv, env: dict, dtype: str, force: dict, log_path: Path,
+                 ready_timeout_s: float, absent=lambda: None):
+        self.name, self.argv, self.env, self.dtype, self.force = name, argv, env, dtype, force
+        self.log_path, self.ready_timeout_s, self.absent = log_path, ready_timeout_s, absent
+        self.proc: Proc | None = None
+
+    @property
+    def skip(self) -> str | None:
+        """Why the peer cannot run, asked when its turn comes (a build may finish meanwhile)."""
+        return self.absent()
+
+    def start(self) -> str:
+        port = free_port()
+        url = f"http://{HOST}:{port}"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = Proc(self.name, self.argv(port), self.env, self.log_path).start()
+        session = requests.Session()
+
+        def healthy():
+            self.proc.check_alive()
+            try:
+                return session.get(f"{url}/health", timeout=2).status_code == 200
+            except requests.RequestException:
+                return False
+
+        try:
+            wait_until(healthy, self.ready_timeout_s, f"{self.name} to answer /health", interval=0.5)
+        finally:
+            session.close()
+        return url
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop(grace_s=10)
+            self.proc = None
+
+
+def vllm_peer(model_dir: str, workdir: Path, max_num_seqs: int, tokens: int) -> ServerPeer:
+    import importlib.util
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KVCACHE_GIB), "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+
+    def argv(port: int) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                "--dtype", "float32", "--max-model-len", "2048",
+                "--max-num-seqs", str(max_num_seqs), "--host", HOST, "--port", str(port)]
+
+    def absent():
+        return None if importlib.util.find_spec("vllm") else "vllm is not installed (make vllm)"
+
+    # The first start compiles for 1-2 minutes (cached in ~/.cache/vllm); a shared CPU, more.
+    return ServerPeer("vLLM", argv, env, "float32", {**FORCE_LENGTH, "min_tokens": tokens},
+                      workdir / "vllm.log", ready_timeout_s=900, absent=absent)
+
+
+def llama_server_peer(binary: Path, gguf: str, workdir: Path, slots: int) -> ServerPeer:
+    threads = str(os.cpu_count() or 1)   # as the llama_cpp backend (LLMQ_TORCH_THREADS unset)
+
+    def argv(port: int) -> list[str]:
+        return [str(binary), "-m", gguf, "--host", HOST, "--port", str(port), "-np", str(slots),
+                "-c", str(slots * LLAMA_SERVER_CONTEXT_PER_SLOT), "-t", threads, "-tb", threads,
+                "--cont-batching"]
+
+    def absent():
+        return None if os.access(binary, os.X_OK) else f"{binary} is not built (make peers)"
+
+    return ServerPeer("llama-server", argv, dict(os.environ), gguf_type(gguf), dict(FORCE_LENGTH),
+                      workdir / "llama-server.log", ready_timeout_s=300, absent=absent)
+
+
+def gguf_type(path: str) -> str:
+    """The quantisation a GGUF file's name carries (SmolLM2-135M-Instruct.Q4_1.gguf: Q4_1)."""
+    stem = Path(path).name.removesuffix(".gguf")
+    return stem.rsplit(".", 1)[-1] if "." in stem else "gguf"
+
+
+
+def build_systems(args, workdir: Path, model_dir: str, gguf: str, dtype: str) -> list:
+    """llmq on --backend, then the peers asked for, then llmq on each other backend asked for.
+    dtype: what llmq's transformers and vllm backends serve in (the llama_cpp one: the GGUF's)."""
+    stack_kwargs = dict(max_num_seqs=args.max_num_seqs, device=args.device, dtype=dtype,
+                        api_app=args.api_app)
+
+    def llmq(backend):
+        if backend == "llama_cpp":
+            row_dtype = gguf_type(gguf)
+        else:   # vLLM's CPU path serves float32 under auto (worker.model_manager.resolve_dtype)
+            row_dtype = resolve_dtype(getattr(args, "dtype", "auto"), args.device, backend)
+            row_dtype = dtype if backend == args.backend and dtype != "auto" else row_dtype
+        kwargs = {**stack_kwargs, "dtype": row_dtype if backend != "llama_cpp" else dtype}
+        return LlmqSystem(backend, workdir, args.peers_tokens, row_dtype, **kwargs)
+
+    systems = [llmq(args.backend)]
+    if "vllm" in args.peers:
+        systems.append(vllm_peer(model_dir, workdir, args.max_num_seqs, args.peers_tokens))
+    if "llama-server" in args.peers:
+        systems.append(llama_server_peer(Path(args.llama_server), gguf, workdir, args.max_num_seqs))
+    systems += [llmq(b) for b in args.llmq_backends if b != args.backend]
+    return systems
+
+
+def run_system(system, levels: list[int], prompts: dict[int, list[str]], tokens: int,
+               level_time_limit: float, eff: dict | None, progress) -> dict:
+    """Starts one system, warms it up, runs every level, stops it. Never raises: a system
+    that fails is an error row, and the table goes on with the next."""
+    entry = {"name": system.name, "role": system.role, "dtype": system.dtype, "levels": []}
+    if system.skip:
+        entry["skipped"] = system.skip
+        progress(f"peers: {system.name}: SKIPPED ({system.skip})")
+        return entry
+    try:
+        t = time.monotonic()
+        url = system.start()
+        entry["start_s"] = round(time.monotonic() - t, 1)
+        model = served_model(url)
+        progress(f"peers: {system.name} ready in {entry['start_s']} s ({url}, model {model!r})")
+        # Warm-up, not measured: connections, kernels, allocator.
+        warm = [completion_payload(model, p, 8, system.force) for p in prompts[0][:4]]
+        closed_loop(url, len(warm), warm, hard_limit_s=120, send=stream_completion)
+        for c in levels:
+            payloads = [completion_payload(model, p, tokens, system.force) for p in prompts[c]]
+            results, wall, cut = closed_loop(url, c, payloads, level_time_limit,
+                                             2 * level_time_limit, send=stream_completion)
+            s = summarize(results, wall)
+            s.update(concurrency=c, max_tokens=tokens, truncated=cut)
+            s["compute_fraction"] = fraction_for(eff, s["tokens_per_s_all"], system.dtype, c)
+            entry["levels"].append(s)
+            fail = (f", {s['failures']} failed ({'; '.join(s['failure_examples'])})"
+                    if s["failures"] else "")
+            progress(f"peers: {system.name} c={c}: {s['tokens_per_s_all']} tok/s, TTFT p50 "
+                     f"{s['ttft_p50_s']} s, ITL p50 {s['itl_p50_s']} s{fail}"
+                     f"{' (cut by the time limit)' if cut else ''}")
+    except Exception as exc:  # noqa: BLE001 - one system's failure is a row, not the run's end
+        entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        progress(f"peers: {system.name}: ERROR {entry['error']}")
+    finally:
+        system.stop()
+    return entry
+
+
+def peers_phase(systems: list, tokenizer, levels: list[int], requests: list[int], tokens: int,
+                level_time_limit: float, eff: dict | None = None, progress=print) -> dict:
+    # The same prompts for every system; each level has its own (no cache carries over).
+    prompts, offset = {0: synthetic_prompts(tokenizer, 4, offset=10**6)}, 0
+    for c, n in zip(levels, requests):
+        prompts[c] = synthetic_prompts(tokenizer, n, offset=offset)
+        offset += n
+    out = {"levels": levels, "requests": requests, "max_tokens": tokens,
+           "prompt_tokens": PROMPT_TOKENS, "level_time_limit_s": level_time_limit,
+           "load_avg_start": list(os.getloadavg()), "systems": []}
+    for system in systems:
+        out["systems"].append(run_system(system, levels, prompts, tokens, level_time_limit, eff,
+                                         progress))
+    out["load_avg_end"] = list(os.getloadavg())
+    best_peer_ratios(out["systems"])
+    return out

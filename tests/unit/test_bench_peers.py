@@ -1,0 +1,174 @@
+"""bench/peers.py and the OpenAI streaming client it drives every system with: a peer that is
+absent is skipped, a peer that runs is started, measured and stopped (a stand-in OpenAI server
+over real loopback HTTP), and the client reads OpenAI's stream as llmq, vLLM and llama-server
+send it."""
+import json
+import sys
+import textwrap
+
+import pytest
+
+from bench import loadgen
+from bench.loadgen import Inflight, stream_completion
+from bench.peers import (ServerPeer, completion_payload, gguf_type, llama_server_peer, run_system,
+                         synthetic_prompts)
+from .factories import FakeStream
+
+
+class _Session:
+    def __init__(self, chunks):
+        self.chunks, self.sent = chunks, []
+
+    def post(self, url, json=None, **kw):
+        self.sent.append((url, json))
+        return FakeStream(self.chunks)
+
+
+def _chunk(body) -> bytes:
+    return f"data: {json.dumps(body)}\r\n\r\n".encode()
+
+
+def _text(t, finish=None):
+    return _chunk({"choices": [{"index": 0, "text": t, "finish_reason": finish}]})
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    ticks = iter(range(1000))
+    monkeypatch.setattr(loadgen.time, "perf_counter", lambda: float(next(ticks)))
+
+
+def test_a_completion_stream_is_timed_per_text_chunk_and_counted_by_its_usage(clock):
+    chunks = [_text("Hello") + _text(" wor"), _text("ld", finish="length"),
+              _chunk({"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 4}}),
+              b"data: [DONE]\n\n"]
+    session = _Session(chunks)
+    r = stream_completion(session, "http://x", {"max_tokens": 4}, start=-1.0)
+    assert session.sent[0][0] == "http://x/v1/completions"
+    # Two events in one HTTP chunk arrive together; the usage counts 4 tokens in 3 chunks.
+    assert r.ok and r.completion_tokens == 4 and r.prompt_tokens == 40
+    assert r.ttft == 1.0 and r.gaps() == [0.0, 1.0]
+
+
+def test_without_a_usage_chunk_the_text_chunks_are_the_tokens(clock):
+    r = stream_completion(_Session([_text("a"), _text("b", finish="length"), b"data: [DONE]\n\n"]),
+                          "http://x", {"max_tokens": 2})
+    assert r.ok and r.completion_tokens == 2
+
+
+def test_a_stream_that_ends_without_done_or_with_too_few_tokens_is_a_failure(clock):
+    r = stream_completion(_Session([_text("a")]), "http://x", {"max_tokens": 2})
+    assert not r.ok and "[DONE]" in r.describe_failure()
+    r = stream_completion(_Session([_text("a", finish="stop"), b"data: [DONE]\n\n"]), "http://x",
+                          {"max_tokens": 2})
+    assert not r.ok and r.describe_failure() == "1 tokens, expected 2"
+
+
+def test_past_the_deadline_the_client_closes_the_stream_and_counts_what_came(clock):
+    inflight = Inflight()
+    inflight.deadline = 0.5
+    r = stream_completion(_Session([_text("a"), _text("b"), _text("c", finish="length")]),
+                          "http://x", {"max_tokens": 3}, inflight=inflight)
+    assert r.status == "cancelled" and r.completion_tokens == 1 and inflight.cancelled == 1
+
+
+def test_each_server_gets_the_length_forced_in_its_own_terms():
+    p = completion_payload("m", "hi", 64, {"ignore_eos": True, "min_tokens": 64})
+    assert p["max_tokens"] == p["min_tokens"] == 64 and p["stream"] and p["temperature"] == 0
+    assert p["stream_options"] == {"include_usage": True}
+
+
+def test_synthetic_prompts_are_distinct_and_about_the_asked_length(default_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    prompts = synthetic_prompts(tok, 8, 40, offset=3)
+    assert len(set(prompts)) == 8 and prompts == synthetic_prompts(tok, 8, 40, offset=3)
+    assert all(38 <= len(tok.encode(p, add_special_tokens=False)) <= 42 for p in prompts)
+    # Distinct from the first token: no prefix cache shares a block between two of them.
+    assert len({tok.encode(p, add_special_tokens=False)[0] for p in prompts}) == 8
+
+
+def test_the_gguf_files_quantisation_is_the_rows_dtype():
+    assert gguf_type("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "Q4_1"
+    assert gguf_type("/x/model.gguf") == "gguf"
+
+
+def test_an_absent_peer_is_skipped_without_starting_anything(tmp_path):
+    peer = llama_server_peer(tmp_path / "no-llama-server", "m.gguf", tmp_path, 64)
+    entry = run_system(peer, [1], {0: [], 1: ["x"]}, 8, 10.0, None, progress=lambda m: None)
+    assert "make peers" in entry["skipped"] and entry["levels"] == [] and "error" not in entry
+    assert peer.proc is None
+    # Asked when its turn comes: a `make peers` that finishes meanwhile is seen.
+    (tmp_path / "no-llama-server").write_text("#!/bin/sh\n")
+    (tmp_path / "no-llama-server").chmod(0o755)
+    assert peer.skip is None
+
+
+# A stand-in for a peer's OpenAI server: /health, /v1/models, streaming /v1/completions.
+FAKE_SERVER = textwrap.dedent('''
+    import json, sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        def log_message(self, *a): pass
+        def _json(self, body):
+            data = json.dumps(body).encode()
+            self.send_response(200); self.send_header("Content-Length", str(len(data)))
+            self.end_headers(); self.wfile.write(data)
+        def do_GET(self):
+            self._json({"status": "ok"} if self.path == "/health"
+                       else {"data": [{"id": "fake-model"}]})
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert req["model"] == "fake-model" and req["ignore_eos"], req
+            self.send_response(200); self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close"); self.end_headers()
+            n = req["max_tokens"]
+            for i in range(n):
+                choice = {"index": 0, "text": f" t{i}", "finish_reason": "length" if i == n - 1 else None}
+                self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\\n\\n".encode())
+                self.wfile.flush()
+            usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}}
+            self.wfile.write(f"data: {json.dumps(usage)}\\n\\ndata: [DONE]\\n\\n".encode())
+            self.wfile.flush()
+            self.close_connection = True
+
+    ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+''')
+
+
+def test_a_peer_is_started_measured_at_each_level_and_stopped(tmp_path):
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    peer = ServerPeer("fake", lambda port: [sys.executable, str(script), str(port)], {},
+                      "float32", {"ignore_eos": True}, tmp_path / "fake.log", ready_timeout_s=60)
+    prompts = {0: ["w"] * 4, 1: ["a", "b"], 4: ["p"] * 8}
+    eff = {"flops_per_token": 1e9, "rates_gflops": {"float32": {"1": 1000.0}}}
+    entry = run_system(peer, [1, 4], prompts, 6, 60.0, eff, progress=lambda m: None)
+    assert "error" not in entry, entry.get("error")
+    assert [lv["concurrency"] for lv in entry["levels"]] == [1, 4]
+    assert [(lv["ok"], lv["completion_tokens"]) for lv in entry["levels"]] == [(2, 12), (8, 48)]
+    lv = entry["levels"][1]
+    assert lv["compute_fraction"] == pytest.approx(lv["tokens_per_s_all"] / 1000.0, rel=1e-3)
+    assert peer.proc is None   # stopped
+
+
+def test_the_systems_are_llmq_then_the_peers_then_llmqs_other_backends(tmp_path):
+    from argparse import Namespace
+
+    from bench.peers import build_systems
+
+    args = Namespace(max_num_seqs=64, device="cpu", api_app="app.wsgi:application",
+                     peers_tokens=64, backend="transformers", peers=["vllm", "llama-server"],
+                     llama_server=str(tmp_path / "absent"),
+                     llmq_backends=["llama_cpp", "transformers"])
+    systems = build_systems(args, tmp_path, "/m", "/x/m.Q4_1.gguf", "float32")
+    assert [s.name for s in systems] == ["llmq[transformers]", "vLLM", "llama-server",
+                                         "llmq[llama_cpp]"]
+    assert [s.dtype for s in systems] == ["float32", "float32", "Q4_1", "Q4_1"]
+    assert systems[3].stack.backend == "llama_cpp" and systems[3].stack.max_num_seqs == 64
+    assert "make peers" in systems[2].skip
+    assert systems[0].force == {"ignore_eos": True, "min_tokens": 64}
+    assert systems[2].force == {"ignore_eos": True}   # llama-server has no min_tokens
