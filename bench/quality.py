@@ -6,7 +6,11 @@ each. Against float32, per prompt, over the positions up to float32's end of ans
 EOS, included; all of them when there is none):
   - positional: the fraction of positions holding the same token;
   - prefix: the fraction before the first divergence (after it, both continue from different
-    texts, so later positions are not comparable; this is the stricter figure).
+    texts, so later positions are not comparable);
+  - teacher-forced: float32's own tokens fed to the other dtype (one prefill with prompt
+    logprobs), the fraction of positions where that dtype's most likely next token is float32's
+    greedy one. Each position is judged on the same text, so one near-tie does not turn every
+    later position into a miss: the per-position agreement the guard's target is about.
 The answers (text up to EOS) are compared too: the Paris answer must still say Paris. The
 in-process decode rate of each dtype at the same batch is reported beside it.
 """
@@ -38,8 +42,11 @@ TARGET = 0.95
 
 def quality_phase(tokens: int = 64, dtypes=("float32", "bfloat16"), progress=print) -> dict:
     """Greedy tokens per dtype; the first dtype is the reference for the others."""
-    runs = {d: _greedy(d, tokens, progress) for d in dtypes}
-    ref_name, ref = dtypes[0], runs[dtypes[0]]
+    ref_name = dtypes[0]
+    runs = {ref_name: _greedy(ref_name, tokens, progress)}
+    ref = runs[ref_name]
+    for d in dtypes[1:]:
+        runs[d] = _greedy(d, tokens, progress, score=ref)
     out = {"prompts": len(PROMPTS), "tokens": tokens, "reference": ref_name, "target": TARGET,
            "answers": {ref_name: ref["answers"][0]}, "decode_tokens_per_s":
            {d: r["decode_tokens_per_s"] for d, r in runs.items()}}
@@ -48,10 +55,12 @@ def quality_phase(tokens: int = 64, dtypes=("float32", "bfloat16"), progress=pri
         cmp["answers_unchanged"] = sum(a == b for a, b in zip(ref["answers"], runs[d]["answers"]))
         cmp["paris_answer"] = runs[d]["answers"][0]
         cmp["paris_ok"] = "paris" in runs[d]["answers"][0].lower()
-        cmp["passed"] = cmp["prefix_match"] >= TARGET and cmp["paris_ok"]
+        cmp["teacher_forced_match"] = runs[d]["teacher_forced_match"]
+        cmp["passed"] = cmp["teacher_forced_match"] >= TARGET and cmp["paris_ok"]
         cmp["speedup"] = round(runs[d]["decode_tokens_per_s"] / ref["decode_tokens_per_s"], 2)
         out[d] = cmp
-        progress(f"quality: {d} vs {ref_name}: {cmp['prefix_match']:.1%} of positions until the "
+        progress(f"quality: {d} vs {ref_name}: {cmp['teacher_forced_match']:.1%} of positions "
+                 f"teacher-forced, {cmp['prefix_match']:.1%} until the "
                  f"first divergence, {cmp['positional_match']:.1%} positional, "
                  f"{cmp['answers_unchanged']}/{len(PROMPTS)} answers unchanged, Paris "
                  f"{'kept' if cmp['paris_ok'] else 'LOST'} ({cmp['paris_answer'][:60]!r}); "
@@ -73,8 +82,9 @@ def compare(ref: list[list[int]], other: list[list[int]], eos: set[int]) -> dict
             "prefix_match": round(prefix / max(1, positions), 4)}
 
 
-def _greedy(dtype: str, tokens: int, progress) -> dict:
-    """All prompts as one batch through a fresh model worker in `dtype`."""
+def _greedy(dtype: str, tokens: int, progress, score: dict | None = None) -> dict:
+    """All prompts as one batch through a fresh model worker in `dtype`; with `score` (the
+    reference run), also how often this dtype's argmax agrees with the reference's tokens."""
     from common.protocol import SamplingParams
     from common.settings import Settings
     from worker.messages import NewSequence, StepRequest
@@ -111,7 +121,40 @@ def _greedy(dtype: str, tokens: int, progress) -> dict:
                           skip_special_tokens=True).strip() for g in got]
     progress(f"quality: {dtype}: {len(seqs)} prompts x {tokens} tokens in "
              f"{time.perf_counter() - t:.1f} s (load included), decode {rate:.0f} tok/s")
+    result = {"tokens": got, "answers": answers, "eos": eos,
+              "decode_tokens_per_s": round(rate, 1)}
+    if score is not None:
+        result["teacher_forced_match"] = _teacher_forced(worker, ids, score, list(out))
     del worker
     gc.collect()
-    return {"tokens": got, "answers": answers, "eos": eos,
-            "decode_tokens_per_s": round(rate, 1)}
+    return result
+
+
+def _teacher_forced(worker, prompts: list[list[int]], ref: dict, free: list[str]) -> float:
+    """The fraction of ref's answer positions (up to its first EOS) where this worker's most
+    likely next token, given ref's text so far, is ref's token: rank 1 in its prompt logprobs."""
+    from common.protocol import SamplingParams
+    from worker.messages import NewSequence, StepRequest
+
+    scoring = SamplingParams(temperature=0.0, prompt_logprobs=0)
+    seqs, spans = [], {}
+    for i, (p, r) in enumerate(zip(prompts, ref["tokens"])):
+        n = next((j + 1 for j, t in enumerate(r) if t in ref["eos"]), len(r))
+        seqs.append(NewSequence(f"t{i}", list(p) + list(r[:n]), scoring))
+        spans[f"t{i}"] = (len(p), n)
+    lps: dict = {}
+
+    def take(res) -> None:
+        lps.update(res.prompt_logprobs)
+
+    res = worker.step(StepRequest(prefill=seqs, free_seq_ids=free), early=take)
+    if res.errors:
+        raise RuntimeError(f"teacher-forced scoring failed: {res.errors}")
+    take(res)
+    # entry k of prompt_logprobs scores token k + 1, so ref's token j is entry len(p) - 1 + j
+    hits = total = 0
+    for sid, (start, n) in spans.items():
+        ranks = [lp.rank for lp in lps[sid][start - 1:start - 1 + n]]
+        hits += sum(r == 1 for r in ranks)
+        total += n
+    return round(hits / max(1, total), 4)
