@@ -3,7 +3,7 @@ driven with the StepRequests the engine sends, on the tiny random model (64-wide
 
 It starts there at all (vLLM's engine core stays in the model process), reports its KV cache to
 llmq's scheduler, samples seeded requests the same whatever shares the batch, honours stop ids,
-min_tokens, logprobs and cache_salt, and frees what llmq frees.
+min_tokens, logprobs, structured output and cache_salt, and frees what llmq frees.
 """
 from __future__ import annotations
 
@@ -101,12 +101,15 @@ def test_prefix_cache_is_shared_only_within_a_cache_salt(executor):
     assert cached("s3", "bob") == 0
 
 
-def test_structured_output_fails_that_sequence_alone_with_a_clear_error(executor):
-    bad = SamplingParams(temperature=0.0, structured={"type": "json_object"})
-    res = executor.execute(StepRequest(prefill=[NewSequence("j", [1, 2, 3], bad),
-                                                NewSequence("k", [1, 2, 3], GREEDY)]))
-    assert "structured output" in res.errors["j"] and "k" in res.token_ids
-    executor.execute(StepRequest(free_seq_ids=["k"]))
+def test_structured_and_free_sequences_share_a_step(executor):
+    digits = SamplingParams(temperature=1.0, seed=3, max_tokens=8,
+                            structured={"type": "regex", "value": "[0-9]{4}"})
+    out = run(executor, {"j": ([1, 2, 3], digits), "k": ([1, 2, 3], GREEDY)}, 4)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(executor.info.path)
+    text = tok.decode(out["j"], skip_special_tokens=True)
+    assert text and len(text) <= 4 and text.strip("0123456789") == "", text
 
 
 def test_a_model_vllm_cannot_load_is_a_clear_error_at_start(tmp_path):

@@ -9,8 +9,8 @@ running request by one token and advances prompts by a chunk, and the result car
 tokens that step made. A prompt still being prefilled in chunks answers nothing, as on the
 transformers backend; tokens beyond one per step (speculative decoding) wait in a buffer.
 
-vLLM samples (seeded per request, so a seed gives the same text whatever shares the batch) and
-computes logprobs; llmq stops sequences (EOS, stop tokens, stop strings, max_tokens) and frees
+vLLM samples (seeded per request, so a seed gives the same text whatever shares the batch),
+computes logprobs and constrains structured output (llguidance, as llmq's own sampler); llmq stops sequences (EOS, stop tokens, stop strings, max_tokens) and frees
 them, which aborts the request in vLLM. The engine core runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0): the model process is already the process that isolates the
 model from the Celery worker, a daemonic process may not start children, and a second process
@@ -50,6 +50,7 @@ class VllmBackend:
         _configure_env(settings)
         try:
             from vllm import EngineArgs, LLMEngine
+            from vllm.config import StructuredOutputsConfig
             from vllm.platforms import current_platform
         except ImportError as exc:
             raise BackendUnavailable(
@@ -65,7 +66,10 @@ class VllmBackend:
             model=path, dtype=_dtype(settings.dtype, device), seed=0,
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
-            enable_prefix_caching=settings.prefix_cache_mb > 0, disable_log_stats=True)
+            enable_prefix_caching=settings.prefix_cache_mb > 0, disable_log_stats=True,
+            # llguidance, the compiler llmq's own structured output uses; compact JSON
+            structured_outputs_config=StructuredOutputsConfig(backend="guidance",
+                                                              disable_any_whitespace=True))
         if settings.max_model_len:
             args["max_model_len"] = settings.max_model_len
         if device == "cuda" and settings.kv_cache_mb:
@@ -112,8 +116,6 @@ class VllmBackend:
 
     def _add(self, seq: NewSequence) -> str | None:
         """Hands a newcomer to vLLM; returns an error for it alone."""
-        if seq.params.structured:
-            return "the vllm backend does not support structured output yet"
         prompt = {"prompt_token_ids": list(seq.token_ids)}
         if seq.params.cache_salt:   # vLLM's prefix cache shares blocks only within a salt
             prompt["cache_salt"] = seq.params.cache_salt
@@ -143,7 +145,8 @@ class VllmBackend:
             # min_tokens, as llmq's own sampler does.
             max_tokens=max(1, p.max_tokens - done) + 1, min_tokens=max(0, p.min_tokens - done),
             stop_token_ids=list(seq.stop_token_ids), ignore_eos=True,
-            logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, detokenize=False)
+            logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, detokenize=False,
+            structured_outputs=_structured(p.structured))
 
     def _collect(self, out, res: StepResult) -> None:
         """Buffers what one request made in this step (and its cached prefix, at its first)."""
@@ -185,6 +188,20 @@ class VllmBackend:
         self.step(StepRequest(prefill=[warm]))
         self.step(StepRequest(decode_seq_ids=["__warmup__"]))
         self.step(StepRequest(free_seq_ids=["__warmup__"]))
+
+
+def _structured(spec: dict | None):
+    """llmq's structured-output spec (common/structured.py) as vLLM's: the same five kinds."""
+    if not spec:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind, value = spec["type"], spec.get("value")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(**{"json_schema": {"json": value}, "regex": {"regex": value},
+                                      "choice": {"choice": value},
+                                      "grammar": {"grammar": value}}[kind])
 
 
 def _token_logprobs(d: dict, token_id: int, k: int) -> TokenLogprobs:
