@@ -36,7 +36,8 @@ def default_stack(request, tmp_path_factory, redis_server, default_model_dir):
     worker = WorkerProcess(redis_server.url, model, logs / "worker.log", name="e2e",
                            extra_env=env).start(wait_ready=False)
     try:
-        worker.wait_ready(timeout_s=300)
+        # vLLM compiles the model at each start: minutes on a busy 2-core machine
+        worker.wait_ready(timeout_s=600 if request.param == "vllm" else 300)
         api = ApiServer(Settings.from_env(redis_url=redis_server.url, model=model,
                                           queue=QUEUE, sse_keepalive_s=1.0)).start()
     except BaseException:
