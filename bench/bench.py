@@ -115,9 +115,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", default=None,
                    help="long prompt sizes of the mixed-lengths phase, e.g. 3000,8000 (default; "
                         "quick: 3000; 0 skips)")
-    p.add_argument("--backend", default="transformers", choices=["transformers", "llama_cpp"],
+    p.add_argument("--backend", default="transformers",
+                   choices=["transformers", "llama_cpp", "vllm"],
                    help="LLMQ_BACKEND of the worker; the raw phase is then model.generate "
-                        "(transformers) or the backend stepped in-process (llama_cpp)")
+                        "(transformers) or the backend stepped in-process (llama_cpp, vllm)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda, for raw and served")
     p.add_argument("--api-app", default="app.wsgi:application",
                    help="the WSGI app gunicorn serves (module:variable, importable from the repo)")

@@ -38,6 +38,13 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), default_model_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_vllm_model_dir(tmp_path_factory, default_model_dir) -> str:
+    """The tiny random model with 64-wide heads (vLLM's CPU attention has no kernel for 16)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-vllm-model"), default_model_dir,
+                            head_dim=64)
+
+
 @pytest.fixture(scope="session", params=backend_params())
 def stack(request, tmp_path_factory, redis_server):
     """Redis + one real Celery worker + the HTTP API, once per backend present, shared by the

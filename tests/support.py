@@ -59,14 +59,17 @@ def _ping(client) -> bool:
         return False
 
 
-def build_tiny_model(target: Path, tokenizer_dir: str, seed: int = 0) -> str:
-    """A tiny random Llama with the default model's tokenizer, built from a config."""
+def build_tiny_model(target: Path, tokenizer_dir: str, seed: int = 0, head_dim: int = 16) -> str:
+    """A tiny random Llama with the default model's tokenizer, built from a config (vLLM's CPU
+    attention takes head_dim 32 and up: its tiny model has two heads of 64)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    heads = 64 // head_dim if head_dim <= 32 else 2
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=heads * head_dim, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=heads,
+                      num_key_value_heads=max(1, heads // 2),
                       max_position_embeddings=512, bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                       tie_word_embeddings=True)
@@ -84,17 +87,27 @@ def backend_params() -> list:
 
     import pytest
 
-    missing = importlib.util.find_spec("llama_cpp") is None
-    return ["transformers",
-            pytest.param("llama_cpp", marks=pytest.mark.skipif(
-                missing, reason="llama-cpp-python is not installed (make llama-cpp)"))]
+    def optional(name: str, module: str, make: str):
+        missing = importlib.util.find_spec(module) is None
+        return pytest.param(name, marks=pytest.mark.skipif(
+            missing, reason=f"{module} is not installed (make {make})"))
+
+    return ["transformers", optional("llama_cpp", "llama_cpp", "llama-cpp"),
+            optional("vllm", "vllm", "vllm")]
+
+
+# vLLM in tests: a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE) and 512 tokens of context.
+VLLM_TEST_ENV = {"LLMQ_BACKEND": "vllm", "LLMQ_KV_CACHE_MB": "1024", "LLMQ_MAX_MODEL_LEN": "512"}
 
 
 def backend_worker(backend: str, request) -> tuple[str, dict]:
-    """(LLMQ_MODEL, extra worker env) for a backend: the tiny random model on transformers,
-    the default model's GGUF on llama.cpp (1024 tokens of context per sequence is plenty)."""
+    """(LLMQ_MODEL, extra worker env) for a backend: the tiny random model on transformers and
+    (with heads vLLM's CPU kernels take) on vLLM, the default model's GGUF on llama.cpp (1024
+    tokens of context per sequence is plenty)."""
     if backend == "transformers":
         return request.getfixturevalue("tiny_model_dir"), {}
+    if backend == "vllm":
+        return request.getfixturevalue("tiny_vllm_model_dir"), dict(VLLM_TEST_ENV)
     return "smollm2", {"LLMQ_BACKEND": backend, "LLMQ_MAX_MODEL_LEN": "1024"}
 
 

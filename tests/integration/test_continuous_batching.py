@@ -69,8 +69,8 @@ def test_a_repeated_prompt_reuses_its_cached_prefix(stack):
     """The second run of a prompt takes its whole blocks from the model process's prefix
     cache (the worker's counters say how many tokens), gives the same greedy text, and shows
     in /metrics; a request with its own cache_salt reuses nothing."""
-    if stack["backend"] != "transformers":
-        pytest.skip("prefix caching is built into the transformers backend only")
+    if stack["backend"] != "transformers":   # vllm: tests/worker/test_vllm_backend.py
+        pytest.skip("llmq's own prefix cache (8-token blocks) is the transformers backend's")
     url = stack["url"]
     body = {"prompt": "Once upon a time, in a quiet village by the sea, there lived an old "
                       "clockmaker who", "max_tokens": 5, "ignore_eos": True, "temperature": 0}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from support import ApiServer, WorkerProcess, backend_params
+from support import VLLM_TEST_ENV, ApiServer, WorkerProcess, backend_params
 from llmq_client import generate, get_job
 from sse import read_stream
 
@@ -19,21 +19,25 @@ def question(text: str) -> dict:
 # that small model drifts into French and never stops (llama.cpp's own Llama.generate gives the
 # same tokens), while "Which city is the capital of France?" it answers as transformers does.
 QUESTIONS = {"transformers": question("What is the capital of France?"),
-             "llama_cpp": question("Which city is the capital of France?")}
+             "llama_cpp": question("Which city is the capital of France?"),
+             "vllm": question("What is the capital of France?")}
 
 
 @pytest.fixture(scope="module", params=backend_params())
 def default_stack(request, tmp_path_factory, redis_server, default_model_dir):
-    """The default model: its converted checkpoint on transformers, its GGUF on llama.cpp."""
+    """The default model: its converted checkpoint on transformers and vLLM (float32), its GGUF
+    on llama.cpp."""
     from common.settings import Settings
 
     logs = tmp_path_factory.mktemp("e2e-logs")
-    env = {"LLMQ_QUEUE": QUEUE, "LLMQ_BACKEND": request.param}
+    env = {"LLMQ_QUEUE": QUEUE, "LLMQ_BACKEND": request.param,
+           **(VLLM_TEST_ENV if request.param == "vllm" else {})}
     model = default_model_dir if request.param == "transformers" else "smollm2"
     worker = WorkerProcess(redis_server.url, model, logs / "worker.log", name="e2e",
                            extra_env=env).start(wait_ready=False)
     try:
-        worker.wait_ready(timeout_s=300)
+        # vLLM compiles the model at each start: minutes on a busy 2-core machine
+        worker.wait_ready(timeout_s=600 if request.param == "vllm" else 300)
         api = ApiServer(Settings.from_env(redis_url=redis_server.url, model=model,
                                           queue=QUEUE, sse_keepalive_s=1.0)).start()
     except BaseException:

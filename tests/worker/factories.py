@@ -118,6 +118,31 @@ class Driver:
         return moves
 
 
+def run_steps(step, prompts: dict[str, tuple[list[int], SamplingParams]], n: int,
+              join_at: dict | None = None) -> dict[str, list[int]]:
+    """n tokens for each prompt through `step` (a backend's step, or an executor's execute),
+    the way the engine drives it: newcomers join at their step of join_at (0 unless given),
+    those done are freed; every sequence left is freed at the end."""
+    join_at = join_at or {}
+    out: dict[str, list[int]] = {sid: [] for sid in prompts}
+    live: list[str] = []
+    i = 0
+    while any(len(v) < n for v in out.values()):
+        new = [NewSequence(sid, ids, p) for sid, (ids, p) in prompts.items()
+               if join_at.get(sid, 0) == i]
+        done = [sid for sid in live if len(out[sid]) >= n]
+        live = [sid for sid in live if sid not in done]
+        res = step(StepRequest(prefill=new, decode_seq_ids=list(live), free_seq_ids=done))
+        assert not res.errors, res.errors
+        for sid, t in res.token_ids.items():
+            out[sid].append(t)
+        live += [s.seq_id for s in new]
+        i += 1
+        assert i < 10 * n + 10, "the backend stopped answering"
+    step(StepRequest(free_seq_ids=live))
+    return out
+
+
 def run_batch(worker: ModelWorker, prompts: dict[str, list[int]], n_tokens: int,
               params: dict[str, SamplingParams] | None = None) -> dict[str, list[int]]:
     """All prompts prefilled together in one step, then n_tokens - 1 decode steps."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from common.protocol import SamplingParams
+from factories import run_steps
 from worker.messages import NewSequence, StepRequest
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make llama-cpp)")
@@ -36,23 +37,8 @@ def tok(default_model_dir):
 def run(backend, prompts: dict[str, list[int]], n: int, params=GREEDY, join_at: dict | None = None
         ) -> dict[str, list[int]]:
     """Greedy-decodes n tokens for each prompt; join_at delays a prompt's prefill to a step."""
-    join_at = join_at or {}
-    out: dict[str, list[int]] = {sid: [] for sid in prompts}
-    live: list[str] = []
-    step = 0
-    while any(len(v) < n for v in out.values()):
-        new = [NewSequence(sid, ids, params) for sid, ids in prompts.items()
-               if join_at.get(sid, 0) == step]
-        done = [sid for sid in live if len(out[sid]) >= n]
-        live = [sid for sid in live if sid not in done]
-        res = backend.step(StepRequest(prefill=new, decode_seq_ids=list(live), free_seq_ids=done))
-        assert not res.errors, res.errors
-        for sid, t in res.token_ids.items():
-            out[sid].append(t)
-        live += [s.seq_id for s in new]
-        step += 1
-    backend.step(StepRequest(free_seq_ids=live))
-    return out
+    return run_steps(backend.step, {sid: (ids, params) for sid, ids in prompts.items()}, n,
+                     join_at)
 
 
 def test_loads_the_gguf_and_describes_it(backend):

@@ -6,7 +6,8 @@ A backend turns StepRequests into StepResults (one token per sequence per step) 
   transformers  (default) worker.model_worker.ModelWorker: our batched decode over HF models
   llama_cpp     worker.backends.llama_cpp_backend.LlamaCppBackend: llama.cpp over the GGUF file
                 (optional extra: `make llama-cpp`)
-  vllm          worker.backends.vllm_backend.VllmBackend: vLLM's engine, for GPU hosts
+  vllm          worker.backends.vllm_backend.VllmBackend: vLLM's engine, in the model process
+                (optional extra: `make vllm`; its CPU build on x86-64, CUDA on GPU hosts)
 
 A backend's own package is imported only when it is selected.
 """
