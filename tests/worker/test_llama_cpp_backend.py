@@ -195,3 +195,15 @@ def test_seeded_c_sampling_is_reproducible_in_any_company_and_after_a_restart(ba
     # a restart after 3 tokens: the prompt plus those tokens, then the same 5 that followed
     again = run(backend, {"s": ids + alone[:3]}, 5, params=seeded, done_before=3)["s"]
     assert again == alone[3:]
+
+
+def test_prompt_logprobs_beside_c_sampling(backend, tok):
+    """A prompt scored at every position still gets its first token from its C chain."""
+    ids = tok("The capital of France is")["input_ids"]
+    plain = backend.step(StepRequest(prefill=[NewSequence("p", ids, GREEDY)]))
+    scored = backend.step(StepRequest(prefill=[NewSequence(
+        "q", ids, with_(GREEDY, prompt_logprobs=1))], free_seq_ids=["p"]))
+    backend.step(StepRequest(free_seq_ids=["q"]))
+    lps = scored.prompt_logprobs["q"]
+    assert len(lps) == len(ids) - 1 and all(lp.rank >= 1 and len(lp.top_ids) == 1 for lp in lps)
+    assert scored.token_ids["q"] == plain.token_ids["p"]

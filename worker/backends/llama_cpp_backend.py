@@ -157,7 +157,7 @@ class LlamaCppBackend:
             if sid in self.positions and sid not in res.errors:
                 self.positions[sid] += 1
         for seq in fresh:
-            if seq.seq_id in scored and seq.seq_id in prompt_rows:
+            if seq.seq_id in scored and seq.seq_id not in res.errors:
                 res.prompt_logprobs[seq.seq_id] = prompt_logprobs(
                     torch.from_numpy(np.stack(prompt_rows[seq.seq_id])), seq.token_ids,
                     seq.params.prompt_logprobs)
