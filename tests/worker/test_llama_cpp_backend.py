@@ -1,14 +1,18 @@
 """The llama.cpp backend driven step by step, in this process, on the default model's GGUF.
 
 The same StepRequests the model executor sends: sequences join and leave the flat batch, their
-slots are reused, sampling is llmq's own, and a bad sequence fails alone.
+slots are reused, and a bad sequence fails alone. Sampling takes one of two paths: llama.cpp's
+own sampler chain per sequence (its logits never copied out), or llmq's Sampler for what only
+it does (logprobs, penalties, structured output); both must give the same tokens where both
+apply.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from common.protocol import SamplingParams
-from factories import run_steps
 from worker.messages import NewSequence, StepRequest
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make llama-cpp)")
@@ -34,11 +38,32 @@ def tok(default_model_dir):
     return AutoTokenizer.from_pretrained(default_model_dir)
 
 
-def run(backend, prompts: dict[str, list[int]], n: int, params=GREEDY, join_at: dict | None = None
-        ) -> dict[str, list[int]]:
-    """Greedy-decodes n tokens for each prompt; join_at delays a prompt's prefill to a step."""
-    return run_steps(backend.step, {sid: (ids, params) for sid, ids in prompts.items()}, n,
-                     join_at)
+def run(backend, prompts: dict[str, list[int]], n: int, params=GREEDY, join_at: dict | None = None,
+        logprobs: dict | None = None, done_before: int = 0) -> dict[str, list[int]]:
+    """Decodes n tokens for each prompt; join_at delays a prompt's prefill to a step; params is
+    one SamplingParams or one per prompt; `logprobs` collects the logprobs answered;
+    `done_before` says that many of each prompt's last tokens are output already (a restart)."""
+    join_at = join_at or {}
+    per = params if isinstance(params, dict) else dict.fromkeys(prompts, params)
+    out: dict[str, list[int]] = {sid: [] for sid in prompts}
+    live: list[str] = []
+    step = 0
+    while any(len(v) < n for v in out.values()):
+        new = [NewSequence(sid, ids, per[sid], num_output_tokens=done_before)
+               for sid, ids in prompts.items() if join_at.get(sid, 0) == step]
+        done = [sid for sid in live if len(out[sid]) >= n]
+        live = [sid for sid in live if sid not in done]
+        res = backend.step(StepRequest(prefill=new, decode_seq_ids=list(live), free_seq_ids=done))
+        assert not res.errors, res.errors
+        for sid, t in res.token_ids.items():
+            out[sid].append(t)
+        if logprobs is not None:
+            for sid, lp in res.logprobs.items():
+                logprobs.setdefault(sid, []).append(lp)
+        live += [s.seq_id for s in new]
+        step += 1
+    backend.step(StepRequest(free_seq_ids=live))
+    return out
 
 
 def test_loads_the_gguf_and_describes_it(backend):
@@ -67,7 +92,7 @@ def test_slots_are_freed_and_reused(backend, tok):
     for round_ in range(3):   # 3 x 4 sequences through 4 slots: each round frees all of them
         out = run(backend, {f"r{round_}-{i}": ids for i in range(4)}, 2)
         assert len({tuple(v) for v in out.values()}) == 1
-    assert len(backend.free_slots) == 4 and not backend.slots
+    assert len(backend.free_slots) == 4 and not backend.slots and not backend.chains
 
 
 def test_a_bad_sequence_fails_alone(backend, tok):
@@ -91,3 +116,94 @@ def test_seeded_sampling_does_not_depend_on_the_batch(backend, tok):
     assert alone == crowd
     other = run(backend, {"s": ids}, 6, params=SamplingParams(temperature=1.0, seed=8))["s"]
     assert other != alone
+
+
+def with_(params: SamplingParams, **changes) -> SamplingParams:
+    return dataclasses.replace(params, **changes)
+
+
+@pytest.fixture
+def no_python_sampling(backend, monkeypatch):
+    """Fails the test if llmq's Sampler is asked to sample (the C path must take the step)."""
+    def refuse(logits, states):
+        raise AssertionError(f"llmq's Sampler called for {len(states)} rows")
+
+    monkeypatch.setattr(backend.sampler, "sample", refuse)
+
+
+def test_plain_requests_are_sampled_without_llmq_sampler(backend, tok, no_python_sampling):
+    ids = tok("The capital of France is")["input_ids"]
+    plain = [GREEDY, SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=1),
+             SamplingParams(temperature=1.0), with_(GREEDY, logit_bias={5: 1.0}, min_tokens=2,
+                                                    stop_token_ids=[2])]
+    out = run(backend, {f"p{i}": ids for i in range(len(plain))}, 4,
+              params={f"p{i}": p for i, p in enumerate(plain)})
+    assert all(len(v) == 4 for v in out.values())
+    assert "Paris" in tok.decode(out["p0"])
+
+
+@pytest.mark.parametrize("params", [
+    GREEDY,
+    with_(GREEDY, logit_bias={1: 3.0, 12: -100.0}),                 # C chain: bias, greedy
+    SamplingParams(temperature=0.7, top_k=1, seed=3),                # one candidate left
+    SamplingParams(temperature=1.0, top_p=1e-6, seed=3),
+], ids=["argmax", "bias", "top_k=1", "top_p~0"])
+def test_c_sampling_equals_llmq_sampler_where_both_are_deterministic(backend, tok, params):
+    """The same prompt through the C chain and through llmq's Sampler (taken because the
+    request asks for logprobs) gives the same tokens, in a batch shared by both."""
+    ids = tok("Once upon a time there was")["input_ids"]
+    lps: dict = {}
+    out = run(backend, {"c": ids, "py": ids}, 8, logprobs=lps,
+              params={"c": params, "py": with_(params, logprobs=0)})
+    assert out["c"] == out["py"]
+    assert "c" not in lps and len(lps["py"]) == 8, "the fallback answers logprobs, C does not"
+
+
+def test_min_tokens_holds_back_stop_tokens_on_both_paths(backend, tok):
+    ids = tok("The capital of France is")["input_ids"]
+    free = run(backend, {"a": ids}, 6)["a"]
+    stops = tuple(dict.fromkeys(free[:3]))    # what greedy says first: now stop tokens
+    held = with_(GREEDY, min_tokens=3)
+    c = _run_with_stops(backend, ids, held, stops, 6)
+    assert not set(c[:3]) & set(stops), (c, stops)
+    # llmq's Sampler masks the same way, and both unmask after min_tokens
+    assert c == _run_with_stops(backend, ids, with_(held, logprobs=0), stops, 6)
+    drawn = _run_with_stops(backend, ids, SamplingParams(temperature=1.0, seed=5, min_tokens=3),
+                            stops, 6)
+    assert not set(drawn[:3]) & set(stops), (drawn, stops)
+
+
+def _run_with_stops(backend, ids, params, stops, n) -> list[int]:
+    sid = "stops"
+    res = backend.step(StepRequest(prefill=[NewSequence(sid, ids, params, stop_token_ids=stops)]))
+    toks = [res.token_ids[sid]]
+    while len(toks) < n:
+        toks.append(backend.step(StepRequest(decode_seq_ids=[sid])).token_ids[sid])
+    backend.step(StepRequest(free_seq_ids=[sid]))
+    return toks
+
+
+def test_seeded_c_sampling_is_reproducible_in_any_company_and_after_a_restart(backend, tok):
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=11)
+    ids = tok("My favourite colour is")["input_ids"]
+    alone = run(backend, {"s": ids}, 8, params=seeded)["s"]
+    company = {"s": seeded, "x": GREEDY, "y": with_(seeded, seed=12, logprobs=1),
+               "z": SamplingParams(temperature=1.0)}
+    crowd = run(backend, {sid: ids for sid in company}, 8, params=company,
+                join_at={"s": 2, "y": 1})
+    assert crowd["s"] == alone
+    # a restart after 3 tokens: the prompt plus those tokens, then the same 5 that followed
+    again = run(backend, {"s": ids + alone[:3]}, 5, params=seeded, done_before=3)["s"]
+    assert again == alone[3:]
+
+
+def test_prompt_logprobs_beside_c_sampling(backend, tok):
+    """A prompt scored at every position still gets its first token from its C chain."""
+    ids = tok("The capital of France is")["input_ids"]
+    plain = backend.step(StepRequest(prefill=[NewSequence("p", ids, GREEDY)]))
+    scored = backend.step(StepRequest(prefill=[NewSequence(
+        "q", ids, with_(GREEDY, prompt_logprobs=1))], free_seq_ids=["p"]))
+    backend.step(StepRequest(free_seq_ids=["q"]))
+    lps = scored.prompt_logprobs["q"]
+    assert len(lps) == len(ids) - 1 and all(lp.rank >= 1 and len(lp.top_ids) == 1 for lp in lps)
+    assert scored.token_ids["q"] == plain.token_ids["p"]

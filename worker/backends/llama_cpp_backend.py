@@ -3,9 +3,11 @@ llmq's step protocol (LLMQ_BACKEND=llama_cpp).
 
 One llama.cpp context holds every running sequence, each in its own sequence slot; a step is
 one `llama_decode` over a flat batch (a token each for the running sequences, whole prompts for
-newcomers), so decode and prefill share one pass over the weights. llama.cpp returns logits
-only; sampling stays llmq's own `Sampler`, so temperature, top-p/k, min-p, penalties, seeds and
-min_tokens behave exactly as on the transformers backend.
+newcomers), so decode and prefill share one pass over the weights. A sequence that needs only
+what llama.cpp's samplers do (greedy, temperature, top-k/p, min-p, seed, logit_bias, min_tokens)
+is sampled in C by its own sampler chain (`llama_cpp_sampling`), its logits never copied out;
+the others (logprobs, structured output, penalties) have their logits copied and go through
+llmq's own `Sampler`, as on the transformers backend.
 """
 from __future__ import annotations
 
@@ -22,10 +24,12 @@ from ..model_manager import ModelInfo, ModelManager, generation_defaults
 from ..sampler import Sampler, SamplingState, prompt_logprobs
 from ..structured_output import Grammars
 from . import BackendUnavailable
+from .llama_cpp_sampling import ChainSampler, needs_logits
 
 log = logging.getLogger("llmq.llama_cpp")
 
 DEFAULT_CONTEXT_PER_SEQUENCE = 2048
+NONE, PROMPT, SAMPLE = 0, 1, 2   # what a batch row's logits are for
 
 
 class LlamaCppBackend:
@@ -43,6 +47,9 @@ class LlamaCppBackend:
         self.slots: dict[str, int] = {}         # seq_id -> llama.cpp sequence slot
         self.positions: dict[str, int] = {}     # seq_id -> tokens in its KV cache
         self.states: dict[str, SamplingState] = {}
+        self.chains: dict[str, ChainSampler] = {}   # the sequences sampled in C
+        # logits copied out for llmq's Sampler, one row per sequence that needs them
+        self.rows = np.empty((max_num_seqs, info.vocab_size), dtype=np.float32)
         self.sampler = Sampler(Grammars(lambda: self.tokenizer, info.eos_token_ids))
         self.tokenizer = None   # set by load(): structured output builds its grammars from it
 
@@ -104,11 +111,12 @@ class LlamaCppBackend:
         for sid in req.free_seq_ids:
             self._free(sid)
         t0 = time.perf_counter()
-        # Rows of the flat batch: (seq_id, token, position, wants logits).
-        rows: list[tuple[str, int, int, bool]] = []
+        # Rows of the flat batch: (seq_id, token, position, logits), logits being NONE, PROMPT
+        # (a prompt position scored for prompt logprobs) or SAMPLE (the row the next token
+        # comes from: a running sequence's token, a newcomer's last prompt token).
+        rows: list[tuple[str, int, int, int]] = []
         for sid in req.decode_seq_ids:
-            st = self.states[sid]
-            rows.append((sid, st.last_token_id, self.positions[sid], True))
+            rows.append((sid, self.states[sid].last_token_id, self.positions[sid], SAMPLE))
         fresh: list[NewSequence] = []
         for seq in req.prefill:
             error = self._admit(seq)
@@ -117,10 +125,12 @@ class LlamaCppBackend:
                 continue
             fresh.append(seq)
             n = len(seq.token_ids)
-            every = seq.params.prompt_logprobs is not None   # logits at every prompt position
-            rows += [(seq.seq_id, t, i, every or i == n - 1) for i, t in enumerate(seq.token_ids)]
-        logits: dict[str, torch.Tensor] = {}
-        prompt_rows: dict[str, list[torch.Tensor]] = {}
+            every = PROMPT if seq.params.prompt_logprobs is not None else NONE
+            rows += [(seq.seq_id, t, i, every) for i, t in enumerate(seq.token_ids[:-1])]
+            rows.append((seq.seq_id, seq.token_ids[-1], n - 1, SAMPLE))
+        scored = {s.seq_id for s in fresh if s.params.prompt_logprobs is not None}
+        prompt_rows: dict[str, list[np.ndarray]] = {}
+        copied: list[str] = []   # sampled by llmq's Sampler from self.rows, in row order
         for start in range(0, len(rows), self.n_batch):
             chunk = [r for r in rows[start:start + self.n_batch] if r[0] not in res.errors]
             if not chunk:
@@ -129,33 +139,47 @@ class LlamaCppBackend:
             if rc != 0:
                 self._fail_chunk(chunk, rc, res)
                 continue
-            for i, (sid, _tok, _pos, wants) in enumerate(chunk):
-                if wants:
-                    ptr = self.lib.llama_get_logits_ith(self.ctx, i)
-                    logits[sid] = torch.from_numpy(
-                        np.ctypeslib.as_array(ptr, shape=(self.info.vocab_size,)).copy())
-                    if self.positions[sid] == 0:   # a newcomer's prompt row (the last is kept)
-                        prompt_rows.setdefault(sid, []).append(logits[sid])
-        for sid, _tok, _pos, _wants in rows:
+            best = _Argmax(self, chunk)
+            for i, (sid, _tok, _pos, kind) in enumerate(chunk):
+                if kind == NONE:
+                    continue
+                if sid in scored:
+                    prompt_rows.setdefault(sid, []).append(self._logits(i).copy())
+                if kind == PROMPT:
+                    continue
+                chain = self.chains.get(sid)
+                if chain is not None:   # sampled where the logits are
+                    self._emit(sid, chain.sample(self.ctx, i, lambda: best[i]), None, res)
+                else:
+                    self.rows[len(copied)] = self._logits(i)
+                    copied.append(sid)
+        for sid, _tok, _pos, _kind in rows:
             if sid in self.positions and sid not in res.errors:
                 self.positions[sid] += 1
-        order = [sid for sid in list(req.decode_seq_ids) + [s.seq_id for s in fresh]
-                 if sid in logits]
         for seq in fresh:
-            if seq.params.prompt_logprobs is not None and seq.seq_id in logits:
+            if seq.seq_id in scored and seq.seq_id not in res.errors:
                 res.prompt_logprobs[seq.seq_id] = prompt_logprobs(
-                    torch.stack(prompt_rows[seq.seq_id]), seq.token_ids,
+                    torch.from_numpy(np.stack(prompt_rows[seq.seq_id])), seq.token_ids,
                     seq.params.prompt_logprobs)
-        if order:
-            states = [self.states[sid] for sid in order]
-            tokens, lps = self.sampler.sample(torch.stack([logits[s] for s in order]), states)
-            for sid, st, tok, lp in zip(order, states, tokens, lps):
-                st.record(tok)
-                res.token_ids[sid] = tok
-                if lp is not None:
-                    res.logprobs[sid] = lp
+        if copied:
+            tokens, lps = self.sampler.sample(torch.from_numpy(self.rows[:len(copied)]),
+                                              [self.states[sid] for sid in copied])
+            for sid, tok, lp in zip(copied, tokens, lps):
+                self._emit(sid, tok, lp, res)
         res.decode_s = time.perf_counter() - t0
         return res
+
+    def _logits(self, row: int) -> np.ndarray:
+        """A view of the batch row's logits in llama.cpp's buffer (valid until the next
+        llama_decode)."""
+        ptr = self.lib.llama_get_logits_ith(self.ctx, row)
+        return np.ctypeslib.as_array(ptr, shape=(self.info.vocab_size,))
+
+    def _emit(self, sid: str, tok: int, lp, res: StepResult) -> None:
+        self.states[sid].record(tok)
+        res.token_ids[sid] = tok
+        if lp is not None:
+            res.logprobs[sid] = lp
 
     def _admit(self, seq: NewSequence) -> str | None:
         """Gives a newcomer a slot and its sampling state; returns an error for it alone."""
@@ -174,6 +198,9 @@ class LlamaCppBackend:
                     seq.params.structured, self.info.vocab_size, st.output_token_ids)
         except Exception as exc:  # noqa: BLE001 - a bad sequence fails alone
             return f"{type(exc).__name__}: {exc}"
+        if not needs_logits(seq.params):
+            self.chains[seq.seq_id] = ChainSampler(self.lib, self.info.vocab_size, seq.params,
+                                                   st.stop_token_ids, seq.num_output_tokens)
         self.slots[seq.seq_id] = self.free_slots.pop()
         self.positions[seq.seq_id] = 0
         self.states[seq.seq_id] = st
@@ -181,12 +208,12 @@ class LlamaCppBackend:
 
     def _decode(self, chunk) -> int:
         b = self.batch
-        for i, (sid, tok, pos, wants) in enumerate(chunk):
+        for i, (sid, tok, pos, kind) in enumerate(chunk):
             b.token[i] = tok
             b.pos[i] = pos
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = self.slots[sid]
-            b.logits[i] = wants
+            b.logits[i] = kind != NONE
         b.n_tokens = len(chunk)
         return int(self.lib.llama_decode(self.ctx, b))
 
@@ -208,6 +235,9 @@ class LlamaCppBackend:
         self.free_slots.append(slot)
         self.positions.pop(sid, None)
         self.states.pop(sid, None)
+        chain = self.chains.pop(sid, None)
+        if chain is not None:
+            chain.free()
 
     def warm_up(self) -> None:
         from common.protocol import SamplingParams
@@ -216,6 +246,25 @@ class LlamaCppBackend:
         self.step(StepRequest(prefill=[warm]))
         self.step(StepRequest(decode_seq_ids=["__warmup__"]))
         self.step(StepRequest(free_seq_ids=["__warmup__"]))
+
+
+class _Argmax:
+    """The argmax of each row of a decoded chunk, found for all output rows at once in
+    llama.cpp's logits buffer (contiguous, in batch order) when the first is asked for."""
+
+    def __init__(self, backend: LlamaCppBackend, chunk):
+        self.backend = backend
+        self.chunk = chunk
+        self.best: dict[int, int] | None = None
+
+    def __getitem__(self, row: int) -> int:
+        if self.best is None:
+            out = [i for i, r in enumerate(self.chunk) if r[3] != NONE]
+            b = self.backend
+            buf = np.ctypeslib.as_array(b.lib.llama_get_logits(b.ctx),
+                                        shape=(len(out), b.info.vocab_size))
+            self.best = dict(zip(out, buf.argmax(axis=1).tolist()))
+        return self.best[row]
 
 
 def _gguf_type(path: str) -> str:
