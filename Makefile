@@ -113,7 +113,7 @@ test-fast: venv
 # the machine being fast. `make test` is the other end: the tiny model at full speed.
 SLOW_STEP_S ?= 0.05
 test-slow-engine: venv redis-server model
-	LLMQ_TEST_STEP_DELAY=$(SLOW_STEP_S) $(BIN)/python -m pytest -m slow \
+	LLMQ_TEST_STEP_DELAY=$(SLOW_STEP_S) LLMQ_TEST_BACKENDS=transformers $(BIN)/python -m pytest -m slow \
 	  tests/reliability tests/integration/test_multi_worker.py $(PYTEST_ARGS)
 
 bench: setup

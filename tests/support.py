@@ -82,18 +82,25 @@ def build_tiny_model(target: Path, tokenizer_dir: str, seed: int = 0, head_dim: 
 
 # --- backends ---------------------------------------------------------------------------------
 def backend_params() -> list:
-    """pytest params: every backend the model worker has that can run here."""
+    """pytest params: every backend the model worker has that can run here, or those named in
+    LLMQ_TEST_BACKENDS (comma-separated; `make test-slow-engine` reruns only transformers: the
+    slowed engine step is the same code on every backend)."""
     import importlib.util
 
     import pytest
 
-    def optional(name: str, module: str, make: str):
-        missing = importlib.util.find_spec(module) is None
+    chosen = [b for b in os.environ.get("LLMQ_TEST_BACKENDS", "").split(",") if b]
+
+    def param(name: str, module: str | None = None, make: str = ""):
+        if chosen and name not in chosen:
+            return pytest.param(name, marks=pytest.mark.skip(
+                reason=f"LLMQ_TEST_BACKENDS={','.join(chosen)}"))
+        missing = module is not None and importlib.util.find_spec(module) is None
         return pytest.param(name, marks=pytest.mark.skipif(
             missing, reason=f"{module} is not installed (make {make})"))
 
-    return ["transformers", optional("llama_cpp", "llama_cpp", "llama-cpp"),
-            optional("vllm", "vllm", "vllm")]
+    return [param("transformers"), param("llama_cpp", "llama_cpp", "llama-cpp"),
+            param("vllm", "vllm", "vllm")]
 
 
 # vLLM in tests: a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE) and 512 tokens of context.
