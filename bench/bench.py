@@ -186,7 +186,7 @@ def _peers_args(p: argparse.ArgumentParser, args) -> None:
     if len(requests) != len(args.peers_concurrency):
         p.error("--peers-requests: one number, or one per --peers-concurrency level")
     args.peers_requests = requests
-    args.run_peers = args.only == "peers" or not (args.skip_peers or args.quick)
+    args.run_peers = args.only == "peers" or not (args.only or args.skip_peers or args.quick)
 
 
 def _ints(s: str) -> list[int]:

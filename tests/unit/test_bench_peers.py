@@ -172,3 +172,11 @@ def test_the_systems_are_llmq_then_the_peers_then_llmqs_other_backends(tmp_path)
     assert "make peers" in systems[2].skip
     assert systems[0].force == {"ignore_eos": True, "min_tokens": 64}
     assert systems[2].force == {"ignore_eos": True}   # llama-server has no min_tokens
+
+
+def test_only_one_phase_runs_the_peers_table_only_when_it_is_that_phase():
+    from bench.bench import parse_args
+
+    assert parse_args(["--only", "peers"]).run_peers
+    assert not parse_args(["--only", "quality"]).run_peers   # the guard alone, in ~20 s
+    assert parse_args([]).run_peers and not parse_args(["--skip-peers"]).run_peers
