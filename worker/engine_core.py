@@ -91,6 +91,8 @@ class EngineCore:
         self._handback_done = threading.Event()
         self._stranded: set[Sequence] = set()   # released at shutdown without a hand-back
         self._idle = threading.Event()
+        self._admitting = threading.Lock()   # the fair-share check and its reservation
+        self._reserved: list[str] = []       # owners of sequences past the check, not admitted
         self._thread: threading.Thread | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -182,22 +184,38 @@ class EngineCore:
             self._stop.wait(1.0)
             self.requeue(seq_id)
             return None
-        if self.inputs.over_fair_share(seq_id, self.output.admitted.values(),
-                                       self.scheduler.key_cap):
+        owner = self.store.owner_of(seq_id)
+        if not self._reserve(owner):
             # This key already has its share of a full worker: the task thread is worth more
             # to another key's sequence (docs/security.md). Back to the queue, behind others.
             self._stop.wait(FAIR_HANDBACK_S)
             self.requeue(seq_id, 9)
             return None
+        seq = None
         try:
             seq = self.inputs.process(seq_id)
         except Rejected as exc:
             self.output.reject(exc)
-            return None
+        finally:
+            with self._admitting:   # from reserved to admitted in one move: counted once
+                self._reserved.remove(owner)
+                if seq is not None:
+                    self.output.track(seq)
         if seq is not None:
-            self.output.track(seq)
             self.inbox.put(seq)
         return seq
+
+    def _reserve(self, owner: str) -> bool:
+        """Counts a sequence toward its key's share from the moment it passes the fair-share
+        check until it is admitted: task threads check at once when a wave ends, and without
+        the reservation all of them pass before any is admitted, so one key took every
+        thread. False: the key is over its share of a full worker."""
+        with self._admitting:
+            held = [s.owner for s in list(self.output.admitted.values())] + self._reserved
+            if self.inputs.over_fair_share(owner, held, self.scheduler.key_cap):
+                return False
+            self._reserved.append(owner)
+            return True
 
     # --- the loop -----------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Iterable
 
 from common.protocol import SamplingParams, SequenceRequest
 from common.store import SequenceStore
@@ -57,17 +56,15 @@ class InputProcessor:
                         attempt=attempt,
                         detokenizer=IncrementalDetokenizer(self.tokenizer, ids))
 
-    def over_fair_share(self, seq_id: str, held: Iterable[Sequence], key_cap: int) -> bool:
-        """Whether this worker holds a full batch and the sequence's key holds its share of
-        it. Task threads outnumber batch slots (scripts/worker.sh), so another key's sequence
-        can reach the scheduler while one key fills the batch; a key past its share must not
-        take those threads too. Without API keys (no owner) sequences are never handed back,
-        so their queue order holds."""
-        held = list(held)
+    def over_fair_share(self, owner: str, held: list[str], key_cap: int) -> bool:
+        """Whether this worker holds a full batch (`held`: the owners of the sequences it
+        holds) and `owner` holds its share of it. Task threads outnumber batch slots
+        (scripts/worker.sh), so another key's sequence can reach the scheduler while one key
+        fills the batch; a key past its share must not take those threads too. Without API
+        keys (no owner) sequences are never handed back, so their queue order holds."""
         if len(held) < self.settings.max_num_seqs:
             return False
-        owner = self.store.owner_of(seq_id)
-        return bool(owner) and sum(s.owner == owner for s in held) >= key_cap
+        return bool(owner) and held.count(owner) >= key_cap
 
     def _checked_token_ids(self, seq_id: str, req: SequenceRequest | None, attempt: int
                            ) -> list[int]:

@@ -210,3 +210,40 @@ def test_drain_hands_the_batch_back_and_new_work_goes_back_too(store):
         assert engine.admit("late") is None and requeued == ["s", "late"]
     finally:
         engine.stop()
+
+
+def test_task_threads_checking_at_once_do_not_take_a_keys_share_twice(store, monkeypatch):
+    """Issue 23: at a wave's end many task threads pass the fair-share check at once. Each one
+    that passes holds a place for its key until it is admitted, so the key gets no more than
+    its share of a full batch (max 2, share 1: b's one running sequence plus one)."""
+    requeued = []
+    engine = make_engine(store, requeue=lambda seq_id, priority=None: requeued.append(seq_id),
+                         max_num_seqs=2)
+    assert engine.scheduler.key_cap == 1
+    for i in range(6):
+        store.create([SequenceRequest(seq_id=f"b{i}", prompt_token_ids=[3, 4], owner="b",
+                                      params=SamplingParams(max_tokens=50))])
+    assert engine.admit("b0") is not None
+    # Every thread that reaches the input processor waits there for the others (at most 1 s),
+    # as threads do while their Redis calls run, so none is admitted before all have checked.
+    together = threading.Barrier(5, timeout=1.0)
+    process = engine.inputs.process
+
+    def slow_process(seq_id):
+        try:
+            together.wait()
+        except threading.BrokenBarrierError:
+            pass
+        return process(seq_id)
+
+    monkeypatch.setattr(engine.inputs, "process", slow_process)
+    monkeypatch.setattr("worker.engine_core.FAIR_HANDBACK_S", 0.0)
+    threads = [threading.Thread(target=engine.admit, args=(f"b{i}",)) for i in range(1, 6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(engine.output.admitted) == 2          # b0 and one of the five
+    assert sorted(requeued) == sorted(f"b{i}" for i in range(1, 6)
+                                      if f"b{i}" not in engine.output.admitted)
+    assert engine._reserved == []
