@@ -355,6 +355,12 @@ def _model_manager():
     return ModelManager(cache_dir=Settings.from_env().model_cache_dir)
 
 
+def served_dtype(args) -> str:
+    """What --backend serves in: --dtype resolved for that backend (auto: bfloat16 where the
+    CPU computes it, but float32 for vLLM on CPU, whose bfloat16 path answers gibberish)."""
+    return resolve_dtype(args.dtype, args.device, args.backend)
+
+
 def _peers(args, workdir: Path, model_dir: str, dtype: str, eff: dict) -> dict:
     from transformers import AutoTokenizer
 
@@ -440,8 +446,7 @@ def main(argv=None) -> int:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # what llmq's transformers backend serves in (auto: bfloat16 where the CPU computes it)
-    dtype = resolve_dtype(args.dtype, args.device)
+    dtype = served_dtype(args)
     result = {"meta": {
         "timestamp": stamp, "quick": args.quick, "git": git_commit(), "python": sys.version.split()[0],
         "platform": platform.platform(), "cpus": os.cpu_count(), "dtype": dtype,
@@ -471,7 +476,7 @@ def main(argv=None) -> int:
         if args.run_peers:
             progress(f"phase 0: peers table at concurrency {args.peers_concurrency} "
                      f"(logs in {workdir})")
-            result["peers"] = _peers(args, workdir, model_dir, dtype, result["efficiency"])
+            result["peers"] = _peers(args, workdir, model_dir, args.dtype, result["efficiency"])
         if args.only not in ("peers", "quality"):
             # The budget covers the llmq phases; the peers table has its own per-level limits.
             budget = Budget(args.budget, start=time.monotonic())

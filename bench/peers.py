@@ -174,18 +174,17 @@ def gguf_type(path: str) -> str:
 
 def build_systems(args, workdir: Path, model_dir: str, gguf: str, dtype: str) -> list:
     """llmq on --backend, then the peers asked for, then llmq on each other backend asked for.
-    dtype: what llmq's transformers and vllm backends serve in (the llama_cpp one: the GGUF's)."""
+    dtype: the LLMQ_DTYPE asked for (auto included), resolved for each backend; the llama_cpp
+    one serves the GGUF's types."""
     stack_kwargs = dict(max_num_seqs=args.max_num_seqs, device=args.device, dtype=dtype,
                         api_app=args.api_app)
 
     def llmq(backend):
         if backend == "llama_cpp":
-            row_dtype = gguf_type(gguf)
-        else:   # vLLM's CPU path serves float32 under auto (worker.model_manager.resolve_dtype)
-            row_dtype = resolve_dtype(getattr(args, "dtype", "auto"), args.device, backend)
-            row_dtype = dtype if backend == args.backend and dtype != "auto" else row_dtype
-        kwargs = {**stack_kwargs, "dtype": row_dtype if backend != "llama_cpp" else dtype}
-        return LlmqSystem(backend, workdir, args.peers_tokens, row_dtype, **kwargs)
+            return LlmqSystem(backend, workdir, args.peers_tokens, gguf_type(gguf), **stack_kwargs)
+        served = resolve_dtype(dtype, args.device, backend)   # vLLM on CPU: float32 under auto
+        return LlmqSystem(backend, workdir, args.peers_tokens, served,
+                          **{**stack_kwargs, "dtype": served})
 
     systems = [llmq(args.backend)]
     if "vllm" in args.peers:

@@ -5,6 +5,7 @@ send it."""
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +181,15 @@ def test_only_one_phase_runs_the_peers_table_only_when_it_is_that_phase():
     assert parse_args(["--only", "peers"]).run_peers
     assert not parse_args(["--only", "quality"]).run_peers   # the guard alone, in ~20 s
     assert parse_args([]).run_peers and not parse_args(["--skip-peers"]).run_peers
+
+
+def test_vllm_serves_float32_on_cpu_under_auto_as_the_benchs_own_backend_too():
+    """--backend vllm with the default --dtype auto: the served phase and its peers row run
+    vLLM in float32 on CPU (bfloat16 there answers gibberish), whatever this CPU computes."""
+    from bench.bench import parse_args, served_dtype
+    from bench.peers import build_systems
+
+    args = parse_args(["--backend", "vllm", "--peers", "", "--llmq-backends", "transformers"])
+    assert served_dtype(args) == "float32"
+    vllm_row = build_systems(args, Path("/tmp"), "/m", "/x/m.Q4_1.gguf", args.dtype)[0]
+    assert vllm_row.dtype == "float32" and vllm_row.stack.dtype == "float32"
