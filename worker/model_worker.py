@@ -329,8 +329,6 @@ def main(conn, settings) -> None:
         except (EOFError, OSError):
             return   # the executor went away
         if isinstance(msg, Shutdown):
-            if getattr(worker, "needs_teardown", False):
-                return   # its exit hooks stop processes of its own (vLLM's engine core)
             _exit_at_once()
         try:
             result = worker.step(msg, early=lambda part: conn.send_bytes(messages.encode(part)))
