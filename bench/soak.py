@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         r = redis.Redis.from_url(stack.redis_url, decode_responses=True)
         t0 = time.monotonic()
+        print(f"soak: stack up; {args.warmup} warm-up requests, then {args.requests} at "
+              f"concurrency {args.concurrency}", file=sys.stderr, flush=True)
         warm = wave(stack.url, args.warmup, args.concurrency, args.seed + 1)
         # RSS after the warm-up, then after each fifth of the run: growth that flattens is
         # caches filling; growth that goes on is a leak.
@@ -187,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
                 counts[k] = counts.get(k, 0) + v
             series.append({"done": series[-1]["done"] + n, "worker": rss_mb(stack.worker),
                            "api": rss_mb(stack.api)})
+            # Progress on stderr (the JSON report alone goes to stdout): a 5,000-request run
+            # takes several minutes.
+            print(f"soak: {series[-1]['done']}/{args.requests} requests in "
+                  f"{time.monotonic() - t0:.0f} s; RSS worker {series[-1]['worker']} MB, "
+                  f"API {series[-1]['api']} MB", file=sys.stderr, flush=True)
+        print(f"soak: auditing every record (up to {args.settle:.0f} s for the last to end)",
+              file=sys.stderr, flush=True)
         result = audit(r, args.settle)
         report = {"requests": args.requests, "concurrency": args.concurrency,
                   "wall_s": round(time.monotonic() - t0, 1), "outcomes": counts,
