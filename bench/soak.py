@@ -55,14 +55,17 @@ class SoakStack(Stack):
         return {**super().base_env(), "LLMQ_MODEL": self.model}
 
 
-def rss_mb(proc) -> float:
-    """A process group's resident memory: the process and all its children (the worker's
-    model process, gunicorn's workers), in MB."""
+def rss_mb(proc, part: str = "all") -> float:
+    """A process group's resident memory in MB: the process and all its children (the worker's
+    model process, gunicorn's workers) for "all", the root alone for "root", its children alone
+    for "children" (which side grows tells a leak in the Celery worker from one in the model
+    process)."""
     try:
         root = psutil.Process(proc.proc.pid)
-        procs = [root] + root.children(recursive=True)
+        children = root.children(recursive=True)
     except psutil.Error:
         return 0.0
+    procs = {"all": [root] + children, "root": [root], "children": children}[part]
     total = 0
     for p in procs:
         try:
@@ -70,6 +73,12 @@ def rss_mb(proc) -> float:
         except psutil.Error:
             pass
     return round(total / 2**20, 1)
+
+
+def rss_sample(stack, done: int) -> dict:
+    return {"done": done, "worker": rss_mb(stack.worker),
+            "celery": rss_mb(stack.worker, "root"), "model": rss_mb(stack.worker, "children"),
+            "api": rss_mb(stack.api)}
 
 
 def one_request(session: requests.Session, url: str, rng: random.Random, counts: dict,
@@ -181,18 +190,18 @@ def main(argv: list[str] | None = None) -> int:
         warm = wave(stack.url, args.warmup, args.concurrency, args.seed + 1)
         # RSS after the warm-up, then after each fifth of the run: growth that flattens is
         # caches filling; growth that goes on is a leak.
-        series = [{"done": 0, "worker": rss_mb(stack.worker), "api": rss_mb(stack.api)}]
+        series = [rss_sample(stack, 0)]
         counts: dict[str, int] = {}
         for part in range(5):
             n = args.requests * (part + 1) // 5 - args.requests * part // 5
             for k, v in wave(stack.url, n, args.concurrency, args.seed * 5 + part).items():
                 counts[k] = counts.get(k, 0) + v
-            series.append({"done": series[-1]["done"] + n, "worker": rss_mb(stack.worker),
-                           "api": rss_mb(stack.api)})
+            series.append(rss_sample(stack, series[-1]["done"] + n))
             # Progress on stderr (the JSON report alone goes to stdout): a 5,000-request run
             # takes several minutes.
             print(f"soak: {series[-1]['done']}/{args.requests} requests in "
-                  f"{time.monotonic() - t0:.0f} s; RSS worker {series[-1]['worker']} MB, "
+                  f"{time.monotonic() - t0:.0f} s; RSS worker {series[-1]['celery']} + model "
+                  f"{series[-1]['model']} MB, "
                   f"API {series[-1]['api']} MB", file=sys.stderr, flush=True)
         print(f"soak: auditing every record (up to {args.settle:.0f} s for the last to end)",
               file=sys.stderr, flush=True)
