@@ -23,6 +23,10 @@ from .raw import short_prompts
 from .stack import ROOT, Stack
 
 JUDGED_DTYPE = "float32"
+# Pins of REF's requirements.txt that are not overlaid: compiled cores the rest of the venv is
+# built against (a differing one is reported, not installed).
+NOT_OVERLAID = {"torch", "numpy"}
+OVERLAY_CACHE = Path("~/.cache/llmq/baseline-deps").expanduser()
 
 
 def _git(cwd: Path, *argv: str, text: bool = True) -> subprocess.CompletedProcess:
@@ -64,18 +68,77 @@ def ref_tree(sha: str, cwd: Path = ROOT, parent: Path | None = None):
         shutil.rmtree(dest, ignore_errors=True)
 
 
-def check_own_imports(stack: Stack) -> None:
+def _pins(requirements: str) -> dict[str, str]:
+    """{normalised name: version} of the `name==version` lines (extras and comments dropped)."""
+    pins = {}
+    for line in requirements.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" not in line or line.startswith("-"):
+            continue
+        name, version = (x.strip() for x in line.split("==", 1))
+        pins[name.split("[", 1)[0].lower().replace("_", "-")] = version.split(";", 1)[0].strip()
+    return pins
+
+
+def overlay_pins(requirements: str, installed) -> tuple[list[str], list[str]]:
+    """What REF pins differently from this venv: (name==version to overlay for its stack,
+    the differing pins left as they are (NOT_OVERLAID)). installed(name) -> version or None."""
+    overlay, kept = [], []
+    for name, version in sorted(_pins(requirements).items()):
+        have = installed(name)
+        if have is None or have.split("+", 1)[0] == version:
+            continue
+        (kept if name in NOT_OVERLAID else overlay).append(f"{name}=={version}")
+    return overlay, kept
+
+
+def _installed(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def requirements_overlay(tree: Path, progress=print) -> tuple[Path | None, list[str], list[str]]:
+    """REF's own versions of the packages it pins differently (a tree written for another
+    transformers can fail on this one), installed without dependencies into a cached folder
+    that goes on its stack's PYTHONPATH only; this venv is left as it is. Returns (the folder
+    or None, the pins overlaid, the differing pins not overlaid)."""
+    req = tree / "requirements.txt"
+    overlay, kept = overlay_pins(req.read_text() if req.exists() else "", _installed)
+    if not overlay:
+        return None, overlay, kept
+    import hashlib
+
+    folder = OVERLAY_CACHE / hashlib.sha1(" ".join(overlay).encode()).hexdigest()[:12]
+    if not (folder / ".complete").exists():
+        progress(f"baseline: installing {' '.join(overlay)} for the baseline's stack into {folder}")
+        shutil.rmtree(folder, ignore_errors=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                            "--target", str(folder), *overlay],
+                           capture_output=True, text=True, timeout=900)
+        if r.returncode != 0:
+            raise RuntimeError(f"pip could not install {overlay}: {r.stderr.strip()[-800:]}")
+        (folder / ".complete").write_text(" ".join(overlay) + "\n")
+    return folder, overlay, kept
+
+
+def check_own_imports(stack: Stack) -> str:
     """The stack's processes import the tree's own packages, not this checkout's nor the venv's
-    editable install (which points at one tree)."""
-    code = "import app, common, worker; print(app.__file__, common.__file__, worker.__file__)"
+    editable install (which points at one tree); returns the transformers version they get."""
+    code = ("import app, common, worker, transformers; "
+            "print(app.__file__, common.__file__, worker.__file__); print(transformers.__version__)")
     r = subprocess.run([sys.executable, "-c", code], cwd=stack.root, env=stack.base_env(),
                        capture_output=True, text=True, timeout=120)
     root = stack.root.resolve()
     paths = r.stdout.split()
-    if r.returncode != 0 or len(paths) != 3 or not all(
-            Path(p).resolve().is_relative_to(root) for p in paths):
+    if r.returncode != 0 or len(paths) != 4 or not all(
+            Path(p).resolve().is_relative_to(root) for p in paths[:3]):
         raise RuntimeError(f"the tree at {root} does not import its own packages: "
                            f"{r.stdout.strip()} {r.stderr.strip()[-500:]}")
+    return paths[3]
 
 
 @dataclass
@@ -85,12 +148,15 @@ class System:
     role: str            # "ours" (judged), "baseline", or "ours-default" (an extra row)
     dtype: str
     root: Path
+    paths: tuple[Path, ...] = ()   # on its PYTHONPATH after the tree (REF's own requirements)
+    transformers: str | None = None
     stack: Stack | None = None
     runs: dict[int, list[dict]] = field(default_factory=dict)
     error: str | None = None
 
     def as_dict(self) -> dict:
         return {"name": self.name, "role": self.role, "dtype": self.dtype, "error": self.error,
+                "transformers": self.transformers,
                 "levels": [level_median(c, runs) for c, runs in sorted(self.runs.items())]}
 
 
@@ -148,8 +214,10 @@ def baseline_phase(ref: str, *, levels: list[int], tokens: int, requests_for, ro
     out.update(sha=sha, short=short)
     try:
         with ref_tree(sha, parent=workdir) as tree:
+            folder, out["overlaid"], out["not_overlaid"] = requirements_overlay(tree, progress)
             systems = [System(f"llmq {JUDGED_DTYPE}", "ours", JUDGED_DTYPE, ROOT),
-                       System(f"baseline {short} {JUDGED_DTYPE}", "baseline", JUDGED_DTYPE, tree)]
+                       System(f"baseline {short} {JUDGED_DTYPE}", "baseline", JUDGED_DTYPE, tree,
+                              (folder,) if folder else ())]
             if default_dtype != JUDGED_DTYPE:
                 systems.append(System(f"llmq {default_dtype}", "ours-default", default_dtype, ROOT))
             try:
@@ -178,10 +246,10 @@ def baseline_phase(ref: str, *, levels: list[int], tokens: int, requests_for, ro
 def _start(s: System, backend: str, device: str, max_num_seqs: int, workdir: Path, progress):
     slug = s.name.replace(" ", "-")
     s.stack = Stack(workdir / slug, max_num_seqs=max_num_seqs, device=device, backend=backend,
-                    dtype=s.dtype, root=s.root)
+                    dtype=s.dtype, root=s.root, extra_paths=s.paths)
     progress(f"baseline: starting {s.name} from {s.root} (logs in {s.stack.workdir})")
     try:
-        check_own_imports(s.stack)
+        s.transformers = check_own_imports(s.stack)
         s.stack.start("continuous")
         warm = [payload(p, 8) for p in short_prompts(8, 500)]
         closed_loop(s.stack.url, 8, warm, hard_limit_s=120)

@@ -213,6 +213,10 @@ def format_baseline(baseline: dict | None) -> list[str]:
              f"{baseline['rounds']} rounds in turn, medians; times in ms"
              + (f"; load avg {baseline['load_avg_start'][0]:.1f} -> "
                 f"{baseline['load_avg_end'][0]:.1f}" if baseline.get("load_avg_end") else "")]
+    if baseline.get("overlaid") or baseline.get("not_overlaid"):
+        lines.append(f"  the baseline's own pins on its stack's path: "
+                     f"{' '.join(baseline.get('overlaid') or []) or 'none'}; differing, left as "
+                     f"this venv has them: {' '.join(baseline.get('not_overlaid') or []) or 'none'}")
     by = {(r["system"], r["concurrency"]): r for r in baseline.get("comparison", [])}
     lines.append(f"  {'conc':>4} {'system':<26} {'tok/s':>7} {'rounds':>15} {'TTFT50':>7}"
                  f" {'ITL50':>6} {'fail':>4} {'x base':>6} {'TTFT x':>6}")

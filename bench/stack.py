@@ -101,8 +101,10 @@ class Stack:
     def __init__(self, workdir: Path, *, max_num_seqs: int = 64, device: str = "cpu",
                  backend: str = "transformers",
                  dtype: str = "float32", api_workers: int = 2, api_threads: int = 256,
-                 api_app: str = "app.wsgi:application", log=print, root: Path = ROOT):
+                 api_app: str = "app.wsgi:application", log=print, root: Path = ROOT,
+                 extra_paths: tuple[Path, ...] = ()):
         self.root = Path(root)
+        self.extra_paths = [str(p) for p in extra_paths]   # ahead of the venv (an overlay)
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.redis_port = free_port()
@@ -139,7 +141,7 @@ class Stack:
         # not this checkout's when another tree runs.
         rest = [p for p in (env.get("PYTHONPATH") or "").split(os.pathsep)
                 if p and Path(p).resolve() not in (self.root.resolve(), ROOT)]
-        env["PYTHONPATH"] = os.pathsep.join([str(self.root), *rest])
+        env["PYTHONPATH"] = os.pathsep.join([str(self.root), *self.extra_paths, *rest])
         env.pop("LLMQ_API_KEYS", None)   # the benchmark sends no key
         return env
 

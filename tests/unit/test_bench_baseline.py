@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.baseline import compare, level_median, ref_tree, resolve_ref
+from bench.baseline import compare, level_median, overlay_pins, ref_tree, resolve_ref
 from bench.report import baseline_targets, batch_targets, format_table
 from bench.stack import ROOT, Stack
 
@@ -65,12 +65,25 @@ def test_each_stack_runs_its_own_trees_code_before_this_checkouts(repo, tmp_path
     monkeypatch.setenv("PYTHONPATH", f"{ROOT}:/elsewhere")
     full, _ = resolve_ref("old", repo)
     with ref_tree(full, repo, parent=tmp_path) as tree:
-        old = Stack(tmp_path / "old", root=tree)
-        assert old.base_env()["PYTHONPATH"].split(":") == [str(tree), "/elsewhere"]
+        old = Stack(tmp_path / "old", root=tree, extra_paths=(tmp_path / "pins",))
+        assert old.base_env()["PYTHONPATH"].split(":") == [str(tree), str(tmp_path / "pins"),
+                                                           "/elsewhere"]
         assert old.http_worker_class() == "gthread"   # a tree before app/http_worker.py
     ours = Stack(tmp_path / "ours")
     assert ours.base_env()["PYTHONPATH"].split(":") == [str(ROOT), "/elsewhere"]
     assert ours.http_worker_class() == "app.http_worker.ThreadWorker"
+
+
+def test_the_baseline_gets_its_own_pins_of_what_it_pins_differently_but_not_torch_or_numpy():
+    req = ("# runtime\ntorch==2.13.0\ntransformers==5.24.0  # newer\nnumpy==2.4.6\n"
+           "celery[redis]==5.7.0\nflask==3.1.3\nspectree==3.0.0\n-r other.txt\nrequests>=2\n")
+    venv = {"torch": "2.12.0+cpu", "transformers": "5.19.0", "numpy": "2.3.5", "celery": "5.7.0",
+            "flask": "3.1.3"}
+    overlay, kept = overlay_pins(req, venv.get)
+    assert overlay == ["transformers==5.24.0"]         # spectree: not installed here, not needed
+    assert kept == ["numpy==2.4.6", "torch==2.13.0"]
+    assert overlay_pins(req, {**venv, "transformers": "5.24.0", "numpy": "2.4.6",
+                              "torch": "2.13.0+cpu"}.get) == ([], [])
 
 
 def _run(tps, ttft):
