@@ -154,9 +154,17 @@ class System:
     runs: dict[int, list[dict]] = field(default_factory=dict)
     error: str | None = None
 
+    def model_restarts(self) -> int:
+        """Model-process crashes its worker logged (each one a restart and a re-run of its
+        batch: a baseline that crashes is slow for a reason that is not its design)."""
+        if self.stack is None:
+            return 0
+        return sum(log.read_text(errors="replace").count("model worker died")
+                   for log in self.stack.workdir.glob("worker*.log"))
+
     def as_dict(self) -> dict:
         return {"name": self.name, "role": self.role, "dtype": self.dtype, "error": self.error,
-                "transformers": self.transformers,
+                "transformers": self.transformers, "model_restarts": self.model_restarts(),
                 "levels": [level_median(c, runs) for c, runs in sorted(self.runs.items())]}
 
 
@@ -165,13 +173,18 @@ def _median(values):
     return round(statistics.median(values), 4) if values else None
 
 
+def _tps(run: dict):
+    """tok/s counting what requests cut by the time limit had made (as the peers table)."""
+    return run.get("tokens_per_s_all", run["tokens_per_s"])
+
+
 def level_median(concurrency: int, runs: list[dict]) -> dict:
     """One system's level over the rounds: medians of tok/s and TTFT p50, every round's too."""
     return {"concurrency": concurrency,
-            "tokens_per_s": _median([r["tokens_per_s"] for r in runs]),
+            "tokens_per_s": _median([_tps(r) for r in runs]),
             "ttft_p50_s": _median([r["ttft_p50_s"] for r in runs]),
             "itl_p50_s": _median([r["itl_p50_s"] for r in runs]),
-            "rounds_tokens_per_s": [r["tokens_per_s"] for r in runs],
+            "rounds_tokens_per_s": [_tps(r) for r in runs],
             "requests": sum(r["requests"] for r in runs),
             "failures": sum(r["failures"] for r in runs),
             "truncated": any(r.get("truncated") for r in runs)}

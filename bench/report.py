@@ -235,6 +235,10 @@ def format_baseline(baseline: dict | None) -> list[str]:
     for s in baseline["systems"]:
         if s.get("error"):
             lines.append(f"  {s['name']}: error: {s['error']}")
+        if s.get("model_restarts"):
+            lines.append(f"  WARNING: {s['name']}'s model process crashed and restarted "
+                         f"{s['model_restarts']} times (see its worker log): its figures are not "
+                         "its speed")
     if baseline.get("error") and not any(s.get("error") for s in baseline["systems"]):
         lines.append(f"  error: {baseline['error']}")
     lines.append("")

@@ -136,6 +136,10 @@ def test_the_issues_bars_are_judged_on_the_float32_rows_with_ttft_beside():
     assert "Baseline: llmq against abc1234 (main~3)" in table
     assert "llmq bfloat16" in table and "1.900" in table          # the extra row, not judged
     assert "(TTFT p50 1000 ms vs 2000 ms)" in table
+    b = _baseline()
+    b["systems"][1]["model_restarts"] = 3
+    assert "baseline abc1234 float32's model process crashed and restarted 3 times" in \
+        format_table({"baseline": b, "targets": []})
 
 
 def test_a_baseline_that_did_not_start_is_an_error_row_not_a_crash():
