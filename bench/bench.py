@@ -9,10 +9,10 @@ Phases, all on the default model, greedy, with the output length forced:
   2. served   own redis-server + one worker + gunicorn API; closed-loop SSE clients per level
   2c. prefix  chat requests sharing the template's system turn: TTFT without, then with reuse
   2d. stops   the same requests plain, then with worst-case stop strings: engine step time
-  2g. lengths 32 short requests alone, then beside one 3,000-token prompt (and one of 8,000):
-              the short ones' latency p50 ratio, the model process's RSS against its KV bytes
   2e. batch   a batch of short lines through /v1/files and /v1/batches: its rate, and
               interactive TTFT p50 while it runs against an idle queue (--only batch)
+  2g. lengths 32 short requests alone, then beside one 3,000-token prompt (and one of 8,000):
+              the short ones' latency p50 ratio, the model process's RSS against its KV bytes
   3. mixed    prompts 10-400 tokens, outputs 8-256, Poisson arrivals near saturation:
               continuous batching, then the worker restarted with LLMQ_BATCH_POLICY=static
   4. baseline with --baseline REF: REF's own stack (from a temporary copy of its tree) against
