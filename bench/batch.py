@@ -57,6 +57,11 @@ def batch_phase(url: str, lines: int = 1000, tokens: int = 16, probes: int = 10,
            "ms_per_step": split and split["ms_per_step"], "time_split": split}
     if out["ttft_idle_p50"] and out["ttft_during_p50"]:
         out["ttft_ratio"] = round(out["ttft_during_p50"] / out["ttft_idle_p50"], 2)
+        if out["ms_per_step"]:
+            # What the batch adds to an interactive TTFT, in engine steps: about one (the step
+            # in flight when it arrives, then its prefill) when it waits for nothing else.
+            out["excess_in_steps"] = round(
+                1000 * (out["ttft_during_p50"] - out["ttft_idle_p50"]) / out["ms_per_step"], 2)
     progress(f"batch of {lines} lines x {tokens} tokens: {out['status']} in {elapsed:.1f} s "
              f"({out['lines_per_s']} lines/s); interactive TTFT p50 idle "
              f"{_ms(out['ttft_idle_p50'])}, during the batch {_ms(out['ttft_during_p50'])} "

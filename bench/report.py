@@ -255,7 +255,8 @@ def format_batch(batch: dict | None) -> list[str]:
             f"({batch['probes_idle']} probes), during the batch {_ms(batch['ttft_during_p50'])} ms "
             f"({batch['probes_during']} probes): x{_f(batch.get('ttft_ratio'), '{:.2f}')} "
             f"(target <= 2); engine step {_f(batch.get('ms_per_step'), '{:.0f}')} ms on average "
-            "during the batch", ""]
+            f"during the batch, the difference {_f(batch.get('excess_in_steps'), '{:.2f}')} steps",
+            ""]
 
 
 # --- peers (bench/peers.py) ---------------------------------------------------------------------

@@ -163,13 +163,15 @@ def test_a_baseline_that_did_not_start_is_an_error_row_not_a_crash():
 def test_the_batch_target_is_the_during_over_idle_ttft_ratio():
     batch = {"lines": 200, "tokens_per_line": 16, "status": "completed", "completed": 200,
              "failed": 0, "seconds": 80.0, "lines_per_s": 2.5, "ttft_idle_p50": 0.3,
-             "ttft_during_p50": 0.5, "probes_idle": 10, "probes_during": 30, "ttft_ratio": 1.67}
+             "ttft_during_p50": 0.5, "probes_idle": 10, "probes_during": 30, "ttft_ratio": 1.67,
+             "ms_per_step": 250.0, "excess_in_steps": 0.8}
     (t,) = batch_targets(batch)
     assert t["met"] is True and "2.5 lines/s" in t["note"]
     assert batch_targets({**batch, "ttft_ratio": 2.6})[0]["met"] is False
     table = format_table({"batch": batch, "targets": [t]})
     assert "Batch API: 200 lines x 16 tokens" in table and "idle 300 ms" in table
     assert "during the batch 500 ms" in table and "x1.67" in table
+    assert "engine step 250 ms on average during the batch, the difference 0.80 steps" in table
 
 
 def test_baseline_options():
