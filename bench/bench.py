@@ -544,7 +544,9 @@ def main(argv=None) -> int:
     print(report.format_table(result))
     print("\n".join(structured_lines(result.get("structured"))))
     progress(f"results: {json_path}" + (f" and {png_path}" if png_path else ""))
-    return 1 if error else 0
+    # --only baseline: a baseline that did not run is this run's failure (the row says why).
+    failed = args.only == "baseline" and (result.get("baseline") or {}).get("error")
+    return 1 if error or failed else 0
 
 
 if __name__ == "__main__":

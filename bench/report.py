@@ -218,8 +218,9 @@ def format_baseline(baseline: dict | None) -> list[str]:
                      f"{' '.join(baseline.get('overlaid') or []) or 'none'}; differing, left as "
                      f"this venv has them: {' '.join(baseline.get('not_overlaid') or []) or 'none'}")
     by = {(r["system"], r["concurrency"]): r for r in baseline.get("comparison", [])}
-    lines.append(f"  {'conc':>4} {'system':<26} {'tok/s':>7} {'rounds':>15} {'TTFT50':>7}"
-                 f" {'ITL50':>6} {'fail':>4} {'x base':>6} {'TTFT x':>6}")
+    if any(s["levels"] for s in baseline["systems"]):
+        lines.append(f"  {'conc':>4} {'system':<26} {'tok/s':>7} {'rounds':>15} {'TTFT50':>7}"
+                     f" {'ITL50':>6} {'fail':>4} {'x base':>6} {'TTFT x':>6}")
     for c in baseline["levels"]:
         for s in baseline["systems"]:
             lv = next((x for x in s["levels"] if x["concurrency"] == c), None)
