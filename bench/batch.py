@@ -9,7 +9,7 @@ import time
 import requests
 
 from .loadgen import stream_generate
-from .report import pct
+from .report import pct, time_split
 
 ENDED = ("completed", "failed", "expired", "cancelled")
 
@@ -23,13 +23,17 @@ def probe(session: requests.Session, url: str, tokens: int) -> float | None:
 
 
 def batch_phase(url: str, lines: int = 1000, tokens: int = 16, probes: int = 10,
-                progress=print) -> dict:
+                progress=print, timing=None) -> dict:
+    """timing: the worker's StepTiming totals (Stack.worker_timing), read before and after the
+    batch for its mean step time, which is what an interactive request waits for (the step
+    in flight) before its prefill."""
     with requests.Session() as s:
         idle = [t for t in (probe(s, url, 8) for _ in range(probes)) if t is not None]
         body = "".join(json.dumps({
             "custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
             "body": {"prompt": f"Fact number {i}:", "max_tokens": tokens, "ignore_eos": True,
                      "temperature": 0}}) + "\n" for i in range(lines))
+        before = timing() if timing else None
         f = s.post(f"{url}/v1/files", data={"purpose": "batch"},
                    files={"file": ("bench.jsonl", body.encode())}, timeout=60).json()
         t0 = time.perf_counter()
@@ -43,18 +47,26 @@ def batch_phase(url: str, lines: int = 1000, tokens: int = 16, probes: int = 10,
                 during.append(ttft)
             batch = s.get(f"{url}/v1/batches/{batch['id']}", timeout=30).json()
         elapsed = time.perf_counter() - t0
+    split = time_split(before, timing(), elapsed) if timing else None
     counts = batch["request_counts"]
     out = {"lines": lines, "tokens_per_line": tokens, "status": batch["status"],
            "completed": counts["completed"], "failed": counts["failed"],
            "seconds": round(elapsed, 2), "lines_per_s": round(counts["completed"] / elapsed, 2),
            "ttft_idle_p50": pct(idle, 50), "ttft_during_p50": pct(during, 50),
-           "probes_idle": len(idle), "probes_during": len(during)}
+           "probes_idle": len(idle), "probes_during": len(during),
+           "ms_per_step": split and split["ms_per_step"], "time_split": split}
     if out["ttft_idle_p50"] and out["ttft_during_p50"]:
         out["ttft_ratio"] = round(out["ttft_during_p50"] / out["ttft_idle_p50"], 2)
+        if out["ms_per_step"]:
+            # What the batch adds to an interactive TTFT, in engine steps: about one (the step
+            # in flight when it arrives, then its prefill) when it waits for nothing else.
+            out["excess_in_steps"] = round(
+                1000 * (out["ttft_during_p50"] - out["ttft_idle_p50"]) / out["ms_per_step"], 2)
     progress(f"batch of {lines} lines x {tokens} tokens: {out['status']} in {elapsed:.1f} s "
              f"({out['lines_per_s']} lines/s); interactive TTFT p50 idle "
              f"{_ms(out['ttft_idle_p50'])}, during the batch {_ms(out['ttft_during_p50'])} "
-             f"({len(during)} probes; x{out.get('ttft_ratio', '?')}, target <= 2)")
+             f"({len(during)} probes; x{out.get('ttft_ratio', '?')}, target <= 2); engine step "
+             f"{out['ms_per_step'] or '-'} ms on average during the batch")
     return out
 
 

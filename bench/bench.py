@@ -9,10 +9,15 @@ Phases, all on the default model, greedy, with the output length forced:
   2. served   own redis-server + one worker + gunicorn API; closed-loop SSE clients per level
   2c. prefix  chat requests sharing the template's system turn: TTFT without, then with reuse
   2d. stops   the same requests plain, then with worst-case stop strings: engine step time
+  2e. batch   a batch of short lines through /v1/files and /v1/batches: its rate, and
+              interactive TTFT p50 while it runs against an idle queue (--only batch)
   2g. lengths 32 short requests alone, then beside one 3,000-token prompt (and one of 8,000):
               the short ones' latency p50 ratio, the model process's RSS against its KV bytes
   3. mixed    prompts 10-400 tokens, outputs 8-256, Poisson arrivals near saturation:
               continuous batching, then the worker restarted with LLMQ_BATCH_POLICY=static
+  4. baseline with --baseline REF: REF's own stack (from a temporary copy of its tree) against
+              this checkout's at the same levels, prompts and dtype (float32), in turn
+              (--only baseline runs it alone)
 Writes <out>/<timestamp>.json and .png and prints a summary table with the targets.
 """
 from __future__ import annotations
@@ -31,8 +36,9 @@ from pathlib import Path
 
 from . import report
 from .efficiency import measure as measure_efficiency
+from .baseline import baseline_phase
 from .batch import batch_phase
-from .loadgen import closed_loop, open_loop
+from .loadgen import closed_loop, open_loop, payload
 from .peers import LLAMA_SERVER, PEER_NAMES, build_systems, peers_phase
 from .lengths import lengths_phase
 from .prefix import prefix_phase
@@ -123,9 +129,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-app", default="app.wsgi:application",
                    help="the WSGI app gunicorn serves (module:variable, importable from the repo)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="LLMQ_MAX_NUM_SEQS of the worker")
-    p.add_argument("--only", choices=["peers", "quality"],
+    p.add_argument("--only", choices=["peers", "quality", "baseline", "batch"],
                    help="run only this phase (peers: the peers table, ~10 min; quality: the "
-                        "bfloat16 quality guard, ~2 min)")
+                        "bfloat16 quality guard, ~2 min; baseline: the --baseline comparison; "
+                        "batch: the Batch API phase)")
+    p.add_argument("--baseline", metavar="REF",
+                   help="also run the uniform levels on REF's own stack (a commit, branch or "
+                        "tag of this repository, e.g. bb17313) and report llmq's float32 tok/s "
+                        "over REF's (default: none)")
+    p.add_argument("--baseline-rounds", type=int, default=2,
+                   help="rounds of the baseline comparison, the systems in turn (default 2)")
     p.add_argument("--skip-peers", action="store_true",
                    help="skip the peers table (quick runs skip it unless --only peers)")
     p.add_argument("--peers", default=",".join(PEER_NAMES),
@@ -145,8 +158,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the llama-server binary (`make peers` builds it there)")
     args = p.parse_args(argv)
     _peers_args(p, args)
+    if args.only == "baseline" and not args.baseline:
+        p.error("--only baseline needs --baseline REF")
+    if args.baseline_rounds < 1:
+        p.error("--baseline-rounds: at least 1")
     q = args.quick
     args.levels = _ints(args.concurrency) if args.concurrency else ([1, 8, 32] if q else [1, 8, 32, 64])
+    # The levels the issues judge against the baseline, unless levels are asked for.
+    args.baseline_levels = args.levels if args.concurrency else [1, 64]
     if args.raw_batches:
         args.raw = _ints(args.raw_batches)
     else:
@@ -200,11 +219,6 @@ def requests_for(level: int, args) -> int:
     if args.requests_per_level:
         return args.requests_per_level
     return max(level, 2) if args.quick else max(2 * level, 8)
-
-
-def payload(prompt: str, n: int) -> dict:
-    return {"prompt": prompt, "stream": True, "max_tokens": n, "min_tokens": n,
-            "ignore_eos": True, "temperature": 0}
 
 
 def git_commit() -> str | None:
@@ -371,12 +385,14 @@ def _peers(args, workdir: Path, model_dir: str, dtype: str, eff: dict) -> dict:
 
 
 def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None:
-    """Raw, served and the phases after it on llmq's own stack; returns the error, if any."""
-    if not args.skip_raw and args.backend == "transformers":
+    """Raw, served and the phases after it on llmq's own stack (--only batch: the batch phase
+    alone); returns the error, if any."""
+    full = args.only is None
+    if full and not args.skip_raw and args.backend == "transformers":
         progress("phase 1/3: raw model.generate (in-process, before the stack starts)")
         result["raw"] = run_raw(args.raw, args.tokens, device=args.device, dtype=args.dtype,
                                 progress=progress, time_limit_s=args.raw_time_limit)
-    elif not args.skip_raw:
+    elif full and not args.skip_raw:
         progress(f"phase 1/3: raw {args.backend} backend (in-process, before the stack starts)")
         result["raw"] = run_raw_backend(args.backend, args.raw, args.tokens, progress=progress,
                                         time_limit_s=args.raw_time_limit,
@@ -392,18 +408,19 @@ def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None
         progress(f"stack ready in {time.monotonic() - t:.1f} s")
         mixed_reserve = 0.0 if args.skip_mixed else max(0.0, min(budget.left() * 0.4,
                                                                  30.0 + 2 * args.mixed_time_limit))
-        result["served"] = served_phase(stack, args, budget, mixed_reserve)
-        if args.streams and budget.allows("stream capacity", 60):
+        if full:
+            result["served"] = served_phase(stack, args, budget, mixed_reserve)
+        if full and args.streams and budget.allows("stream capacity", 60):
             progress(f"phase 2b: {args.streams} SSE streams open at once")
             result["streams"] = streams_phase(stack.url, args.streams, progress=progress)
-        if args.prefix_requests and args.backend == "transformers" and budget.allows(
+        if full and args.prefix_requests and args.backend == "transformers" and budget.allows(
                 "prefix caching", 60):
             c = 8 if args.quick else 16
             progress(f"phase 2c: prefix caching, {args.prefix_requests} chat requests at "
                      f"concurrency {c}, without and with reuse")
             result["prefix"] = prefix_phase(stack, c, args.prefix_requests, 8 if args.quick else 16,
                                             progress=progress)
-        if args.backend == "transformers" and budget.allows("stop strings", 60):
+        if full and args.backend == "transformers" and budget.allows("stop strings", 60):
             c, n = (8, 16) if args.quick else (16, 32)
             progress(f"phase 2d: stop strings, {n} requests at concurrency {c}, plain then "
                      "with 16 stop strings of 256 characters that hold all their text back")
@@ -412,20 +429,21 @@ def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None
             200 if args.quick else 1000)
         if batch_lines and budget.allows("batch API", 60):
             progress(f"phase 2e: a batch of {batch_lines} lines, interactive TTFT meanwhile")
-            result["batch"] = batch_phase(stack.url, batch_lines, progress=progress)
-        if not args.skip_structured and budget.allows("structured output", 60):
+            result["batch"] = batch_phase(stack.url, batch_lines, progress=progress,
+                                          timing=stack.worker_timing)
+        if full and not args.skip_structured and budget.allows("structured output", 60):
             c = max(args.levels)
             progress(f"phase 2f: structured output at concurrency {c}, without and with a JSON "
                      "response format on half the requests")
             result["structured"] = structured_phase(
                 stack.url, c, requests_for(c, args), lambda p: payload(p, args.tokens),
                 2 * args.level_time_limit, progress=progress)
-        if args.lengths and args.backend == "transformers" and budget.allows(
+        if full and args.lengths and args.backend == "transformers" and budget.allows(
                 "mixed lengths", 120 * (len(args.lengths) + 2)):
             progress(f"phase 2g: mixed lengths, 32 short requests alone and beside one long "
                      f"prompt of {args.lengths} tokens")
             result["lengths"] = _lengths(stack, args, progress)
-        if not args.skip_mixed:
+        if full and not args.skip_mixed:
             progress("phase 3/3: mixed workload, continuous vs static batching")
             mixed = mixed_phase(stack, args, result["served"], budget)
             if mixed:
@@ -454,7 +472,7 @@ def main(argv=None) -> int:
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))},
     }}
     progress(f"llmq bench{' (quick)' if args.quick else ''}, backend {args.backend}: "
-             + ("peers table only" if args.only == "peers" else
+             + (f"{args.only} only" if args.only else
                 f"levels {args.levels}, {args.tokens} tokens/request, raw batches "
                 f"{[] if args.skip_raw else args.raw}, {0 if args.skip_mixed else args.mixed_requests} "
                 f"mixed requests, budget {args.budget:.0f} s")
@@ -470,17 +488,29 @@ def main(argv=None) -> int:
             progress("phase 0: quality guard, greedy tokens of bfloat16 against float32")
             result["quality"] = quality_phase(progress=progress)
         batches = args.peers_concurrency if args.run_peers else []
-        batches = batches + (args.levels if args.only != "peers" else [])
-        progress("phase 0: this machine's fp32 and bf16 matmul rates at the model's decode shapes")
-        result["efficiency"] = measure_efficiency(model_dir, batches, progress)
+        batches = batches + (args.levels if args.only is None else [])
+        if batches:
+            progress("phase 0: this machine's fp32 and bf16 matmul rates at the model's decode "
+                     "shapes")
+            result["efficiency"] = measure_efficiency(model_dir, batches, progress)
         if args.run_peers:
             progress(f"phase 0: peers table at concurrency {args.peers_concurrency} "
                      f"(logs in {workdir})")
             result["peers"] = _peers(args, workdir, model_dir, args.dtype, result["efficiency"])
-        if args.only not in ("peers", "quality"):
-            # The budget covers the llmq phases; the peers table has its own per-level limits.
+        if args.only in (None, "batch"):
+            # The budget covers the llmq phases; the peers table and the baseline comparison
+            # have their own per-level limits.
             budget = Budget(args.budget, start=time.monotonic())
             error = llmq_phases(args, result, budget, workdir)
+        if args.baseline and args.only in (None, "baseline"):
+            progress(f"phase 4: against the baseline {args.baseline} at concurrency "
+                     f"{args.baseline_levels}, {args.baseline_rounds} rounds")
+            result["baseline"] = baseline_phase(
+                args.baseline, levels=args.baseline_levels, tokens=args.tokens,
+                requests_for=lambda c: requests_for(c, args), rounds=args.baseline_rounds,
+                level_time_limit=args.level_time_limit, default_dtype=dtype,
+                backend=args.backend, device=args.device, max_num_seqs=args.max_num_seqs,
+                workdir=workdir, progress=progress)
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - write what we have
         error = f"{type(exc).__name__}: {exc}"
         progress(f"ERROR: {error}")
@@ -492,11 +522,15 @@ def main(argv=None) -> int:
     if error:
         result["error"] = error
     result["ratios"] = report.compute_ratios(result.get("raw"), result["served"], result.get("mixed"))
-    result["targets"] = [] if args.only == "peers" else report.targets(
+    result["targets"] = [] if args.only else report.targets(
         result["served"], result["ratios"], result.get("mixed"), result.get("prefix"),
         result.get("raw"), result.get("stop_strings"), result.get("lengths"))
     if result.get("peers"):
         result["targets"] += report.peer_targets(result["peers"], args.backend)
+    if result.get("batch"):
+        result["targets"] += report.batch_targets(result["batch"])
+    if result.get("baseline"):
+        result["targets"] += report.baseline_targets(result["baseline"])
     json_path = out_dir / f"{stamp}.json"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     png_path = out_dir / f"{stamp}.png" if result["served"] or result.get("raw") else None
@@ -510,7 +544,9 @@ def main(argv=None) -> int:
     print(report.format_table(result))
     print("\n".join(structured_lines(result.get("structured"))))
     progress(f"results: {json_path}" + (f" and {png_path}" if png_path else ""))
-    return 1 if error else 0
+    # --only baseline: a baseline that did not run is this run's failure (the row says why).
+    failed = args.only == "baseline" and (result.get("baseline") or {}).get("error")
+    return 1 if error or failed else 0
 
 
 if __name__ == "__main__":

@@ -111,6 +111,12 @@ def _watchdog(url: str, inflight: Inflight, hard_deadline: float | None, finishe
     return t
 
 
+def payload(prompt: str, n: int) -> dict:
+    """A /v1/generate request for exactly n tokens, greedy (the uniform served levels')."""
+    return {"prompt": prompt, "stream": True, "max_tokens": n, "min_tokens": n,
+            "ignore_eos": True, "temperature": 0}
+
+
 def stream_generate(session: requests.Session, url: str, payload: dict,
                     start: float | None = None, inflight: Inflight | None = None) -> RequestResult:
     """Sends one streaming request and reads its SSE to the end."""

@@ -56,7 +56,8 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
     }
 
 
-def _ratio(a, b):
+def ratio(a, b):
+    """a / b to three places; None when either is missing (or b is 0)."""
     return round(a / b, 3) if a is not None and b else None
 
 
@@ -101,12 +102,12 @@ def compute_ratios(raw: dict | None, served: list[dict], mixed: dict | None) -> 
         c = level["concurrency"]
         r = raw_by_batch.get(c)
         same = r is not None and r["new_tokens"] == level["max_tokens"]
-        per_level[str(c)] = _ratio(level["tokens_per_s"], r["tokens_per_s"]) if same else None
+        per_level[str(c)] = ratio(level["tokens_per_s"], r["tokens_per_s"]) if same else None
     out = {"served_over_raw": per_level}
     if mixed and "continuous" in mixed and "static" in mixed:
-        out["continuous_over_static_throughput"] = _ratio(_tps_all(mixed["continuous"]),
+        out["continuous_over_static_throughput"] = ratio(_tps_all(mixed["continuous"]),
                                                           _tps_all(mixed["static"]))
-        out["continuous_over_static_p99_latency"] = _ratio(_p99_all(mixed["continuous"]),
+        out["continuous_over_static_p99_latency"] = ratio(_p99_all(mixed["continuous"]),
                                                            _p99_all(mixed["static"]))
     return out
 
@@ -169,6 +170,96 @@ def targets(served: list[dict], ratios: dict, mixed: dict | None,
     return out
 
 
+# --- the baseline comparison (bench/baseline.py) and the batch phase (bench/batch.py) -----------
+# The float32 tok/s ratio against the previous main each issue asks for, per level.
+BASELINE_BARS = {1: ((0.97, "issue 13"),), 64: ((0.97, "issue 13"), (0.95, "issue 22"))}
+
+
+def baseline_targets(baseline: dict) -> list[dict]:
+    """One row per bar: llmq at the judged dtype over the baseline's tok/s, its TTFT p50 beside;
+    a baseline that did not run gives rows that say why."""
+    name = baseline.get("short") or baseline["ref"]
+    rows = {r["concurrency"]: r for r in baseline.get("comparison", []) if r["judged"]}
+    out = []
+    for c, bars in BASELINE_BARS.items():
+        row = rows.get(c)
+        if row and row["ttft_p50_s"] is not None and row["baseline_ttft_p50_s"] is not None:
+            note = (f"TTFT p50 {row['ttft_p50_s'] * 1000:.0f} ms vs "
+                    f"{row['baseline_ttft_p50_s'] * 1000:.0f} ms")
+        else:
+            note = f"baseline error: {baseline['error']}" if baseline.get("error") else None
+        for bar, issue in bars:
+            v = row["ratio"] if row else None
+            out.append({"name": f"vs baseline {name} c={c}: {baseline['judged_dtype']} tok/s "
+                                f"ratio >= {bar} ({issue})",
+                        "value": v, "met": None if v is None else v >= bar, "note": note})
+    return out
+
+
+def batch_targets(batch: dict) -> list[dict]:
+    v = batch.get("ttft_ratio")
+    return [{"name": "batch: interactive TTFT p50 during the batch <= 2 x idle (issue 16)",
+             "value": v, "met": None if v is None else v <= 2.0,
+             "note": f"{batch['lines']} lines at {batch['lines_per_s']} lines/s, {batch['status']}"}]
+
+
+def format_baseline(baseline: dict | None) -> list[str]:
+    if not baseline:
+        return []
+    name = baseline.get("short") or baseline["ref"]
+    lines = [f"Baseline: llmq against {name} ({baseline['ref']}), each on its own stack from "
+             f"its own tree; same venv, redis-server, model and prompts, "
+             f"{baseline['max_tokens']} tokens per request, closed loop, "
+             f"{baseline['rounds']} rounds in turn, medians; times in ms"
+             + (f"; load avg {baseline['load_avg_start'][0]:.1f} -> "
+                f"{baseline['load_avg_end'][0]:.1f}" if baseline.get("load_avg_end") else "")]
+    if baseline.get("overlaid") or baseline.get("not_overlaid"):
+        lines.append(f"  the baseline's own pins on its stack's path: "
+                     f"{' '.join(baseline.get('overlaid') or []) or 'none'}; differing, left as "
+                     f"this venv has them: {' '.join(baseline.get('not_overlaid') or []) or 'none'}")
+    by = {(r["system"], r["concurrency"]): r for r in baseline.get("comparison", [])}
+    if any(s["levels"] for s in baseline["systems"]):
+        lines.append(f"  {'conc':>4} {'system':<26} {'tok/s':>7} {'rounds':>15} {'TTFT50':>7}"
+                     f" {'ITL50':>6} {'fail':>4} {'x base':>6} {'TTFT x':>6}")
+    for c in baseline["levels"]:
+        for s in baseline["systems"]:
+            lv = next((x for x in s["levels"] if x["concurrency"] == c), None)
+            if lv is None:
+                continue
+            row = by.get((s["name"], c), {})
+            rounds = "/".join(_f(v, "{:.1f}") for v in lv["rounds_tokens_per_s"])
+            lines.append(f"  {c:>4} {s['name']:<26} {_f(lv['tokens_per_s']):>7} {rounds:>15}"
+                         f" {_ms(lv['ttft_p50_s']):>7} {_ms(lv['itl_p50_s']):>6}"
+                         f" {lv['failures']:>4} {_f(row.get('ratio'), '{:.3f}'):>6}"
+                         f" {_f(row.get('ttft_ratio'), '{:.2f}'):>6}"
+                         f"{'  (cut by time limit)' if lv['truncated'] else ''}")
+    for s in baseline["systems"]:
+        if s.get("error"):
+            lines.append(f"  {s['name']}: error: {s['error']}")
+        if s.get("model_restarts"):
+            lines.append(f"  WARNING: {s['name']}'s model process crashed and restarted "
+                         f"{s['model_restarts']} times (see its worker log): its figures are not "
+                         "its speed")
+    if baseline.get("error") and not any(s.get("error") for s in baseline["systems"]):
+        lines.append(f"  error: {baseline['error']}")
+    lines.append("")
+    return lines
+
+
+def format_batch(batch: dict | None) -> list[str]:
+    if not batch:
+        return []
+    return [f"Batch API: {batch['lines']} lines x {batch['tokens_per_line']} tokens, "
+            f"{batch['status']} ({batch['completed']} completed, {batch['failed']} failed) in "
+            f"{batch['seconds']} s: {batch['lines_per_s']} lines/s",
+            f"  interactive TTFT p50: idle {_ms(batch['ttft_idle_p50'])} ms "
+            f"({batch['probes_idle']} probes), during the batch {_ms(batch['ttft_during_p50'])} ms "
+            f"({batch['probes_during']} probes): x{_f(batch.get('ttft_ratio'), '{:.2f}')} "
+            f"(target <= 2); engine step {_f(batch.get('ms_per_step'), '{:.0f}')} ms on average "
+            f"during the batch, the difference {_f(batch.get('excess_in_steps'), '{:.2f}')} steps",
+            ""]
+
+
 # --- peers (bench/peers.py) ---------------------------------------------------------------------
 # llmq's backends against the peer that runs the same engine, and the issue's bar for each:
 # (peer, minimum tok/s ratio, the levels it holds at, TTFT p50 at most this x the peer's).
@@ -186,7 +277,7 @@ def best_peer_ratios(systems: list[dict]) -> dict[int, dict]:
                 best[lv["concurrency"]] = {"name": sys_["name"], "tokens_per_s": tps}
     for sys_ in systems:
         for lv in sys_.get("levels", []):
-            lv["over_best_peer"] = _ratio(lv.get("tokens_per_s_all"),
+            lv["over_best_peer"] = ratio(lv.get("tokens_per_s_all"),
                                           best.get(lv["concurrency"], {}).get("tokens_per_s"))
     return best
 
@@ -216,11 +307,11 @@ def peer_targets(peers: dict, backend: str) -> list[dict]:
             continue
         for c in at or peers["levels"]:
             ours, theirs = _level(systems, name, c), _level(systems, peer, c)
-            v = _ratio(ours and ours.get("tokens_per_s_all"), theirs and theirs.get("tokens_per_s_all"))
+            v = ratio(ours and ours.get("tokens_per_s_all"), theirs and theirs.get("tokens_per_s_all"))
             out.append({"name": f"peers: {name} >= {bar} x {peer} @{c}", "value": v,
                         "met": None if v is None else v >= bar})
             if ttft_bar:
-                v = _ratio(ours and ours.get("ttft_p50_s"), theirs and theirs.get("ttft_p50_s"))
+                v = ratio(ours and ours.get("ttft_p50_s"), theirs and theirs.get("ttft_p50_s"))
                 out.append({"name": f"peers: {name} TTFT p50 <= {ttft_bar} x {peer} @{c}",
                             "value": v, "met": None if v is None else v <= ttft_bar})
     return out
@@ -354,6 +445,8 @@ def format_table(result: dict) -> str:
                          f" {_f(r.get('short_p50_over_alone'), '{:.2f}'):>8}"
                          f" {r['rss_before_mb']:>13.0f} {r['rss_peak_mb']:>8.0f} {r['kv_mb']:>6.0f}")
         lines.append("")
+    lines.extend(format_batch(result.get("batch")))
+    lines.extend(format_baseline(result.get("baseline")))
     skipped = result.get("meta", {}).get("skipped")
     if skipped:
         lines.append(f"Skipped to stay within the time budget: {', '.join(skipped)}")
@@ -368,7 +461,7 @@ def format_table(result: dict) -> str:
         raw_first = t.get("raw_first_token_s")
         lines.append(f"  [{mark}] {t['name']}: {_f(v, '{:.3f}', 'not measured')}"
                      + (f" (raw generate, first tokens of 64 prompts at once: {raw_first:.3f} s)"
-                        if raw_first else ""))
+                        if raw_first else "") + (f" ({t['note']})" if t.get("note") else ""))
     return "\n".join(lines)
 
 

@@ -46,14 +46,14 @@ def _tail(path: Path, n: int = 3000) -> str:
 class Proc:
     """A child process in its own session (so its whole group can be signalled)."""
 
-    def __init__(self, name: str, argv: list[str], env: dict, log_path: Path):
-        self.name, self.argv, self.env, self.log_path = name, argv, env, log_path
+    def __init__(self, name: str, argv: list[str], env: dict, log_path: Path, cwd: Path = ROOT):
+        self.name, self.argv, self.env, self.log_path, self.cwd = name, argv, env, log_path, cwd
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Proc":
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=log,
+            self.proc = subprocess.Popen(self.argv, cwd=self.cwd, env=self.env, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         finally:
@@ -94,12 +94,17 @@ class Proc:
 
 
 class Stack:
-    """redis-server + one worker + the API. `restart_worker(...)` swaps the worker's settings."""
+    """redis-server + one worker + the API. `restart_worker(...)` swaps the worker's settings.
+    `root`: the source tree whose worker and API run (another commit's, for the baseline
+    comparison), with this venv and this redis-server."""
 
     def __init__(self, workdir: Path, *, max_num_seqs: int = 64, device: str = "cpu",
                  backend: str = "transformers",
                  dtype: str = "float32", api_workers: int = 2, api_threads: int = 256,
-                 api_app: str = "app.wsgi:application", log=print):
+                 api_app: str = "app.wsgi:application", log=print, root: Path = ROOT,
+                 extra_paths: tuple[Path, ...] = ()):
+        self.root = Path(root)
+        self.extra_paths = [str(p) for p in extra_paths]   # ahead of the venv (an overlay)
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.redis_port = free_port()
@@ -132,6 +137,11 @@ class Stack:
                    LLMQ_MAX_NUM_SEQS=str(self.max_num_seqs), LLMQ_DEVICE=self.device,
                    LLMQ_DTYPE=self.dtype, LLMQ_BACKEND=self.backend, LLMQ_HOST=HOST, LLMQ_PORT=str(self.api_port),
                    PYTHONUNBUFFERED="1")
+        # The tree's own packages first (the venv's editable install points at one tree), and
+        # not this checkout's when another tree runs.
+        rest = [p for p in (env.get("PYTHONPATH") or "").split(os.pathsep)
+                if p and Path(p).resolve() not in (self.root.resolve(), ROOT)]
+        env["PYTHONPATH"] = os.pathsep.join([str(self.root), *self.extra_paths, *rest])
         env.pop("LLMQ_API_KEYS", None)   # the benchmark sends no key
         return env
 
@@ -158,12 +168,17 @@ class Stack:
         wait_until(ping, 15, "redis-server to answer")
         client.close()
         self.api = Proc("api", [sys.executable, "-m", "gunicorn", "--bind", f"{HOST}:{self.api_port}",
-                                "--worker-class", "app.http_worker.ThreadWorker", "--workers", str(self.api_workers),
+                                "--worker-class", self.http_worker_class(), "--workers", str(self.api_workers),
                                 "--threads", str(self.api_threads), "--timeout", "0",
                                 "--graceful-timeout", "5", self.api_app],
-                        self.base_env(), self.workdir / "api.log").start()
+                        self.base_env(), self.workdir / "api.log", self.root).start()
         self.start_worker(batch_policy, timeout_s)
         return self
+
+    def http_worker_class(self) -> str:
+        """The tree's own gunicorn worker; trees older than app/http_worker.py served gthread."""
+        return ("app.http_worker.ThreadWorker" if (self.root / "app" / "http_worker.py").exists()
+                else "gthread")
 
     def start_worker(self, batch_policy: str, timeout_s: float = 300.0) -> None:
         self._worker_count += 1
@@ -177,7 +192,8 @@ class Stack:
                             "--task-events", "--hostname", self.worker_name,
                             "--loglevel", env.get("LLMQ_LOG_LEVEL", "INFO"),
                             "--without-mingle", "--without-gossip"],
-                           env, self.workdir / f"worker{self._worker_count}-{batch_policy}.log").start()
+                           env, self.workdir / f"worker{self._worker_count}-{batch_policy}.log",
+                           self.root).start()
         t = time.monotonic()
         self.wait_ready(timeout_s)
         self.worker_start_s = time.monotonic() - t   # what a restart costs, for time budgets

@@ -37,8 +37,9 @@ COUNTERS = {
     "prompt_tokens_total": "Prompt tokens processed.",
     "generation_tokens_total": "Tokens generated.",
     "prompt_tokens_cached_total": "Prompt tokens whose keys and values came from the prefix cache.",
-    "num_preemptions_total": "Times a running sequence was sent back to wait for KV cache blocks "
-                             "(counted when the sequence finishes).",
+    "num_preemptions_total": "Times a running sequence was sent back to wait (for KV cache "
+                             "blocks, a fair share or a better priority; counted when the "
+                             "sequence finishes).",
 }
 SUCCESS_COUNTER = "request_success_total"
 

@@ -149,12 +149,14 @@ class EngineCore:
                          f"the engine did not hand back within {HANDBACK_TIMEOUT_S:.0f} s")
 
     # --- the door Celery tasks use -------------------------------------------------------------
-    def run_sequence(self, seq_id: str, timeout_s: float | None = None) -> dict:
-        """Runs one sequence to its end (called from a Celery task thread)."""
+    def run_sequence(self, seq_id: str, timeout_s: float | None = None,
+                     priority: int | None = None) -> dict:
+        """Runs one sequence to its end (called from a Celery task thread). priority: its
+        message's Celery priority, which the scheduler honours too (0 first)."""
         self._stall("received")
         for attempt in range(600):
             try:
-                seq = self.admit(seq_id)
+                seq = self.admit(seq_id, priority)
                 break
             except RedisError as exc:   # Redis restarting: the message is not acked yet
                 log.warning("redis unavailable admitting: %s", exc, extra={"seq_id": seq_id})
@@ -169,11 +171,11 @@ class EngineCore:
         return {"seq_id": seq_id, "finish_reason": seq.finish_reason and seq.finish_reason.value,
                 "completion_tokens": seq.num_output_tokens}
 
-    def admit(self, seq_id: str) -> Sequence | None:
+    def admit(self, seq_id: str, priority: int | None = None) -> Sequence | None:
         """Hands the sequence to the input processor (in the caller's thread) and queues it,
         unless this engine should not take it now."""
         if self._draining.is_set():
-            self.requeue(seq_id)   # shutting down: another worker takes it
+            self.requeue(seq_id, priority)   # shutting down: another worker takes it
             return None
         if not self.liveness.advancing():
             # The engine is stuck mid-step and its heartbeat has gone quiet, so other workers
@@ -182,7 +184,7 @@ class EngineCore:
             # the only worker).
             log.warning("engine stuck: handing a sequence back", extra={"seq_id": seq_id})
             self._stop.wait(1.0)
-            self.requeue(seq_id)
+            self.requeue(seq_id, priority)
             return None
         owner = self.store.owner_of(seq_id)
         if not self._reserve(owner):
@@ -202,6 +204,7 @@ class EngineCore:
                 if seq is not None:
                     self.output.track(seq)
         if seq is not None:
+            seq.priority = priority or 0
             self.inbox.put(seq)
         return seq
 

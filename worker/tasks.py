@@ -13,7 +13,9 @@ def generate(self, seq_id: str) -> dict:
     engine = self.app.llmq_engine
     if engine is None:
         raise RuntimeError("this worker's engine is not running")
-    result = engine.run_sequence(seq_id)
+    # The message's priority (batch lines: LLMQ_BATCH_PRIORITY) orders the engine's queue too.
+    result = engine.run_sequence(seq_id,
+                                 priority=(self.request.delivery_info or {}).get("priority"))
     if result.get("stranded"):
         # Released at shutdown without a hand-back (Redis away): the message is not
         # acknowledged, so kombu redelivers it, or a peer's reaper takes the record back.

@@ -80,7 +80,7 @@ class SchedulerStats:
     num_joined_running_batch: int = 0    # prefilled while other sequences were decoding
     max_running: int = 0
     num_preemptions: int = 0             # running sequences sent back to wait for KV blocks
-    num_preempted: int = 0               # running sequences that gave their slot to a fair share
+    num_preempted: int = 0               # running sequences that gave their slot to a fair share or a better priority
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,11 @@ class WorkloadManager:
     the model process has said how big it is, the KV cache's blocks: a newcomer joins only if
     its blocks fit beside the running batch's, and when the running batch outgrows the cache
     the newest sequences are preempted (vLLM's recompute preemption: back to the front of the
-    queue, keeping their output; their next prefill covers prompt and output). FIFO within a
-    key; across keys (sequence owners) the key holding the fewest slots goes first, and while
+    queue, keeping their output; their next prefill covers prompt and output). The best
+    priority waiting goes first (0 before 9: interactive requests before batch lines), takes the
+    newest slot of a worse priority when the batch is full (vLLM's priority scheduling), and is
+    prefilled without worse-priority newcomers beside it. Within a priority, FIFO within a key;
+    across keys (sequence owners) the key holding the fewest slots goes first, and while
     another key waits, none holds more than `key_share` of the batch (docs/security.md)."""
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
@@ -147,6 +150,7 @@ class WorkloadManager:
     def schedule(self) -> SchedulerOutput:
         self._preempt()
         if self.policy.may_admit(len(self.running)):
+            self._preempt_for_priority()
             self._preempt_for_fair_share()
         out = SchedulerOutput(decode=list(self.running), chunks=self._next_chunks())
         budget = (self.max_num_batched_tokens - len(out.decode) + len(out.chunks)
@@ -158,6 +162,10 @@ class WorkloadManager:
         if self.policy.may_admit(len(self.running)):
             while self.waiting and len(self.running) + len(out.prefill) < self.max_num_seqs:
                 seq = self._next_waiting(out.prefill)
+                # A newcomer of a worse priority waits for the next step: the better one's
+                # first token (sent after this step's prefill pass) is not held up by it.
+                if out.prefill and seq.priority > out.prefill[0].priority:
+                    break
                 # The first newcomer of a step is admitted whatever its size (alone among the
                 # prefills, beside the running batch's decodes): a prompt bigger than what the
                 # budget leaves can neither starve nor make the running batch drain first.
@@ -253,15 +261,33 @@ class WorkloadManager:
 
     # --- fair share across keys ------------------------------------------------------------------
     def _next_waiting(self, joining: list[Sequence]) -> Sequence:
-        """The next newcomer: the oldest waiting sequence of the key that holds the fewest
-        slots (the oldest of all when one key waits, the usual case)."""
+        """The next newcomer, of the best priority waiting: the oldest waiting sequence of the
+        key that holds the fewest slots (the oldest of all when one key waits, the usual
+        case)."""
+        best = min(s.priority for s in self.waiting)
         firsts: dict[str, Sequence] = {}
         for seq in self.waiting:
-            firsts.setdefault(seq.owner, seq)
+            if seq.priority == best:
+                firsts.setdefault(seq.owner, seq)
         if len(firsts) == 1:
-            return self.waiting[0]
+            return next(iter(firsts.values()))
         held = Counter(s.owner for s in self.running + joining)
         return min(firsts.values(), key=lambda s: held[s.owner])   # ties: the oldest
+
+    def _preempt_for_priority(self) -> None:
+        """A full batch makes room for what waits at a better priority than it runs: the newest
+        running sequence of the worst priority gives up its slot, waits (keeping its tokens)
+        and is prefilled again later, one per better-priority sequence waiting. So batch lines
+        never hold every slot against interactive requests."""
+        if not self.waiting or len(self.running) < self.max_num_seqs:
+            return
+        waiting = sorted(s.priority for s in self.waiting)
+        for want in waiting:
+            worst = max((s.priority for s in self.running), default=want)
+            if want >= worst:
+                return
+            # First of its priority when its turn comes (the better ones still go first).
+            self._give_up_slot(next(s for s in reversed(self.running) if s.priority == worst))
 
     def _preempt_for_fair_share(self) -> None:
         """A full batch makes room for waiting keys below their share: the key furthest above
@@ -277,13 +303,19 @@ class WorkloadManager:
                 victim_owner, num_held = max(held.items(), key=lambda kv: kv[1])
                 if num_held <= self.key_cap:
                     return
-                victim = next(s for s in reversed(self.running) if s.owner == victim_owner)
-                self.running.remove(victim)
-                self._freed.append(victim.seq_id)   # the model process drops its cache
-                self._prompt_left.pop(victim.seq_id, None)
-                victim.state = SequenceState.WAITING
-                victim.num_preemptions += 1         # llmq_num_preemptions_total counts it too
-                self.waiting.appendleft(victim)     # first of its key when its turn comes
+                # First of its key when its turn comes.
+                self._give_up_slot(next(s for s in reversed(self.running)
+                                        if s.owner == victim_owner))
                 held[victim_owner] -= 1
                 held[owner] += 1
-                self.stats.num_preempted += 1
+
+    def _give_up_slot(self, victim: Sequence) -> None:
+        """A running sequence waits again at the front of the queue, keeping its tokens; the
+        model process drops its cache, and its next prefill covers prompt and output."""
+        self.running.remove(victim)
+        self._freed.append(victim.seq_id)
+        self._prompt_left.pop(victim.seq_id, None)
+        victim.state = SequenceState.WAITING
+        victim.num_preemptions += 1         # llmq_num_preemptions_total counts it too
+        self.waiting.appendleft(victim)
+        self.stats.num_preempted += 1

@@ -48,3 +48,20 @@ def test_a_sequences_message_is_held_until_its_task_returns(worker_app):
 def test_other_tasks_messages_are_not_held(worker_app, name):
     app, _ = worker_app
     assert receive_and_run(app, name, "not-a-sequence") == set()
+
+
+def test_the_generate_task_hands_its_messages_priority_to_the_engine():
+    """Issue 16: the engine orders its queue by the message's Celery priority (batch lines are
+    sent at LLMQ_BATCH_PRIORITY), so the task passes it on."""
+    from worker import tasks  # noqa: F401 - registers the task
+    from worker.celery_app import celery
+
+    seen = []
+    celery.llmq_engine = SimpleNamespace(
+        run_sequence=lambda seq_id, priority=None: seen.append((seq_id, priority)) or {})
+    try:
+        celery.tasks[GENERATE_TASK].apply(args=["line"], priority=9)
+        celery.tasks[GENERATE_TASK].apply(args=["chat"])
+    finally:
+        celery.llmq_engine = None
+    assert seen == [("line", 9), ("chat", None)]

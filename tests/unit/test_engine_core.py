@@ -247,3 +247,19 @@ def test_task_threads_checking_at_once_do_not_take_a_keys_share_twice(store, mon
     assert sorted(requeued) == sorted(f"b{i}" for i in range(1, 6)
                                       if f"b{i}" not in engine.output.admitted)
     assert engine._reserved == []
+
+
+def test_a_messages_priority_orders_the_engines_queue(store):
+    """Issue 16: batch lines (Celery priority 9) queued before an interactive request (0) do
+    not go ahead of it in the engine, and a batch they fill gives it a slot."""
+    engine = make_engine(store, max_num_seqs=1)
+    for seq_id in ("line-1", "line-2", "chat"):
+        submit(store, seq_id, max_tokens=50)
+    lines = [engine.admit("line-1", priority=9), engine.admit("line-2", priority=9)]
+    engine.step()
+    assert [s.seq_id for s in engine.scheduler.running] == ["line-1"]
+    chat = engine.admit("chat", priority=0)
+    assert chat.priority == 0 and lines[0].priority == 9
+    engine.step()
+    assert engine.scheduler.running == [chat] and chat.num_output_tokens == 1
+    assert lines[0].num_preemptions == 1 and not lines[0].done.is_set()

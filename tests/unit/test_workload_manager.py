@@ -462,11 +462,17 @@ def test_running_never_exceeds_max_num_seqs(max_num_seqs):
 
 
 # --- fair share across keys (docs/security.md) -----------------------------------------------
-def keyed(owner: str, n: int, n_prompt: int = 4) -> list:
+def made(n: int, n_prompt: int = 4, **attrs) -> list:
+    """n sequences with these attributes set (owner, priority)."""
     seqs = [make_seq(n_prompt) for _ in range(n)]
     for s in seqs:
-        s.owner = owner
+        for k, v in attrs.items():
+            setattr(s, k, v)
     return seqs
+
+
+def keyed(owner: str, n: int, n_prompt: int = 4) -> list:
+    return made(n, n_prompt, owner=owner)
 
 
 def test_one_key_alone_gets_the_whole_batch():
@@ -659,3 +665,54 @@ def test_preemptions_reach_the_metrics_when_the_sequence_finishes():
                                 queue_s=None, ttft_s=None, tpot_s=None, e2e_s=None)
     pipe.execute()
     assert metrics.read_snapshot(r)["counters"]["num_preemptions_total"] == new.num_preemptions
+
+
+# --- priorities (interactive requests before batch lines) ------------------------------------
+def prioritized(priority: int, n: int) -> list:
+    return made(n, priority=priority)
+
+
+def test_the_best_priority_waiting_joins_first_whatever_came_before_it():
+    wm = make_manager(max_num_seqs=3)
+    lines = prioritized(9, 4)
+    for s in lines:
+        wm.add(s)
+    [interactive] = prioritized(0, 1)
+    wm.add(interactive)
+    out, _ = step(wm)
+    # Alone in its step's prefill: the lines behind it wait for the next step.
+    assert ids(out.prefill) == [interactive.seq_id]
+    out, _ = step(wm)
+    assert ids(out.prefill) == ids(lines[:2])
+
+
+def test_batch_lines_that_hold_every_slot_give_the_newest_one_to_an_interactive_request():
+    wm = make_manager(max_num_seqs=4)
+    lines = prioritized(9, 6)
+    for s in lines:
+        wm.add(s)
+    for _ in range(4):
+        step(wm)
+    assert ids(wm.running) == ids(lines[:4])
+    [interactive] = prioritized(0, 1)
+    wm.add(interactive)
+    out, _ = step(wm)
+    assert ids(out.prefill) == [interactive.seq_id]   # the very next step
+    assert lines[3].seq_id in out.freed_seq_ids and ids(out.decode) == ids(lines[:3])
+    assert lines[3].state is SequenceState.WAITING and lines[3].num_output_tokens == 4
+    assert lines[3].num_preemptions == 1 and wm.stats.num_preempted == 1
+    # The preempted line comes back before the lines that never ran, once a slot is free.
+    wm.abort(lines[0], FinishReason.CANCELLED)
+    out, _ = step(wm)
+    assert ids(out.prefill) == [lines[3].seq_id] and wm.stats.num_preempted == 1
+
+
+def test_equal_priorities_never_preempt_each_other():
+    wm = make_manager(max_num_seqs=2)
+    first, later = prioritized(3, 2), prioritized(3, 1)
+    for s in first + later:
+        wm.add(s)
+    step(wm)
+    out, _ = step(wm)
+    assert out.prefill == [] and out.freed_seq_ids == [] and wm.stats.num_preempted == 0
+    assert ids(wm.waiting) == ids(later)
