@@ -77,7 +77,8 @@ class ModelWorker:
     def step(self, req: StepRequest, early: Callable[[StepResult], None] | None = None
              ) -> StepResult:
         """Frees, lets the newcomers join, runs one prefill pass (the next chunk of every
-        prompt still being computed), then decodes the running batch. When both run, the
+        prompt still being computed: `req.chunks` tokens of it, else `prefill_chunk`), then
+        decodes the running batch. When both run, the
         first tokens of this step's newcomers go out through `early` before the decode starts,
         so their time to first token does not include the batch's decode. A sequence whose
         prompt is longer than `prefill_chunk` gets its first token at the step that computes
@@ -95,8 +96,11 @@ class ModelWorker:
         t0 = time.perf_counter()
         for seq in req.prefill:
             self._join(seq, res)
-        if self.prefilling:
-            self._prefill(list(self.prefilling.values()), res)
+        chunks = {sid: min(req.chunks.get(sid, self.prefill_chunk),
+                           len(seq.token_ids) - self.cache.lengths[sid])
+                  for sid, seq in self.prefilling.items()}
+        if any(chunks.values()):
+            self._prefill([s for s in self.prefilling.values() if chunks[s.seq_id]], res, chunks)
         t1 = time.perf_counter()
         res.prefill_s = t1 - t0
         if early is not None and decode_ids:
@@ -124,28 +128,28 @@ class ModelWorker:
         if blocks:
             res.cached_tokens[seq.seq_id] = len(blocks) * self.cache.block_size
 
-    def _prefill(self, seqs: list[NewSequence], res: StepResult) -> None:
-        """One pass over the next chunk of each prompt; a failing pass is retried one
-        sequence at a time, so a poison sequence fails alone."""
+    def _prefill(self, seqs: list[NewSequence], res: StepResult, chunks: dict[str, int]) -> None:
+        """One pass over the next chunk of each prompt (`chunks`: its tokens); a failing pass
+        is retried one sequence at a time, so a poison sequence fails alone."""
         try:
-            self._prefill_pass(seqs, res)
+            self._prefill_pass(seqs, res, chunks)
         except Exception as exc:  # noqa: BLE001 - isolate the poison sequence, keep the rest
             if len(seqs) > 1:
                 for seq in seqs:
-                    self._prefill([seq], res)
+                    self._prefill([seq], res, chunks)
                 return
             sid = seqs[0].seq_id
             res.errors[sid] = f"{type(exc).__name__}: {exc}"
             log.warning("prefill failed: %s", exc, extra={"seq_id": sid})
             self._drop(sid)
 
-    def _prefill_pass(self, seqs: list[NewSequence], res: StepResult) -> None:
+    def _prefill_pass(self, seqs: list[NewSequence], res: StepResult,
+                      sizes: dict[str, int]) -> None:
         by_id = {s.seq_id: s for s in seqs}
         # A prompt scored with prompt logprobs is computed in one chunk (its logits at every
         # position come from one pass).
-        left = {s.seq_id: len(s.token_ids) - self.cache.lengths[s.seq_id] for s in seqs}
-        chunks = [(s.seq_id, left[s.seq_id] if s.params.prompt_logprobs is not None
-                   else min(self.prefill_chunk, left[s.seq_id])) for s in seqs]
+        chunks = [(s.seq_id, len(s.token_ids) - self.cache.lengths[s.seq_id]
+                   if s.params.prompt_logprobs is not None else sizes[s.seq_id]) for s in seqs]
         done = {sid for sid, n in chunks if self.cache.lengths[sid] + n == len(by_id[sid].token_ids)}
         states = {sid: SamplingState.create(by_id[sid].params, by_id[sid].token_ids,
                                             by_id[sid].num_output_tokens,

@@ -53,6 +53,8 @@ class SchedulerOutput:
     # Running sequences whose prompt the model process is still computing, chunk by chunk:
     # the tokens of this step's chunk (they are in `decode`, and get no token until the last).
     chunks: dict[str, int] = field(default_factory=dict)
+    # Newcomers whose prompt is longer than this step's chunk of it: that chunk's tokens.
+    first_chunks: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -60,13 +62,19 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return (sum(s.num_tokens for s in self.prefill) + len(self.decode) - len(self.chunks)
-                + sum(self.chunks.values()))
+        return (sum(self.first_chunks.get(s.seq_id, s.num_tokens) for s in self.prefill)
+                + len(self.decode) - len(self.chunks) + sum(self.chunks.values()))
+
+    @property
+    def prompt_chunks(self) -> dict[str, int]:
+        """Prompt tokens the model process computes this step, of each sequence whose prompt
+        spans steps (newcomers and running ones alike)."""
+        return {**self.first_chunks, **self.chunks}
 
     def split(self) -> tuple["SchedulerOutput", "SchedulerOutput"]:
         """The newcomers' part and the running batch's part, for a step whose result comes in
         two pieces (first tokens ahead of the decode)."""
-        return (SchedulerOutput(prefill=self.prefill),
+        return (SchedulerOutput(prefill=self.prefill, first_chunks=self.first_chunks),
                 SchedulerOutput(decode=self.decode, freed_seq_ids=self.freed_seq_ids,
                                 chunks=self.chunks))
 
@@ -105,13 +113,19 @@ class WorkloadManager:
     the newest sequences are preempted (vLLM's recompute preemption: back to the front of the
     queue, keeping their output; their next prefill covers prompt and output). FIFO within a
     key; across keys (sequence owners) the key holding the fewest slots goes first, and while
-    another key waits, none holds more than `key_share` of the batch (docs/security.md)."""
+    another key waits, none holds more than `key_share` of the batch (docs/security.md).
+
+    Long prompts (vLLM's long_prefill_token_threshold): while the step carries other
+    sequences' tokens (decodes, or short newcomers), a prompt with more than
+    `long_prefill_tokens` tokens left gets that many per step, so each decode step grows by a
+    bounded amount instead of a whole budget's chunk; alone, it gets the whole budget."""
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  policy: BatchPolicy | None = None, kv_budget: KVBudget | None = None,
-                 key_share: float = 1.0):
+                 key_share: float = 1.0, long_prefill_tokens: int = 0):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_tokens = long_prefill_tokens   # 0: no cap
         self.policy = policy or ContinuousBatching()
         self.kv_budget = kv_budget
         # A key's fair share of the batch, in slots (all of them for key_share 1).
@@ -121,10 +135,10 @@ class WorkloadManager:
         self.stats = SchedulerStats()
         self._freed: list[str] = []   # left the batch since the last step: the model frees them
         # Prompt tokens (prompt + output after a preemption) the model process has yet to
-        # compute, of running sequences whose prefill spans steps. The model process computes
-        # min(max_num_batched_tokens, left) of each per step (ModelWorker's prefill_chunk); the
-        # scheduler mirrors that to count them in the budget (cached prefixes make it an upper
-        # bound, and a sequence that gets its first token early is dropped from it).
+        # compute, of running sequences whose prefill spans steps. Each step's chunk of each is
+        # decided here and sent with the step (StepRequest.chunks); the model process computes
+        # at most that (cached prefixes make this count an upper bound, and a sequence that
+        # gets its first token early is dropped from it).
         self._prompt_left: dict[str, int] = {}
 
     @property
@@ -148,7 +162,8 @@ class WorkloadManager:
         self._preempt()
         if self.policy.may_admit(len(self.running)):
             self._preempt_for_fair_share()
-        out = SchedulerOutput(decode=list(self.running), chunks=self._next_chunks())
+        limit = self._chunk_limit()
+        out = SchedulerOutput(decode=list(self.running), chunks=self._next_chunks(limit))
         budget = (self.max_num_batched_tokens - len(out.decode) + len(out.chunks)
                   - sum(out.chunks.values()))
         kv = self.kv_budget
@@ -158,10 +173,11 @@ class WorkloadManager:
         if self.policy.may_admit(len(self.running)):
             while self.waiting and len(self.running) + len(out.prefill) < self.max_num_seqs:
                 seq = self._next_waiting(out.prefill)
+                chunk = min(seq.num_tokens, limit)
                 # The first newcomer of a step is admitted whatever its size (alone among the
                 # prefills, beside the running batch's decodes): a prompt bigger than what the
                 # budget leaves can neither starve nor make the running batch drain first.
-                if seq.num_tokens > budget and out.prefill:
+                if chunk > budget and out.prefill:
                     break
                 if kv and used + kv.blocks(seq) > kv.num_blocks:
                     # One that can never fit goes alone into an empty batch: the model process
@@ -170,9 +186,10 @@ class WorkloadManager:
                         break
                 self.waiting.remove(seq)
                 out.prefill.append(seq)
-                budget -= seq.num_tokens
-                if seq.num_tokens > self.max_num_batched_tokens:
-                    self._prompt_left[seq.seq_id] = seq.num_tokens - self.max_num_batched_tokens
+                budget -= chunk
+                if seq.num_tokens > chunk:
+                    self._prompt_left[seq.seq_id] = seq.num_tokens - chunk
+                    out.first_chunks[seq.seq_id] = chunk
                 used += kv.blocks(seq) if kv else 0
         out.freed_seq_ids, self._freed = self._freed, []
         self.stats.num_steps += 1
@@ -181,11 +198,26 @@ class WorkloadManager:
             self.stats.num_joined_running_batch += len(out.prefill)
         return out
 
-    def _next_chunks(self) -> dict[str, int]:
-        """This step's chunk of each running sequence still being prefilled; moves them on."""
+    def _chunk_limit(self) -> int:
+        """The most prompt tokens of one sequence this step: the whole budget, or the long
+        prefill cap while decodes run or a short prompt waits to join (it would share the
+        step). A wave of short prompts is never capped: none of them is long."""
+        cap = self.long_prefill_tokens
+        if not cap or cap >= self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        if any(s.seq_id not in self._prompt_left for s in self.running):
+            return cap
+        if (len(self.running) < self.max_num_seqs and self.policy.may_admit(len(self.running))
+                and any(s.num_tokens <= cap for s in self.waiting)):
+            return cap
+        return self.max_num_batched_tokens
+
+    def _next_chunks(self, limit: int) -> dict[str, int]:
+        """This step's chunk of each running sequence still being prefilled (at most `limit`
+        tokens each); moves them on."""
         chunks = {}
         for sid, left in list(self._prompt_left.items()):
-            chunks[sid] = min(left, self.max_num_batched_tokens)
+            chunks[sid] = min(left, limit)
             if left > chunks[sid]:
                 self._prompt_left[sid] = left - chunks[sid]
             else:

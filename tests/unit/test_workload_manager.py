@@ -163,6 +163,69 @@ def test_a_chunked_prompt_leaves_the_count_when_it_is_aborted_or_gets_its_token_
     assert wm.schedule().chunks == {}
 
 
+def test_a_long_prompt_gets_the_capped_chunk_per_step_while_the_batch_decodes():
+    wm = make_manager(max_num_batched_tokens=16, long_prefill_tokens=4)
+    running = [make_seq(2, max_tokens=100) for _ in range(2)]
+    for s in running:
+        wm.add(s)
+    step(wm)
+    big = make_seq(14)
+    wm.add(big)
+    out = wm.schedule()
+    assert ids(out.prefill) == [big.seq_id] and out.first_chunks == {big.seq_id: 4}
+    assert out.prompt_chunks == {big.seq_id: 4} and out.num_batched_tokens == 2 + 4
+    sizes = []
+    while not big.output_token_ids:
+        wm.update(out, model_tokens(wm, out))
+        out = wm.schedule()
+        sizes.append(out.prompt_chunks.get(big.seq_id))
+        assert out.num_batched_tokens <= 2 + 4       # every step grows by the cap at most
+    assert sizes == [4, 4, 2, None]                  # 14 = 4 + 4 + 4 + 2, then it decodes
+
+
+def test_a_long_prompt_alone_gets_the_whole_budget_and_the_cap_lifts_when_decodes_end():
+    wm = make_manager(max_num_batched_tokens=16, long_prefill_tokens=4)
+    big = make_seq(40)
+    wm.add(big)
+    out = wm.schedule()
+    assert out.first_chunks == {big.seq_id: 16}      # nothing else in the step: no cap
+    wm.update(out, model_tokens(wm, out))
+    short = make_seq(2, max_tokens=2)
+    wm.add(short)                                    # a short one waits: the chunk is capped
+    out = wm.schedule()
+    assert ids(out.prefill) == [short.seq_id] and out.chunks == {big.seq_id: 4}
+    wm.update(out, model_tokens(wm, out))
+    out = wm.schedule()                              # short decodes: still capped
+    assert out.chunks == {big.seq_id: 4}
+    wm.update(out, model_tokens(wm, out))
+    assert short.is_finished
+    out = wm.schedule()                              # alone again: the rest in one chunk
+    assert out.chunks == {big.seq_id: 40 - 16 - 4 - 4}
+
+
+def test_short_newcomers_join_beside_a_long_newcomer_whose_chunk_is_capped():
+    wm = make_manager(max_num_batched_tokens=16, long_prefill_tokens=4)
+    big, a, b = make_seq(40), make_seq(3), make_seq(3)
+    for s in (big, a, b):
+        wm.add(s)
+    out = wm.schedule()
+    assert ids(out.prefill) == ids([big, a, b]) and out.first_chunks == {big.seq_id: 4}
+    assert out.num_batched_tokens == 4 + 3 + 3
+
+
+def test_a_wave_of_short_prompts_is_not_capped():
+    wm = make_manager(max_num_batched_tokens=64, long_prefill_tokens=8)
+    running = make_seq(2, max_tokens=100)
+    wm.add(running)
+    step(wm)
+    wave = [make_seq(8) for _ in range(6)]           # at the cap: not long
+    for s in wave:
+        wm.add(s)
+    out = wm.schedule()
+    assert ids(out.prefill) == ids(wave) and out.prompt_chunks == {}
+    assert out.num_batched_tokens == 1 + 6 * 8
+
+
 def test_fifo_is_kept_even_when_a_later_prompt_would_fit():
     wm = make_manager(max_num_batched_tokens=10)
     a, big, small = make_seq(6), make_seq(8), make_seq(1)
