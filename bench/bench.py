@@ -11,6 +11,7 @@ Phases, all on the default model, greedy, with the output length forced:
   2d. stops   the same requests plain, then with worst-case stop strings: engine step time
   2g. lengths 32 short requests alone, then beside one 3,000-token prompt (and one of 8,000):
               the short ones' latency p50 ratio, the model process's RSS against its KV bytes
+              (--only lengths runs it alone)
   3. mixed    prompts 10-400 tokens, outputs 8-256, Poisson arrivals near saturation:
               continuous batching, then the worker restarted with LLMQ_BATCH_POLICY=static
 Writes <out>/<timestamp>.json and .png and prints a summary table with the targets.
@@ -123,9 +124,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-app", default="app.wsgi:application",
                    help="the WSGI app gunicorn serves (module:variable, importable from the repo)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="LLMQ_MAX_NUM_SEQS of the worker")
-    p.add_argument("--only", choices=["peers", "quality"],
+    p.add_argument("--only", choices=["peers", "quality", "lengths"],
                    help="run only this phase (peers: the peers table, ~10 min; quality: the "
-                        "bfloat16 quality guard, ~2 min)")
+                        "bfloat16 quality guard, ~2 min; lengths: the mixed-lengths phase on "
+                        "its own stack, ~5 min)")
     p.add_argument("--skip-peers", action="store_true",
                    help="skip the peers table (quick runs skip it unless --only peers)")
     p.add_argument("--peers", default=",".join(PEER_NAMES),
@@ -340,7 +342,8 @@ def _lengths(stack: Stack, args, progress) -> dict:
 
     model_dir = _model_manager().resolve()
     return lengths_phase(stack, AutoTokenizer.from_pretrained(model_dir), model_dir,
-                         tokens=args.tokens, long_lengths=args.lengths, progress=progress)
+                         tokens=args.tokens, long_lengths=args.lengths, progress=progress,
+                         dtype=stack.dtype)
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -372,7 +375,9 @@ def _peers(args, workdir: Path, model_dir: str, dtype: str, eff: dict) -> dict:
 
 def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None:
     """Raw, served and the phases after it on llmq's own stack; returns the error, if any."""
-    if not args.skip_raw and args.backend == "transformers":
+    if args.only == "lengths":
+        pass
+    elif not args.skip_raw and args.backend == "transformers":
         progress("phase 1/3: raw model.generate (in-process, before the stack starts)")
         result["raw"] = run_raw(args.raw, args.tokens, device=args.device, dtype=args.dtype,
                                 progress=progress, time_limit_s=args.raw_time_limit)
@@ -390,6 +395,9 @@ def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None
         t = time.monotonic()
         stack.start("continuous")
         progress(f"stack ready in {time.monotonic() - t:.1f} s")
+        if args.only == "lengths":
+            result["lengths"] = _lengths(stack, args, progress)
+            return None
         mixed_reserve = 0.0 if args.skip_mixed else max(0.0, min(budget.left() * 0.4,
                                                                  30.0 + 2 * args.mixed_time_limit))
         result["served"] = served_phase(stack, args, budget, mixed_reserve)
@@ -471,8 +479,10 @@ def main(argv=None) -> int:
             result["quality"] = quality_phase(progress=progress)
         batches = args.peers_concurrency if args.run_peers else []
         batches = batches + (args.levels if args.only != "peers" else [])
-        progress("phase 0: this machine's fp32 and bf16 matmul rates at the model's decode shapes")
-        result["efficiency"] = measure_efficiency(model_dir, batches, progress)
+        if args.only != "lengths":
+            progress("phase 0: this machine's fp32 and bf16 matmul rates at the model's "
+                     "decode shapes")
+            result["efficiency"] = measure_efficiency(model_dir, batches, progress)
         if args.run_peers:
             progress(f"phase 0: peers table at concurrency {args.peers_concurrency} "
                      f"(logs in {workdir})")
@@ -492,7 +502,8 @@ def main(argv=None) -> int:
     if error:
         result["error"] = error
     result["ratios"] = report.compute_ratios(result.get("raw"), result["served"], result.get("mixed"))
-    result["targets"] = [] if args.only == "peers" else report.targets(
+    result["targets"] = [] if args.only == "peers" else report.lengths_targets(
+        result.get("lengths")) if args.only == "lengths" else report.targets(
         result["served"], result["ratios"], result.get("mixed"), result.get("prefix"),
         result.get("raw"), result.get("stop_strings"), result.get("lengths"))
     if result.get("peers"):

@@ -78,7 +78,9 @@ class EngineCore:
         self.scheduler = scheduler or WorkloadManager(
             settings.max_num_seqs, settings.max_num_batched_tokens,
             POLICIES[settings.batch_policy](), key_share=settings.key_batch_share,
-            long_prefill_tokens=settings.long_prefill_tokens)
+            long_prefill_tokens=settings.long_prefill_tokens,
+            long_prefill_chunk=settings.long_prefill_chunk,
+            attention_context=settings.prefill_attention_context)
         self.requeue = requeue or (lambda seq_id, priority=None: None)
         self._stop = threading.Event()
         self.inputs = InputProcessor(name, settings, store, executor, tokenizer)

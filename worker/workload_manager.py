@@ -5,6 +5,7 @@ step's work and reports the sampled tokens back through `update()`.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -116,16 +117,25 @@ class WorkloadManager:
     another key waits, none holds more than `key_share` of the batch (docs/security.md).
 
     Long prompts (vLLM's long_prefill_token_threshold): while the step carries other
-    sequences' tokens (decodes, or short newcomers), a prompt with more than
-    `long_prefill_tokens` tokens left gets that many per step, so each decode step grows by a
-    bounded amount instead of a whole budget's chunk; alone, it gets the whole budget."""
+    sequences' tokens (decodes, or short newcomers), a prompt longer than
+    `long_prefill_tokens` gets `long_prefill_chunk` tokens per step (by default as many), so
+    each decode step grows by a bounded amount instead of a whole budget's chunk; alone, it
+    gets the whole budget. Shorter prompts always go whole. With
+    `attention_context`, a chunk's tokens are weighted by the context they attend over, so
+    the cap holds a chunk's cost, not its length, as the prompt gets deeper."""
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  policy: BatchPolicy | None = None, kv_budget: KVBudget | None = None,
-                 key_share: float = 1.0, long_prefill_tokens: int = 0):
+                 key_share: float = 1.0, long_prefill_tokens: int = 0,
+                 long_prefill_chunk: int = 0, attention_context: int = 0):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.long_prefill_tokens = long_prefill_tokens   # 0: no cap
+        self.long_prefill_tokens = long_prefill_tokens   # longer prompts are long; 0: no cap
+        self.long_prefill_chunk = long_prefill_chunk or long_prefill_tokens
+        # A prompt token's attention reads its whole context: at this many tokens of context
+        # it costs as much again as the rest of the model, so a chunk deep into a long prompt
+        # counts 1 + context / attention_context per token against its limit (0: 1 each).
+        self.attention_context = attention_context
         self.policy = policy or ContinuousBatching()
         self.kv_budget = kv_budget
         # A key's fair share of the batch, in slots (all of them for key_share 1).
@@ -173,7 +183,7 @@ class WorkloadManager:
         if self.policy.may_admit(len(self.running)):
             while self.waiting and len(self.running) + len(out.prefill) < self.max_num_seqs:
                 seq = self._next_waiting(out.prefill)
-                chunk = min(seq.num_tokens, limit)
+                chunk = self._chunk(seq.num_tokens, 0, limit)
                 # The first newcomer of a step is admitted whatever its size (alone among the
                 # prefills, beside the running batch's decodes): a prompt bigger than what the
                 # budget leaves can neither starve nor make the running batch drain first.
@@ -202,22 +212,36 @@ class WorkloadManager:
         """The most prompt tokens of one sequence this step: the whole budget, or the long
         prefill cap while decodes run or a short prompt waits to join (it would share the
         step). A wave of short prompts is never capped: none of them is long."""
-        cap = self.long_prefill_tokens
-        if not cap or cap >= self.max_num_batched_tokens:
+        cap = min(self.long_prefill_chunk, self.max_num_batched_tokens)
+        if not self.long_prefill_tokens:
             return self.max_num_batched_tokens
         if any(s.seq_id not in self._prompt_left for s in self.running):
             return cap
         if (len(self.running) < self.max_num_seqs and self.policy.may_admit(len(self.running))
-                and any(s.num_tokens <= cap for s in self.waiting)):
+                and any(s.num_tokens <= self.long_prefill_tokens for s in self.waiting)):
             return cap
         return self.max_num_batched_tokens
+
+    def _chunk(self, left: int, done: int, limit: int) -> int:
+        """The most of `left` prompt tokens, after `done` computed ones, whose cost fits
+        `limit`: n tokens cost n * (1 + (done + n / 2) / attention_context), at least 1."""
+        k = self.attention_context
+        if not done and left <= self.long_prefill_tokens:
+            return min(left, self.max_num_batched_tokens)   # a short prompt is not capped
+        if not k or left <= 1:
+            return max(1, min(left, limit))
+        # n^2 / (2k) + n (1 + done / k) <= limit, solved for n.
+        b = 1 + done / k
+        n = int(k * (math.sqrt(b * b + 2 * limit / k) - b))
+        return max(1, min(left, limit, n))
 
     def _next_chunks(self, limit: int) -> dict[str, int]:
         """This step's chunk of each running sequence still being prefilled (at most `limit`
         tokens each); moves them on."""
         chunks = {}
+        by_id = {s.seq_id: s for s in self.running}
         for sid, left in list(self._prompt_left.items()):
-            chunks[sid] = min(left, limit)
+            chunks[sid] = self._chunk(left, by_id[sid].num_tokens - left, limit)
             if left > chunks[sid]:
                 self._prompt_left[sid] = left - chunks[sid]
             else:
