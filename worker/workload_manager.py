@@ -239,9 +239,9 @@ class WorkloadManager:
         """This step's chunk of each running sequence still being prefilled (at most `limit`
         tokens each); moves them on."""
         chunks = {}
-        by_id = {s.seq_id: s for s in self.running}
+        total = {s.seq_id: s.num_tokens for s in self.running}
         for sid, left in list(self._prompt_left.items()):
-            chunks[sid] = self._chunk(left, by_id[sid].num_tokens - left, limit)
+            chunks[sid] = self._chunk(left, total.get(sid, left) - left, limit)
             if left > chunks[sid]:
                 self._prompt_left[sid] = left - chunks[sid]
             else:
