@@ -463,6 +463,8 @@ def main(argv=None) -> int:
     }}
     progress(f"llmq bench{' (quick)' if args.quick else ''}, backend {args.backend}: "
              + ("peers table only" if args.only == "peers" else
+                f"mixed-lengths phase only, long prompts {args.lengths}, {args.tokens} "
+                f"tokens/request" if args.only == "lengths" else
                 f"levels {args.levels}, {args.tokens} tokens/request, raw batches "
                 f"{[] if args.skip_raw else args.raw}, {0 if args.skip_mixed else args.mixed_requests} "
                 f"mixed requests, budget {args.budget:.0f} s")

@@ -270,6 +270,23 @@ def test_the_worker_computes_the_chunk_the_step_names(sharp_model):
         assert seq.output_token_ids == solo[sid].tokens, sid
 
 
+def test_a_running_prompts_chunk_rides_in_the_decodes_forward_pass(sharp_model):
+    model, info = sharp_model
+    run, long = make_prompts(2, lengths=[5, 40], vocab=info.vocab_size)
+    worker = ModelWorker(model, info, 4, prefill_chunk=16)
+    worker.step(StepRequest(prefill=[new_seq("run", run)]))
+    worker.step(StepRequest(prefill=[new_seq("long", long)], decode_seq_ids=["run"]))
+    passes = []
+    forward = worker.model.forward
+    worker.model.forward = lambda *a, **kw: passes.append(kw["input_ids"].shape[1]) or forward(*a, **kw)
+    try:
+        res = worker.step(StepRequest(decode_seq_ids=["run", "long"], chunks={"long": 8}))
+    finally:
+        del worker.model.forward
+    assert passes == [1 + 8] and set(res.token_ids) == {"run"}   # one pass: a decode + 8
+    assert worker.cache.lengths["long"] == 16 + 8
+
+
 def test_newcomers_beyond_the_free_rows_fail_alone(sharp_model):
     model, info = sharp_model
     worker = ModelWorker(model, info, max_num_seqs=3)
