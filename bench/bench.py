@@ -13,6 +13,7 @@ Phases, all on the default model, greedy, with the output length forced:
               interactive TTFT p50 while it runs against an idle queue (--only batch)
   2g. lengths 32 short requests alone, then beside one 3,000-token prompt (and one of 8,000):
               the short ones' latency p50 ratio, the model process's RSS against its KV bytes
+              (--only lengths runs it alone)
   3. mixed    prompts 10-400 tokens, outputs 8-256, Poisson arrivals near saturation:
               continuous batching, then the worker restarted with LLMQ_BATCH_POLICY=static
   4. baseline with --baseline REF: REF's own stack (from a temporary copy of its tree) against
@@ -129,10 +130,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-app", default="app.wsgi:application",
                    help="the WSGI app gunicorn serves (module:variable, importable from the repo)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="LLMQ_MAX_NUM_SEQS of the worker")
-    p.add_argument("--only", choices=["peers", "quality", "baseline", "batch"],
+    p.add_argument("--only", choices=["peers", "quality", "baseline", "batch", "lengths"],
                    help="run only this phase (peers: the peers table, ~10 min; quality: the "
                         "bfloat16 quality guard, ~2 min; baseline: the --baseline comparison; "
-                        "batch: the Batch API phase)")
+                        "batch: the Batch API phase; lengths: the mixed-lengths phase, ~5 min)")
     p.add_argument("--baseline", metavar="REF",
                    help="also run the uniform levels on REF's own stack (a commit, branch or "
                         "tag of this repository, e.g. bb17313) and report llmq's float32 tok/s "
@@ -354,7 +355,8 @@ def _lengths(stack: Stack, args, progress) -> dict:
 
     model_dir = _model_manager().resolve()
     return lengths_phase(stack, AutoTokenizer.from_pretrained(model_dir), model_dir,
-                         tokens=args.tokens, long_lengths=args.lengths, progress=progress)
+                         tokens=args.tokens, long_lengths=args.lengths, progress=progress,
+                         dtype=stack.dtype)
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -385,8 +387,8 @@ def _peers(args, workdir: Path, model_dir: str, dtype: str, eff: dict) -> dict:
 
 
 def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None:
-    """Raw, served and the phases after it on llmq's own stack (--only batch: the batch phase
-    alone); returns the error, if any."""
+    """Raw, served and the phases after it on llmq's own stack (--only batch or lengths: that
+    phase alone); returns the error, if any."""
     full = args.only is None
     if full and not args.skip_raw and args.backend == "transformers":
         progress("phase 1/3: raw model.generate (in-process, before the stack starts)")
@@ -406,6 +408,9 @@ def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None
         t = time.monotonic()
         stack.start("continuous")
         progress(f"stack ready in {time.monotonic() - t:.1f} s")
+        if args.only == "lengths":
+            result["lengths"] = _lengths(stack, args, progress)
+            return None
         mixed_reserve = 0.0 if args.skip_mixed else max(0.0, min(budget.left() * 0.4,
                                                                  30.0 + 2 * args.mixed_time_limit))
         if full:
@@ -472,7 +477,9 @@ def main(argv=None) -> int:
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))},
     }}
     progress(f"llmq bench{' (quick)' if args.quick else ''}, backend {args.backend}: "
-             + (f"{args.only} only" if args.only else
+             + (f"mixed-lengths phase only, long prompts {args.lengths}, {args.tokens} "
+                f"tokens/request" if args.only == "lengths" else
+                f"{args.only} only" if args.only else
                 f"levels {args.levels}, {args.tokens} tokens/request, raw batches "
                 f"{[] if args.skip_raw else args.raw}, {0 if args.skip_mixed else args.mixed_requests} "
                 f"mixed requests, budget {args.budget:.0f} s")
@@ -497,7 +504,7 @@ def main(argv=None) -> int:
             progress(f"phase 0: peers table at concurrency {args.peers_concurrency} "
                      f"(logs in {workdir})")
             result["peers"] = _peers(args, workdir, model_dir, args.dtype, result["efficiency"])
-        if args.only in (None, "batch"):
+        if args.only in (None, "batch", "lengths"):
             # The budget covers the llmq phases; the peers table and the baseline comparison
             # have their own per-level limits.
             budget = Budget(args.budget, start=time.monotonic())
@@ -522,7 +529,8 @@ def main(argv=None) -> int:
     if error:
         result["error"] = error
     result["ratios"] = report.compute_ratios(result.get("raw"), result["served"], result.get("mixed"))
-    result["targets"] = [] if args.only else report.targets(
+    result["targets"] = report.lengths_targets(result.get("lengths")) if args.only == "lengths" \
+        else [] if args.only else report.targets(
         result["served"], result["ratios"], result.get("mixed"), result.get("prefix"),
         result.get("raw"), result.get("stop_strings"), result.get("lengths"))
     if result.get("peers"):

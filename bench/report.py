@@ -157,6 +157,12 @@ def targets(served: list[dict], ratios: dict, mixed: dict | None,
         v = stop_strings.get("step_worst_over_plain")
         out.append({"name": "stop strings: engine step with worst-case stops / plain <= 1.1",
                     "value": v, "met": None if v is None else v <= 1.1})
+    return out + lengths_targets(lengths)
+
+
+def lengths_targets(lengths: dict | None) -> list[dict]:
+    """The mixed-lengths phase's targets (issue 22), one pair per long prompt size."""
+    out = []
     for run in (lengths or {}).get("runs", []):
         if not run["long_prompt_tokens"]:
             continue

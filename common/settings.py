@@ -39,6 +39,9 @@ _CHOICES = (
 # Counts and sizes that must be >= 0 (field, variable); those that must be >= 1 follow.
 _NON_NEGATIVE = (
     ("torch_threads", "LLMQ_TORCH_THREADS"), ("max_model_len", "LLMQ_MAX_MODEL_LEN"),
+    ("long_prefill_tokens", "LLMQ_LONG_PREFILL_TOKEN_THRESHOLD"),
+    ("long_prefill_chunk", "LLMQ_LONG_PREFILL_CHUNK"),
+    ("prefill_attention_context", "LLMQ_PREFILL_ATTENTION_CONTEXT"),
     ("prefix_cache_mb", "LLMQ_PREFIX_CACHE_MB"), ("kv_cache_mb", "LLMQ_KV_CACHE_MB"),
     ("max_stop", "LLMQ_MAX_STOP"), ("rate_limit_rpm", "LLMQ_RATE_LIMIT_RPM"),
     ("rate_limit_tpm", "LLMQ_RATE_LIMIT_TPM"), ("key_max_streams", "LLMQ_KEY_MAX_STREAMS"),
@@ -92,6 +95,12 @@ class Settings:
     # Engine.
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # While sequences decode, a prompt longer than long_prefill_tokens (0 = no cap) gets
+    # long_prefill_chunk tokens per step (0 = long_prefill_tokens, as vLLM).
+    long_prefill_tokens: int = 256
+    long_prefill_chunk: int = 32
+    # A prompt token at this much context counts as two in a chunk's size (0 = one each).
+    prefill_attention_context: int = 1024
     batch_policy: str = "continuous"   # continuous | static
     # Redis record keeping.
     result_ttl_s: int = 24 * 3600
@@ -208,6 +217,10 @@ class Settings:
             rate_limit_tpm=_int("LLMQ_RATE_LIMIT_TPM", d.rate_limit_tpm),
             max_num_seqs=_int("LLMQ_MAX_NUM_SEQS", d.max_num_seqs),
             max_num_batched_tokens=_int("LLMQ_MAX_NUM_BATCHED_TOKENS", d.max_num_batched_tokens),
+            long_prefill_tokens=_int("LLMQ_LONG_PREFILL_TOKEN_THRESHOLD", d.long_prefill_tokens),
+            long_prefill_chunk=_int("LLMQ_LONG_PREFILL_CHUNK", d.long_prefill_chunk),
+            prefill_attention_context=_int("LLMQ_PREFILL_ATTENTION_CONTEXT",
+                                           d.prefill_attention_context),
             batch_policy=_env("LLMQ_BATCH_POLICY", d.batch_policy),
             result_ttl_s=_int("LLMQ_RESULT_TTL", d.result_ttl_s),
             stream_maxlen=_int("LLMQ_STREAM_MAXLEN", d.stream_maxlen),

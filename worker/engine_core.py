@@ -77,7 +77,10 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.scheduler = scheduler or WorkloadManager(
             settings.max_num_seqs, settings.max_num_batched_tokens,
-            POLICIES[settings.batch_policy](), key_share=settings.key_batch_share)
+            POLICIES[settings.batch_policy](), key_share=settings.key_batch_share,
+            long_prefill_tokens=settings.long_prefill_tokens,
+            long_prefill_chunk=settings.long_prefill_chunk,
+            attention_context=settings.prefill_attention_context)
         self.requeue = requeue or (lambda seq_id, priority=None: None)
         self._stop = threading.Event()
         self.inputs = InputProcessor(name, settings, store, executor, tokenizer)
@@ -295,7 +298,7 @@ class EngineCore:
             prefill=[NewSequence(s.seq_id, s.all_token_ids, s.params, s.num_output_tokens,
                                  s.stop_token_ids) for s in out.prefill],
             decode_seq_ids=[s.seq_id for s in out.decode],
-            free_seq_ids=out.freed_seq_ids)
+            free_seq_ids=out.freed_seq_ids, chunks=out.prompt_chunks)
 
     def _recover(self, out: SchedulerOutput, exc: Exception) -> None:
         """The model process died: restart it and re-run the batch from the tokens we have."""

@@ -29,6 +29,9 @@ class StepRequest:
     prefill: list[NewSequence] = field(default_factory=list)
     decode_seq_ids: list[str] = field(default_factory=list)
     free_seq_ids: list[str] = field(default_factory=list)
+    # Prompt tokens to compute this step of each sequence whose prompt spans steps (the
+    # scheduler's chunk); a prompt not named here gets the model process's default chunk.
+    chunks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -76,12 +76,14 @@ class ModelWorker:
     @torch.inference_mode()
     def step(self, req: StepRequest, early: Callable[[StepResult], None] | None = None
              ) -> StepResult:
-        """Frees, lets the newcomers join, runs one prefill pass (the next chunk of every
-        prompt still being computed), then decodes the running batch. When both run, the
-        first tokens of this step's newcomers go out through `early` before the decode starts,
-        so their time to first token does not include the batch's decode. A sequence whose
-        prompt is longer than `prefill_chunk` gets its first token at the step that computes
-        its last chunk; the steps before answer nothing for it, while the others decode."""
+        """Frees, lets the newcomers join, runs one prefill pass over the newcomers' prompts,
+        then decodes the running batch; the next chunk of every prompt still being computed
+        (`req.chunks` tokens of it, else `prefill_chunk`) rides in the decode's pass, or in
+        the prefill pass when nothing decodes. When both passes run, the first tokens of this
+        step's newcomers go out through `early` before the decode starts, so their time to
+        first token does not include the batch's decode. A sequence whose prompt is longer
+        than its chunk gets its first token at the step that computes its last chunk; the
+        steps before answer nothing for it, while the others decode."""
         res = StepResult()
         if req.free_seq_ids:
             self.cache.remove(req.free_seq_ids)
@@ -95,14 +97,25 @@ class ModelWorker:
         t0 = time.perf_counter()
         for seq in req.prefill:
             self._join(seq, res)
-        if self.prefilling:
-            self._prefill(list(self.prefilling.values()), res)
+        chunks = {sid: min(req.chunks.get(sid, self.prefill_chunk),
+                           len(seq.token_ids) - self.cache.lengths[sid])
+                  for sid, seq in self.prefilling.items()}
+        todo = [s for s in self.prefilling.values() if chunks[s.seq_id]]
+        # A running prompt's chunk joins the decode's pass: a pass has a fixed cost about as
+        # big as a 32-row decode's, so one pass instead of two keeps the decodes' step short
+        # while a long prompt is computed beside them (measured: docs/architecture.md).
+        newcomers = {s.seq_id for s in req.prefill}
+        riding = [s for s in todo if s.seq_id not in newcomers
+                  and s.params.prompt_logprobs is None] if decode_ids else []
+        first = [s for s in todo if s not in riding]
+        if first:
+            self._prefill(first, res, chunks)
         t1 = time.perf_counter()
         res.prefill_s = t1 - t0
         if early is not None and decode_ids:
-            res = _send_ahead(res, {s.seq_id for s in req.prefill}, early)
+            res = _send_ahead(res, newcomers, early)
         if decode_ids:
-            self._decode(decode_ids, res)
+            self._decode(decode_ids, res, riding, chunks)
         res.decode_s = time.perf_counter() - t1
         return res
 
@@ -124,38 +137,41 @@ class ModelWorker:
         if blocks:
             res.cached_tokens[seq.seq_id] = len(blocks) * self.cache.block_size
 
-    def _prefill(self, seqs: list[NewSequence], res: StepResult) -> None:
-        """One pass over the next chunk of each prompt; a failing pass is retried one
-        sequence at a time, so a poison sequence fails alone."""
+    def _prefill(self, seqs: list[NewSequence], res: StepResult, chunks: dict[str, int]) -> None:
+        """One pass over the next chunk of each prompt (`chunks`: its tokens); a failing pass
+        is retried one sequence at a time, so a poison sequence fails alone."""
         try:
-            self._prefill_pass(seqs, res)
+            self._prefill_pass(seqs, res, chunks)
         except Exception as exc:  # noqa: BLE001 - isolate the poison sequence, keep the rest
             if len(seqs) > 1:
                 for seq in seqs:
-                    self._prefill([seq], res)
+                    self._prefill([seq], res, chunks)
                 return
             sid = seqs[0].seq_id
             res.errors[sid] = f"{type(exc).__name__}: {exc}"
             log.warning("prefill failed: %s", exc, extra={"seq_id": sid})
             self._drop(sid)
 
-    def _prefill_pass(self, seqs: list[NewSequence], res: StepResult) -> None:
+    def _prefill_pass(self, seqs: list[NewSequence], res: StepResult,
+                      sizes: dict[str, int], decode_ids: list[str] = ()) -> None:
+        """The prompts' chunks (and one token of each of `decode_ids`) in one forward pass."""
         by_id = {s.seq_id: s for s in seqs}
         # A prompt scored with prompt logprobs is computed in one chunk (its logits at every
         # position come from one pass).
-        left = {s.seq_id: len(s.token_ids) - self.cache.lengths[s.seq_id] for s in seqs}
-        chunks = [(s.seq_id, left[s.seq_id] if s.params.prompt_logprobs is not None
-                   else min(self.prefill_chunk, left[s.seq_id])) for s in seqs]
+        chunks = [(s.seq_id, len(s.token_ids) - self.cache.lengths[s.seq_id]
+                   if s.params.prompt_logprobs is not None else sizes[s.seq_id]) for s in seqs]
         done = {sid for sid, n in chunks if self.cache.lengths[sid] + n == len(by_id[sid].token_ids)}
         states = {sid: SamplingState.create(by_id[sid].params, by_id[sid].token_ids,
                                             by_id[sid].num_output_tokens,
                                             by_id[sid].stop_token_ids, self.device)
                   for sid in done}
         # A failed pass leaves the blocks it got in the tables: a retry reuses them.
-        plan = self.cache.plan(chunks)
+        plan = self.cache.plan(chunks + [(sid, 1) for sid in decode_ids])
         scoring = {sid for sid in done if by_id[sid].params.prompt_logprobs is not None}
         logits, order, full = self._forward(
-            plan, lambda r: by_id[r.seq_id].token_ids[r.num_past:r.length], done, scoring)
+            plan, lambda r: (by_id[r.seq_id].token_ids[r.num_past:r.length] if r.seq_id in by_id
+                             else [self.states[r.seq_id].last_token_id]),
+            done | set(decode_ids), scoring)
         self.cache.commit(plan)
         for sid, row_logits in full.items():
             seq = by_id[sid]
@@ -163,24 +179,34 @@ class ModelWorker:
                                                        seq.params.prompt_logprobs)
         if not order:
             return
-        finished = [by_id[sid] for sid in order]
+        finished = [by_id[sid] for sid in order if sid in by_id]
         self.states.update(states)
         for seq in finished:
             self.prefilling.pop(seq.seq_id)
             self.cache.register_prompt(seq.seq_id, seq.token_ids, seq.params.cache_salt)
         try:
-            self._sample(order, [states[sid] for sid in order], logits, res)
+            self._sample(order, [self.states[sid] for sid in order], logits, res)
         except Exception as exc:  # noqa: BLE001 - e.g. a stop token id outside the vocabulary
             log.warning("sampling a prefill group failed, retried one by one: %s", exc)
             for i, sid in enumerate(order):
                 try:
-                    self._sample([sid], [states[sid]], logits[i:i + 1], res)
+                    self._sample([sid], [self.states[sid]], logits[i:i + 1], res)
                 except Exception as one:  # noqa: BLE001 - this sequence alone fails
                     res.errors[sid] = f"{type(one).__name__}: {one}"
                     res.token_ids.pop(sid, None)
                     self._drop(sid)
 
-    def _decode(self, seq_ids: list[str], res: StepResult) -> None:
+    def _decode(self, seq_ids: list[str], res: StepResult, riding: list[NewSequence] = (),
+                chunks: dict[str, int] | None = None) -> None:
+        """One token of each decoding sequence, with the chunks of the prompts `riding` in the
+        same pass; if that pass fails, the chunks run alone (a poison prompt fails alone)
+        and the decode after them."""
+        if riding:
+            try:
+                return self._prefill_pass(riding, res, chunks, seq_ids)
+            except Exception as exc:  # noqa: BLE001 - retried apart, so the batch goes on
+                log.warning("a decode with prompt chunks failed, retried apart: %s", exc)
+                self._prefill(riding, res, chunks)
         plan = self.cache.plan([(s, 1) for s in seq_ids])
         logits, order, _ = self._forward(plan, lambda r: [self.states[r.seq_id].last_token_id],
                                          set(seq_ids))

@@ -54,16 +54,19 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     for start, r in plan.prefill_rows:
         k, v = _read(plan.cache, kpool, vpool, r.slots, r.first_slot)
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]   # [1, kv heads, length, dim]
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         qr = q[None, :, start:start + r.num_new]
+        # enable_gqa, not repeat_interleave: copying a long row's keys `rep` times per layer
+        # made a 4-token chunk at 3,000 tokens of context cost ~15x its attention (measured:
+        # docs/architecture.md, "Long prompts beside a decoding batch").
         if r.num_past == 0:
-            o = F.scaled_dot_product_attention(qr, k, v, is_causal=True, scale=scaling)
+            o = F.scaled_dot_product_attention(qr, k, v, is_causal=True, scale=scaling,
+                                               enable_gqa=rep > 1)
         else:   # query i (at position num_past + i) sees keys 0..num_past + i
             cols = torch.arange(r.length, device=q.device)
             rows = torch.arange(r.num_new, device=q.device) + r.num_past
             mask = cols[None, :] <= rows[:, None]
-            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scaling)
+            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scaling,
+                                               enable_gqa=rep > 1)
         out[start:start + r.num_new] = o[0].transpose(0, 1)
     return out[None], None
 

@@ -5,6 +5,7 @@ step's work and reports the sampled tokens back through `update()`.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -53,6 +54,8 @@ class SchedulerOutput:
     # Running sequences whose prompt the model process is still computing, chunk by chunk:
     # the tokens of this step's chunk (they are in `decode`, and get no token until the last).
     chunks: dict[str, int] = field(default_factory=dict)
+    # Newcomers whose prompt is longer than this step's chunk of it: that chunk's tokens.
+    first_chunks: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -60,13 +63,19 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return (sum(s.num_tokens for s in self.prefill) + len(self.decode) - len(self.chunks)
-                + sum(self.chunks.values()))
+        return (sum(self.first_chunks.get(s.seq_id, s.num_tokens) for s in self.prefill)
+                + len(self.decode) - len(self.chunks) + sum(self.chunks.values()))
+
+    @property
+    def prompt_chunks(self) -> dict[str, int]:
+        """Prompt tokens the model process computes this step, of each sequence whose prompt
+        spans steps (newcomers and running ones alike)."""
+        return {**self.first_chunks, **self.chunks}
 
     def split(self) -> tuple["SchedulerOutput", "SchedulerOutput"]:
         """The newcomers' part and the running batch's part, for a step whose result comes in
         two pieces (first tokens ahead of the decode)."""
-        return (SchedulerOutput(prefill=self.prefill),
+        return (SchedulerOutput(prefill=self.prefill, first_chunks=self.first_chunks),
                 SchedulerOutput(decode=self.decode, freed_seq_ids=self.freed_seq_ids,
                                 chunks=self.chunks))
 
@@ -108,13 +117,28 @@ class WorkloadManager:
     newest slot of a worse priority when the batch is full (vLLM's priority scheduling), and is
     prefilled without worse-priority newcomers beside it. Within a priority, FIFO within a key;
     across keys (sequence owners) the key holding the fewest slots goes first, and while
-    another key waits, none holds more than `key_share` of the batch (docs/security.md)."""
+    another key waits, none holds more than `key_share` of the batch (docs/security.md).
+
+    Long prompts (vLLM's long_prefill_token_threshold): while the step carries other
+    sequences' tokens (decodes, or short newcomers), a prompt longer than
+    `long_prefill_tokens` gets `long_prefill_chunk` tokens per step (by default as many), so
+    each decode step grows by a bounded amount instead of a whole budget's chunk; alone, it
+    gets the whole budget. Shorter prompts always go whole. With
+    `attention_context`, a chunk's tokens are weighted by the context they attend over, so
+    the cap holds a chunk's cost, not its length, as the prompt gets deeper."""
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  policy: BatchPolicy | None = None, kv_budget: KVBudget | None = None,
-                 key_share: float = 1.0):
+                 key_share: float = 1.0, long_prefill_tokens: int = 0,
+                 long_prefill_chunk: int = 0, attention_context: int = 0):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_tokens = long_prefill_tokens   # longer prompts are long; 0: no cap
+        self.long_prefill_chunk = long_prefill_chunk or long_prefill_tokens
+        # A prompt token's attention reads its whole context: at this many tokens of context
+        # it costs as much again as the rest of the model, so a chunk deep into a long prompt
+        # counts 1 + context / attention_context per token against its limit (0: 1 each).
+        self.attention_context = attention_context
         self.policy = policy or ContinuousBatching()
         self.kv_budget = kv_budget
         # A key's fair share of the batch, in slots (all of them for key_share 1).
@@ -124,10 +148,10 @@ class WorkloadManager:
         self.stats = SchedulerStats()
         self._freed: list[str] = []   # left the batch since the last step: the model frees them
         # Prompt tokens (prompt + output after a preemption) the model process has yet to
-        # compute, of running sequences whose prefill spans steps. The model process computes
-        # min(max_num_batched_tokens, left) of each per step (ModelWorker's prefill_chunk); the
-        # scheduler mirrors that to count them in the budget (cached prefixes make it an upper
-        # bound, and a sequence that gets its first token early is dropped from it).
+        # compute, of running sequences whose prefill spans steps. Each step's chunk of each is
+        # decided here and sent with the step (StepRequest.chunks); the model process computes
+        # at most that (cached prefixes make this count an upper bound, and a sequence that
+        # gets its first token early is dropped from it).
         self._prompt_left: dict[str, int] = {}
 
     @property
@@ -152,7 +176,8 @@ class WorkloadManager:
         if self.policy.may_admit(len(self.running)):
             self._preempt_for_priority()
             self._preempt_for_fair_share()
-        out = SchedulerOutput(decode=list(self.running), chunks=self._next_chunks())
+        limit = self._chunk_limit()
+        out = SchedulerOutput(decode=list(self.running), chunks=self._next_chunks(limit))
         budget = (self.max_num_batched_tokens - len(out.decode) + len(out.chunks)
                   - sum(out.chunks.values()))
         kv = self.kv_budget
@@ -166,10 +191,11 @@ class WorkloadManager:
                 # first token (sent after this step's prefill pass) is not held up by it.
                 if out.prefill and seq.priority > out.prefill[0].priority:
                     break
+                chunk = self._chunk(seq.num_tokens, 0, limit)
                 # The first newcomer of a step is admitted whatever its size (alone among the
                 # prefills, beside the running batch's decodes): a prompt bigger than what the
                 # budget leaves can neither starve nor make the running batch drain first.
-                if seq.num_tokens > budget and out.prefill:
+                if chunk > budget and out.prefill:
                     break
                 if kv and used + kv.blocks(seq) > kv.num_blocks:
                     # One that can never fit goes alone into an empty batch: the model process
@@ -178,9 +204,10 @@ class WorkloadManager:
                         break
                 self.waiting.remove(seq)
                 out.prefill.append(seq)
-                budget -= seq.num_tokens
-                if seq.num_tokens > self.max_num_batched_tokens:
-                    self._prompt_left[seq.seq_id] = seq.num_tokens - self.max_num_batched_tokens
+                budget -= chunk
+                if seq.num_tokens > chunk:
+                    self._prompt_left[seq.seq_id] = seq.num_tokens - chunk
+                    out.first_chunks[seq.seq_id] = chunk
                 used += kv.blocks(seq) if kv else 0
         out.freed_seq_ids, self._freed = self._freed, []
         self.stats.num_steps += 1
@@ -189,11 +216,40 @@ class WorkloadManager:
             self.stats.num_joined_running_batch += len(out.prefill)
         return out
 
-    def _next_chunks(self) -> dict[str, int]:
-        """This step's chunk of each running sequence still being prefilled; moves them on."""
+    def _chunk_limit(self) -> int:
+        """The most prompt tokens of one sequence this step: the whole budget, or the long
+        prefill cap while decodes run or a short prompt waits to join (it would share the
+        step). A wave of short prompts is never capped: none of them is long."""
+        cap = min(self.long_prefill_chunk, self.max_num_batched_tokens)
+        if not self.long_prefill_tokens:
+            return self.max_num_batched_tokens
+        if any(s.seq_id not in self._prompt_left for s in self.running):
+            return cap
+        if (len(self.running) < self.max_num_seqs and self.policy.may_admit(len(self.running))
+                and any(s.num_tokens <= self.long_prefill_tokens for s in self.waiting)):
+            return cap
+        return self.max_num_batched_tokens
+
+    def _chunk(self, left: int, done: int, limit: int) -> int:
+        """The most of `left` prompt tokens, after `done` computed ones, whose cost fits
+        `limit`: n tokens cost n * (1 + (done + n / 2) / attention_context), at least 1."""
+        k = self.attention_context
+        if not done and left <= self.long_prefill_tokens:
+            return min(left, self.max_num_batched_tokens)   # a short prompt is not capped
+        if not k or left <= 1:
+            return max(1, min(left, limit))
+        # n^2 / (2k) + n (1 + done / k) <= limit, solved for n.
+        b = 1 + done / k
+        n = int(k * (math.sqrt(b * b + 2 * limit / k) - b))
+        return max(1, min(left, limit, n))
+
+    def _next_chunks(self, limit: int) -> dict[str, int]:
+        """This step's chunk of each running sequence still being prefilled (at most `limit`
+        tokens each); moves them on."""
         chunks = {}
+        total = {s.seq_id: s.num_tokens for s in self.running}
         for sid, left in list(self._prompt_left.items()):
-            chunks[sid] = min(left, self.max_num_batched_tokens)
+            chunks[sid] = self._chunk(left, total.get(sid, left) - left, limit)
             if left > chunks[sid]:
                 self._prompt_left[sid] = left - chunks[sid]
             else:

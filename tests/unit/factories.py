@@ -28,11 +28,16 @@ def make_seq(n_prompt: int = 4, *, seq_id: str | None = None, max_tokens: int = 
                     params=params, eos_token_ids=tuple(eos))
 
 
-def make_manager(max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, policy=None):
+def make_manager(max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, policy=None,
+                 long_prefill_tokens: int = 0, long_prefill_chunk: int = 0,
+                 attention_context: int = 0):
     from worker.workload_manager import WorkloadManager
 
     return WorkloadManager(max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, policy=policy)
+                           max_num_batched_tokens=max_num_batched_tokens, policy=policy,
+                           long_prefill_tokens=long_prefill_tokens,
+                           long_prefill_chunk=long_prefill_chunk,
+                           attention_context=attention_context)
 
 
 def ids(seqs) -> list[str]:

@@ -163,6 +163,114 @@ def test_a_chunked_prompt_leaves_the_count_when_it_is_aborted_or_gets_its_token_
     assert wm.schedule().chunks == {}
 
 
+def test_a_long_prompt_gets_the_capped_chunk_per_step_while_the_batch_decodes():
+    wm = make_manager(max_num_batched_tokens=16, long_prefill_tokens=4)
+    running = [make_seq(2, max_tokens=100) for _ in range(2)]
+    for s in running:
+        wm.add(s)
+    step(wm)
+    big = make_seq(14)
+    wm.add(big)
+    out = wm.schedule()
+    assert ids(out.prefill) == [big.seq_id] and out.first_chunks == {big.seq_id: 4}
+    assert out.prompt_chunks == {big.seq_id: 4} and out.num_batched_tokens == 2 + 4
+    sizes = []
+    while not big.output_token_ids:
+        wm.update(out, model_tokens(wm, out))
+        out = wm.schedule()
+        sizes.append(out.prompt_chunks.get(big.seq_id))
+        assert out.num_batched_tokens <= 2 + 4       # every step grows by the cap at most
+    assert sizes == [4, 4, 2, None]                  # 14 = 4 + 4 + 4 + 2, then it decodes
+
+
+def test_a_long_prompt_alone_gets_the_whole_budget_and_the_cap_lifts_when_decodes_end():
+    wm = make_manager(max_num_batched_tokens=16, long_prefill_tokens=4)
+    big = make_seq(40)
+    wm.add(big)
+    out = wm.schedule()
+    assert out.first_chunks == {big.seq_id: 16}      # nothing else in the step: no cap
+    wm.update(out, model_tokens(wm, out))
+    short = make_seq(2, max_tokens=2)
+    wm.add(short)                                    # a short one waits: the chunk is capped
+    out = wm.schedule()
+    assert ids(out.prefill) == [short.seq_id] and out.chunks == {big.seq_id: 4}
+    wm.update(out, model_tokens(wm, out))
+    out = wm.schedule()                              # short decodes: still capped
+    assert out.chunks == {big.seq_id: 4}
+    wm.update(out, model_tokens(wm, out))
+    assert short.is_finished
+    out = wm.schedule()                              # alone again: the rest in one chunk
+    assert out.chunks == {big.seq_id: 40 - 16 - 4 - 4}
+
+
+def test_short_newcomers_join_beside_a_long_newcomer_whose_chunk_is_capped():
+    wm = make_manager(max_num_batched_tokens=16, long_prefill_tokens=4)
+    big, a, b = make_seq(40), make_seq(3), make_seq(3)
+    for s in (big, a, b):
+        wm.add(s)
+    out = wm.schedule()
+    assert ids(out.prefill) == ids([big, a, b]) and out.first_chunks == {big.seq_id: 4}
+    assert out.num_batched_tokens == 4 + 3 + 3
+
+
+def test_a_wave_of_short_prompts_is_not_capped():
+    wm = make_manager(max_num_batched_tokens=64, long_prefill_tokens=8, long_prefill_chunk=2,
+                      attention_context=4)
+    running = make_seq(2, max_tokens=100)
+    wm.add(running)
+    step(wm)
+    wave = [make_seq(8) for _ in range(6)]           # at the threshold: not long
+    for s in wave:
+        wm.add(s)
+    out = wm.schedule()
+    assert ids(out.prefill) == ids(wave) and out.prompt_chunks == {}
+    assert out.num_batched_tokens == 1 + 6 * 8
+    big = make_seq(9)                                # one more token: long, 2 per step at most
+    wm.add(big)
+    wm.update(out, model_tokens(wm, out))
+    out = wm.schedule()
+    assert 1 <= out.first_chunks[big.seq_id] <= 2
+
+
+def test_a_long_prompts_chunks_shrink_with_the_context_they_attend_over():
+    k, cap = 8, 8
+    wm = make_manager(max_num_batched_tokens=64, long_prefill_tokens=cap, attention_context=k)
+    running = make_seq(2, max_tokens=200)
+    wm.add(running)
+    step(wm)
+    big, short = make_seq(60), make_seq(cap)
+    wm.add(big)
+    wm.add(short)
+    out = wm.schedule()
+    assert out.first_chunks[big.seq_id] < cap        # its own causal attention counts too
+    assert short.seq_id not in out.prompt_chunks     # a prompt at the cap goes whole
+    sizes, done = [], 0
+    while not big.output_token_ids:
+        n = out.prompt_chunks.get(big.seq_id)
+        if n:
+            sizes.append(n)
+            assert n == 1 or n * (1 + (done + n / 2) / k) <= cap   # its cost fits the cap
+            done += n
+        wm.update(out, model_tokens(wm, out))
+        out = wm.schedule()
+    assert sum(sizes) == 60 and sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0]
+
+
+def test_a_long_prompt_alone_is_weighted_against_the_whole_budget():
+    wm = make_manager(max_num_batched_tokens=64, long_prefill_tokens=8, attention_context=32)
+    big = make_seq(400)
+    wm.add(big)
+    out, sizes, done = wm.schedule(), [], 0
+    while not big.output_token_ids:
+        n = out.prompt_chunks[big.seq_id]
+        assert n * (1 + (done + n / 2) / 32) <= 64       # not the cap of 8: nothing decodes
+        sizes.append(n)
+        done += n
+        wm.update(out, model_tokens(wm, out))
+        out = wm.schedule()
+    assert sum(sizes) == 400 and sizes[0] > 8 and sizes[0] > sizes[-2]
+
+
 def test_fifo_is_kept_even_when_a_later_prompt_would_fit():
     wm = make_manager(max_num_batched_tokens=10)
     a, big, small = make_seq(6), make_seq(8), make_seq(1)

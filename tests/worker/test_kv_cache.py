@@ -234,6 +234,59 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(sharp_mode
     assert outputs["run"][:6] == solo["run"].tokens
 
 
+def test_the_worker_computes_the_chunk_the_step_names(sharp_model):
+    """The scheduler caps a long prompt's chunk while the batch decodes (StepRequest.chunks);
+    the worker computes exactly that much per step, and the tokens are the solo run's."""
+    from common.protocol import SamplingParams
+    from worker.messages import NewSequence
+    from worker.sequence import Sequence
+    from worker.workload_manager import WorkloadManager
+
+    model, info = sharp_model
+    prompts = dict(zip(["run", "long"], make_prompts(2, lengths=[6, 45], vocab=info.vocab_size)))
+    solo = solo_references(model, info, prompts, 20)
+    worker = ModelWorker(model, info, 4, prefill_chunk=64)
+    wm = WorkloadManager(max_num_seqs=4, max_num_batched_tokens=64, long_prefill_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    seqs = {sid: Sequence(sid, ids, params) for sid, ids in prompts.items()}
+    wm.add(seqs["run"])
+    lengths = []
+    for i in range(100):
+        if not wm.num_unfinished:
+            break
+        if i == 1:
+            wm.add(seqs["long"])
+        out = wm.schedule()
+        res = worker.step(StepRequest(
+            prefill=[NewSequence(s.seq_id, s.all_token_ids, s.params) for s in out.prefill],
+            decode_seq_ids=[s.seq_id for s in out.decode], free_seq_ids=out.freed_seq_ids,
+            chunks=out.prompt_chunks))
+        assert not res.errors, res.errors
+        if "long" in worker.cache.lengths and not seqs["long"].output_token_ids:
+            lengths.append(worker.cache.lengths["long"])
+        wm.update(out, res.token_ids)
+    assert lengths == [8, 16, 24, 32, 40, 45]       # 8 per step beside the decode, then 5
+    for sid, seq in seqs.items():
+        assert seq.output_token_ids == solo[sid].tokens, sid
+
+
+def test_a_running_prompts_chunk_rides_in_the_decodes_forward_pass(sharp_model):
+    model, info = sharp_model
+    run, long = make_prompts(2, lengths=[5, 40], vocab=info.vocab_size)
+    worker = ModelWorker(model, info, 4, prefill_chunk=16)
+    worker.step(StepRequest(prefill=[new_seq("run", run)]))
+    worker.step(StepRequest(prefill=[new_seq("long", long)], decode_seq_ids=["run"]))
+    passes = []
+    forward = worker.model.forward
+    worker.model.forward = lambda *a, **kw: passes.append(kw["input_ids"].shape[1]) or forward(*a, **kw)
+    try:
+        res = worker.step(StepRequest(decode_seq_ids=["run", "long"], chunks={"long": 8}))
+    finally:
+        del worker.model.forward
+    assert passes == [1 + 8] and set(res.token_ids) == {"run"}   # one pass: a decode + 8
+    assert worker.cache.lengths["long"] == 16 + 8
+
+
 def test_newcomers_beyond_the_free_rows_fail_alone(sharp_model):
     model, info = sharp_model
     worker = ModelWorker(model, info, max_num_seqs=3)

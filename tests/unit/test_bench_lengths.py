@@ -1,0 +1,34 @@
+"""The mixed-lengths bench phase's pieces that need no stack: its options, the KV bytes its RSS
+target is read against, and its targets."""
+from __future__ import annotations
+
+from bench.bench import parse_args
+from bench.lengths import kv_bytes_per_token
+from bench.report import lengths_targets
+
+
+def test_only_lengths_runs_the_phase_alone_with_3000_and_8000_by_default():
+    args = parse_args(["--only", "lengths"])
+    assert args.only == "lengths" and not args.run_peers and args.lengths == [3000, 8000]
+
+
+def test_the_kv_bytes_follow_the_served_dtype(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=3).save_pretrained(tmp_path)
+    per_token_fp32 = 3 * 2 * 2 * 16 * 4            # layers x (k, v) x kv heads x dim x bytes
+    assert kv_bytes_per_token(str(tmp_path)) == per_token_fp32
+    assert kv_bytes_per_token(str(tmp_path), "bfloat16") == per_token_fp32 // 2
+
+
+def test_each_long_prompt_gets_its_latency_and_memory_target():
+    runs = [{"long_prompt_tokens": 0},
+            {"long_prompt_tokens": 3000, "short_p50_over_alone": 1.4, "rss_growth_over_kv": 0.3},
+            {"long_prompt_tokens": 8000, "short_p50_over_alone": 1.7, "rss_growth_over_kv": None}]
+    got = {t["name"]: t["met"] for t in lengths_targets({"runs": runs})}
+    assert got == {
+        "lengths: short p50 beside 1 x 3000 tokens <= 1.5 x alone": True,
+        "lengths: model RSS growth beside 1 x 3000 <= 1.25 x its KV bytes": True,
+        "lengths: short p50 beside 1 x 8000 tokens <= 1.5 x alone": False,
+        "lengths: model RSS growth beside 1 x 8000 <= 1.25 x its KV bytes": None}
