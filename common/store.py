@@ -367,6 +367,8 @@ class SequenceStore:
                 "created_at": now,
                 "deadline": "" if req.deadline is None else str(req.deadline),
                 "attempts": 0,
+                # the Celery priority it was queued at: a hand-back queues it at the same one
+                "priority": "" if req.priority is None else int(req.priority),
                 "rate_key": charged_to,
                 "reserved_tokens": reserved_tokens(req) if charged_to else 0,
             }
@@ -437,6 +439,10 @@ class SequenceStore:
 
     def owner_of(self, seq_id: str) -> str:
         return self.r.hget(record_key(seq_id), "owner") or ""
+
+    def priority_of(self, seq_id: str) -> int | None:
+        """The Celery priority a sequence was queued at (None: the default)."""
+        return _num(self.r.hget(record_key(seq_id), "priority"), int)
 
     def start(self, seq_id: str, worker: str, stale_s: float = 15.0) -> tuple[str, int]:
         """Marks a sequence running. Returns (previous status, attempt); attempt 0 = do not run."""
