@@ -27,7 +27,7 @@ from typing import Any, Iterable
 import redis
 
 from .keys import Keys
-from .metrics import METRICS_KEY, SUCCESS_COUNTER, record_finished
+from .metrics import METRICS_KEY, SUCCESS_COUNTER, read_snapshot, record_finished
 from .protocol import (
     EVENT_DONE,
     EVENT_RESET,
@@ -327,6 +327,11 @@ class SequenceStore:
         self._reserve = client.register_script(_RESERVE)
         self._open_stream = client.register_script(_OPEN_STREAM)
 
+    def beside(self, store_cls: type, *args: Any):
+        """Another store (files, batches, webhooks, an owner's index) on this one's connection:
+        the stores are the only modules that touch Redis (tests/unit/test_keys.py)."""
+        return store_cls(self.r, *args)
+
     @classmethod
     def from_settings(cls, settings, client: redis.Redis | None = None) -> "SequenceStore":
         # redis-py's default 5 s socket timeout would cut every XREAD BLOCK that waits longer
@@ -381,6 +386,13 @@ class SequenceStore:
     def get_record(self, seq_id: str) -> dict[str, str] | None:
         rec = self.r.hgetall(record_key(seq_id))
         return rec or None
+
+    def get_records(self, seq_ids: list[str]) -> list[dict[str, str]]:
+        """Many records in one round trip, in order ({} for one that does not exist)."""
+        pipe = self.r.pipeline(transaction=False)
+        for seq_id in seq_ids:
+            pipe.hgetall(record_key(seq_id))
+        return pipe.execute() if seq_ids else []
 
     def get_job(self, seq_id: str) -> dict[str, Any] | None:
         rec = self.get_record(seq_id)
@@ -573,6 +585,10 @@ class SequenceStore:
         for i, ok in zip(queued, pipe.execute() if queued else []):
             written[i] = bool(ok)
         return written
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """Every worker's figures as GET /metrics shows them (common/metrics.read_snapshot)."""
+        return read_snapshot(self.r)
 
     def record_metrics(self, observations: list[dict[str, Any]]) -> None:
         """Run sequences' figures (common/metrics.record_finished's arguments), one round trip."""
