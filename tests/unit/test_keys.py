@@ -82,3 +82,18 @@ def test_the_redis_check_sees_a_store_client_used_elsewhere(tmp_path):
     module.write_text("def f(store, self):\n    store.r.get('x')\n    r = store.r\n"
                       "    self.seqs.r.pipeline()\n    store.read(1)\n")
     assert redis_touches(module) == ["probe.py:2", "probe.py:3", "probe.py:4"]
+
+
+LUA_SPELLS_KEY = re.compile(r"\.\.\s*['\"]:")   # `rec .. ':events'`: a key part spelled in Lua
+
+
+def test_no_lua_script_spells_part_of_a_key():
+    """The scripts get their keys from common/keys.py (KEYS, or prefix and suffix around an id
+    the script reads itself): no script appends ':events' or ':seqs' to a prefix."""
+    found = []
+    for rel in sorted(STORE_MODULES):
+        tree = ast.parse((ROOT / rel).read_text())
+        found += [f"{rel}:{node.lineno}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and "redis.call" in node.value and LUA_SPELLS_KEY.search(node.value)]
+    assert found == []
