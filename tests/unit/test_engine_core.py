@@ -63,6 +63,7 @@ def assert_ended_once(store, engine, seq, reason: FinishReason) -> None:
     ({"stop": [" w6"]}, [5, 6, 8], FinishReason.STOP, " w5"),                   # a stop string
     ({"max_tokens": 3}, [5], FinishReason.LENGTH, " w5 w7 w7"),                 # the length
     ({"max_tokens": 2, "stop": [" w6"]}, [5, 6], FinishReason.STOP, " w5"),     # both at once
+    ({"max_tokens": 0, "prompt_logprobs": 1}, [5], FinishReason.LENGTH, ""),    # echo only
 ])
 def test_each_end_on_a_token_is_written_once(store, params, script, reason, text):
     engine = make_engine(store, ScriptedBackend({"s": script}))
