@@ -221,6 +221,6 @@ def cancel_batch(batch_id: str):
 
 def init_app(app: Flask) -> None:
     ext = app.extensions["llmq"]
-    ext["batches"] = BatchStore(ext["store"].r, ext["settings"].file_ttl_s)
+    ext["batches"] = ext["store"].beside(BatchStore, ext["settings"].file_ttl_s)
     app.register_blueprint(bp)
 

@@ -97,5 +97,5 @@ def delete_file(file_id: str):
 
 def init_app(app: Flask) -> None:
     ext = app.extensions["llmq"]
-    ext["files"] = FileStore(ext["store"].r, ext["settings"].file_ttl_s)
+    ext["files"] = ext["store"].beside(FileStore, ext["settings"].file_ttl_s)
     app.register_blueprint(bp)

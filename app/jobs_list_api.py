@@ -9,7 +9,7 @@ from flask import Blueprint, Flask, current_app, g, request
 
 from common.owner_index import OwnerIndex
 from common.protocol import SequenceStatus
-from common.store import job_from_record, record_key
+from common.store import job_from_record
 from common.webhook_store import WebhookStore
 
 from .api_server import APIError
@@ -32,11 +32,8 @@ def list_jobs():
     index, owner = jobs_index(), g.owner
 
     def load(ids):
-        pipe = index.r.pipeline(transaction=False)
-        for i in ids:
-            pipe.hgetall(record_key(i))
         return [job_from_record(rec) if rec and rec.get("owner", "") == owner else None
-                for rec in pipe.execute()]
+                for rec in current_app.extensions["llmq"]["store"].get_records(ids)]
 
     return page_json(index.page, owner, load, after, limit,
                      keep=lambda job: status is None or job["status"] == status)
@@ -44,6 +41,6 @@ def list_jobs():
 
 def init_app(app: Flask) -> None:
     ext = app.extensions["llmq"]
-    ext["jobs_index"] = OwnerIndex(ext["store"].r, "jobs", ext["settings"].pending_ttl_s)
-    ext["webhooks"] = WebhookStore(ext["store"].r, ext["settings"].pending_ttl_s)
+    ext["jobs_index"] = ext["store"].beside(OwnerIndex, "jobs", ext["settings"].pending_ttl_s)
+    ext["webhooks"] = ext["store"].beside(WebhookStore, ext["settings"].pending_ttl_s)
     app.register_blueprint(bp)

@@ -7,7 +7,7 @@ from flask import Blueprint, Response, current_app
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from common.metrics import COUNTERS, HISTOGRAMS, SUCCESS_COUNTER, read_snapshot
+from common.metrics import COUNTERS, HISTOGRAMS, SUCCESS_COUNTER
 
 bp = Blueprint("metrics", __name__)
 PREFIX = "llmq_"
@@ -20,8 +20,7 @@ class ServiceCollector:
         self.store, self.settings = store, settings
 
     def collect(self):
-        r = self.store.r
-        snap = read_snapshot(r)
+        snap = self.store.metrics_snapshot()
         for name, (help_, _b) in HISTOGRAMS.items():
             buckets, total, count = snap["histograms"][name]
             fam = HistogramMetricFamily(PREFIX + name, help_)

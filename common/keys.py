@@ -8,6 +8,8 @@ are kombu's. Ids are checked by shape before they become part of a name
 """
 from __future__ import annotations
 
+from typing import Callable
+
 PREFIX = "llmq"
 
 
@@ -20,6 +22,15 @@ class Keys:
     metrics = f"{PREFIX}:metrics"              # hash: histogram buckets and counters
     batches_active = f"{PREFIX}:batches:active"   # zset: batch id -> driver lease end
     webhooks_watch = f"{PREFIX}:webhooks:watch"   # set: ids with a webhook registration
+
+    @staticmethod
+    def around(name: Callable[[str], str]) -> tuple[str, str]:
+        """What a keyed name puts before and after its id, for a Lua script that names keys
+        around ids it reads itself (a dead worker's running set, a record's worker), which
+        cannot be passed to it as KEYS: it joins prefix .. id .. suffix and spells no part of
+        a key itself."""
+        pre, _, post = name("\x00").partition("\x00")
+        return pre, post
 
     # --- sequences -------------------------------------------------------------------------
     @staticmethod
@@ -57,7 +68,7 @@ class Keys:
     # --- keys (owners) ---------------------------------------------------------------------
     @staticmethod
     def owner(owner: str) -> str:
-        """The prefix of an owner's keys (the finish script appends ':seqs')."""
+        """The prefix of an owner's keys."""
         return f"{PREFIX}:owner:{owner}"
 
     @staticmethod

@@ -70,16 +70,17 @@ class LLMEngine:
         deadline = time.time() + timeout_s if timeout_s else None
         seq_ids = seq_ids or [new_seq_id() for _ in inputs]
         reqs = [SequenceRequest(seq_id=seq_id, owner=owner, deadline=deadline,
-                                priority=priority, **{"params": params, **inp})
+                                **{"params": params, **inp})
                 for seq_id, inp in zip(seq_ids, inputs)]
         unfinished = self._admission_control(reqs, owner)
+        for i, req in enumerate(reqs):   # kept on the record: a hand-back queues it the same
+            req.priority = self._fair_priority(priority, unfinished + i)
         charged_to = self._charge_rate_limits(reqs, owner)
         jobs = self.store.create(reqs, model=self.settings.model, charged_to=charged_to)
         try:
-            for i, req in enumerate(reqs):
+            for req in reqs:
                 self.celery.send_task(GENERATE_TASK, args=[req.seq_id], task_id=req.seq_id,
-                                      queue=self.settings.queue,
-                                      priority=self._fair_priority(priority, unfinished + i))
+                                      queue=self.settings.queue, priority=req.priority)
         except Exception:
             # The broker went away mid-batch: end what was not queued instead of leaving
             # records that no worker will ever take; the caller gets a 503.

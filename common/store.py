@@ -16,6 +16,7 @@ Keys (all names are built in common/keys.py, and read and written only by the st
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -27,7 +28,7 @@ from typing import Any, Iterable
 import redis
 
 from .keys import Keys
-from .metrics import METRICS_KEY, SUCCESS_COUNTER, record_finished
+from .metrics import METRICS_KEY, SUCCESS_COUNTER, read_snapshot, record_finished
 from .protocol import (
     EVENT_DONE,
     EVENT_RESET,
@@ -99,31 +100,35 @@ return {st, n}
 # Takes back the sequences a dead worker had (once: the ZREM decides who reclaims): each it was
 # running goes back to "queued" with a reset event; each whose message it had received but not
 # started is still "queued" (its message sits unacknowledged until kombu's visibility timeout).
-# The caller queues them all again, once each.
+# The caller queues them all again, once each. KEYS: the worker's running set, workers, its
+# held set. ARGV: worker, stale cutoff (or 'force'), reset reason, maxlen, held too ('1'),
+# then record, events and channel keys as prefix and suffix pairs (the ids are read here).
 _RECLAIM = """
 if ARGV[2] ~= 'force' then
   local beat = redis.call('ZSCORE', KEYS[2], ARGV[1])
   if not beat or tonumber(beat) > tonumber(ARGV[2]) then return {} end
   if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return {} end
 end
+-- A sequence's keys, named around its id by common/keys.py (ARGV[i] .. id .. ARGV[i + 1]).
+local function key(i, id) return ARGV[i] .. id .. ARGV[i + 1] end
 local out, seen = {}, {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local rec = ARGV[5] .. id
+  local rec = key(6, id)
   if redis.call('HGET', rec, 'status') == 'running' and redis.call('HGET', rec, 'worker') == ARGV[1] then
     redis.call('HSET', rec, 'status', 'queued', 'text', '', 'completion_tokens', 0, 'worker', '')
     -- The same payload as the reset a start writes (SequenceStore.reset_data): the run to come.
     local data = string.format('"attempt": %d, "reason": %s',
                                tonumber(redis.call('HGET', rec, 'attempts') or '0') + 1, ARGV[3])
-    redis.call('XADD', rec .. ':events', 'MAXLEN', '~', ARGV[4], '*', 'event', 'reset',
+    redis.call('XADD', key(8, id), 'MAXLEN', '~', ARGV[4], '*', 'event', 'reset',
                'data', '{' .. data .. '}')
-    redis.call('PUBLISH', ARGV[6] .. id, '{"reset": true, ' .. data .. '}')
+    redis.call('PUBLISH', key(10, id), '{"reset": true, ' .. data .. '}')
     table.insert(out, id)
     seen[id] = true
   end
 end
-if ARGV[7] == '1' then
+if ARGV[5] == '1' then
   for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
-    if not seen[id] and redis.call('HGET', ARGV[5] .. id, 'status') == 'queued' then
+    if not seen[id] and redis.call('HGET', key(6, id), 'status') == 'queued' then
       table.insert(out, id)
     end
   end
@@ -135,6 +140,9 @@ return out
 
 # Finishes a record if its status is one of ARGV[1] (comma separated): writes the fields, appends
 # the done event, publishes it and sets the TTLs, all at once so no reader sees half of it.
+# KEYS: record, events, channel, cancelled, metrics, its owner's sequences. ARGV: statuses,
+# fields, done event, pub/sub message, maxlen, ttl, id, the running set around the worker the
+# record names (ARGV[8] .. worker .. ARGV[10]: only the script reads which), attempt, counter.
 _FINISH = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return 0 end
@@ -148,9 +156,9 @@ redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('EXPIRE', KEYS[2], ARGV[6])
 redis.call('SREM', KEYS[4], ARGV[7])
 local w = redis.call('HGET', KEYS[1], 'worker')
-if w and w ~= '' then redis.call('SREM', ARGV[8] .. w, ARGV[7]) end
+if w and w ~= '' then redis.call('SREM', ARGV[8] .. w .. ARGV[10], ARGV[7]) end
 local owner = redis.call('HGET', KEYS[1], 'owner')
-if owner and owner ~= '' then redis.call('ZREM', ARGV[10] .. owner .. ':seqs', ARGV[7]) end
+if owner and owner ~= '' then redis.call('ZREM', KEYS[6], ARGV[7]) end
 if ARGV[11] ~= '' then redis.call('HINCRBY', KEYS[5], ARGV[11], 1) end
 -- Settle the tokens-per-minute charge: the reservation made at submit becomes the real prompt
 -- plus completion count, in the window it was charged to (if that window is still open).
@@ -193,32 +201,38 @@ return 1
 # LLMQ_WORKER_STALE) and moves again must not write into a record that was handed back or
 # restarted meanwhile. And idempotent: a delta whose token count the record already has was
 # written before (a retry after the reply was lost with the connection) and is skipped.
-# ARGV: maxlen, ttl, record prefix, channel prefix, then per delta (id, attempt, token event
-# data or '', pub/sub message, full text, completion tokens).
+# KEYS: per delta (record, events, channel). ARGV: maxlen, ttl, then per delta (attempt, token
+# event data or '', pub/sub message, full text, completion tokens).
 # Returns the 1-based positions of the deltas that were refused.
 _PUBLISH = """
 local refused = {}
 local pos = 0
-for i = 5, #ARGV, 6 do
+for i = 3, #ARGV, 5 do
   pos = pos + 1
-  local rec = ARGV[3] .. ARGV[i]
+  local rec, events = KEYS[3 * pos - 2], KEYS[3 * pos - 1]
   local cur = redis.call('HMGET', rec, 'status', 'attempts', 'completion_tokens')
-  if ARGV[i + 1] ~= '' and (cur[1] ~= 'running' or cur[2] ~= ARGV[i + 1]) then
+  if ARGV[i] ~= '' and (cur[1] ~= 'running' or cur[2] ~= ARGV[i]) then
     table.insert(refused, pos)
-  elseif ARGV[i + 1] ~= '' and tonumber(cur[3] or '0') >= tonumber(ARGV[i + 5]) then
+  elseif ARGV[i] ~= '' and tonumber(cur[3] or '0') >= tonumber(ARGV[i + 4]) then
     -- already written
   else
-    if ARGV[i + 2] ~= '' then
-      redis.call('XADD', rec .. ':events', 'MAXLEN', '~', ARGV[1], '*', 'event', 'token',
-                 'data', ARGV[i + 2])
-      redis.call('EXPIRE', rec .. ':events', ARGV[2])
-      redis.call('PUBLISH', ARGV[4] .. ARGV[i], ARGV[i + 3])
+    if ARGV[i + 1] ~= '' then
+      redis.call('XADD', events, 'MAXLEN', '~', ARGV[1], '*', 'event', 'token',
+                 'data', ARGV[i + 1])
+      redis.call('EXPIRE', events, ARGV[2])
+      redis.call('PUBLISH', KEYS[3 * pos], ARGV[i + 2])
     end
-    redis.call('HSET', rec, 'text', ARGV[i + 4], 'completion_tokens', ARGV[i + 5])
+    redis.call('HSET', rec, 'text', ARGV[i + 3], 'completion_tokens', ARGV[i + 4])
   end
 end
 return refused
 """
+
+
+@functools.lru_cache(maxsize=4096)
+def _delta_keys(seq_id: str) -> tuple[str, str, str]:
+    """A running sequence's record, events and channel keys, named once, not once per token."""
+    return record_key(seq_id), events_key(seq_id), channel(seq_id)
 
 def _now() -> float:
     return round(time.time(), 6)
@@ -327,6 +341,11 @@ class SequenceStore:
         self._reserve = client.register_script(_RESERVE)
         self._open_stream = client.register_script(_OPEN_STREAM)
 
+    def beside(self, store_cls: type, *args: Any):
+        """Another store (files, batches, webhooks, an owner's index) on this one's connection:
+        the stores are the only modules that touch Redis (tests/unit/test_keys.py)."""
+        return store_cls(self.r, *args)
+
     @classmethod
     def from_settings(cls, settings, client: redis.Redis | None = None) -> "SequenceStore":
         # redis-py's default 5 s socket timeout would cut every XREAD BLOCK that waits longer
@@ -367,6 +386,8 @@ class SequenceStore:
                 "created_at": now,
                 "deadline": "" if req.deadline is None else str(req.deadline),
                 "attempts": 0,
+                # the Celery priority it was queued at: a hand-back queues it at the same one
+                "priority": "" if req.priority is None else int(req.priority),
                 "rate_key": charged_to,
                 "reserved_tokens": reserved_tokens(req) if charged_to else 0,
             }
@@ -379,6 +400,13 @@ class SequenceStore:
     def get_record(self, seq_id: str) -> dict[str, str] | None:
         rec = self.r.hgetall(record_key(seq_id))
         return rec or None
+
+    def get_records(self, seq_ids: list[str]) -> list[dict[str, str]]:
+        """Many records in one round trip, in order ({} for one that does not exist)."""
+        pipe = self.r.pipeline(transaction=False)
+        for seq_id in seq_ids:
+            pipe.hgetall(record_key(seq_id))
+        return pipe.execute() if seq_ids else []
 
     def get_job(self, seq_id: str) -> dict[str, Any] | None:
         rec = self.get_record(seq_id)
@@ -438,6 +466,10 @@ class SequenceStore:
     def owner_of(self, seq_id: str) -> str:
         return self.r.hget(record_key(seq_id), "owner") or ""
 
+    def priority_of(self, seq_id: str) -> int | None:
+        """The Celery priority a sequence was queued at (None: the default)."""
+        return _num(self.r.hget(record_key(seq_id), "priority"), int)
+
     def start(self, seq_id: str, worker: str, stale_s: float = 15.0) -> tuple[str, int]:
         """Marks a sequence running. Returns (previous status, attempt); attempt 0 = do not run."""
         prev, attempt = self._start(
@@ -466,8 +498,8 @@ class SequenceStore:
         cutoff = "force" if stale_s is None else str(time.time() - stale_s)
         return list(self._reclaim(
             keys=[running_key(worker), WORKERS_KEY, held_key(worker)],
-            args=[worker, cutoff, json.dumps(reason), self.stream_maxlen,
-                  record_key(""), channel(""), "1" if held else "0"]))
+            args=[worker, cutoff, json.dumps(reason), self.stream_maxlen, "1" if held else "0",
+                  *Keys.around(record_key), *Keys.around(events_key), *Keys.around(channel)]))
 
     def stale_workers(self, stale_s: float) -> list[str]:
         return self.r.zrangebyscore(WORKERS_KEY, "-inf", time.time() - stale_s)
@@ -485,13 +517,15 @@ class SequenceStore:
         if not deltas:
             return []
         if any(d.attempt is not None for d in deltas):
-            args: list[Any] = [self.stream_maxlen, self.pending_ttl_s, record_key(""), channel("")]
+            keys: list[str] = []
+            args: list[Any] = [self.stream_maxlen, self.pending_ttl_s]
             for d in deltas:
                 data = _token_data(d)
-                args += [d.seq_id, "" if d.attempt is None else int(d.attempt),
+                keys += _delta_keys(d.seq_id)
+                args += ["" if d.attempt is None else int(d.attempt),
                          encode_event(EVENT_TOKEN, data)["data"],
                          encode_pubsub(EVENT_TOKEN, data), d.full_text, d.completion_tokens]
-            return [int(p) - 1 for p in self._publish(args=args)]
+            return [int(p) - 1 for p in self._publish(keys=keys, args=args)]
         pipe = self.r.pipeline(transaction=False)
         for d in deltas:
             self._append(pipe, d.seq_id, EVENT_TOKEN, _token_data(d))
@@ -533,6 +567,7 @@ class SequenceStore:
         recs = pipe.execute()
         pipe = self.r.pipeline(transaction=False)
         queued = []
+        running_pre, running_post = Keys.around(running_key)
         for i, (it, rec) in enumerate(zip(items, recs)):
             if not rec:
                 continue
@@ -554,12 +589,11 @@ class SequenceStore:
             job = job_from_record({**rec, **fields})
             self._finish(
                 keys=[record_key(it.seq_id), events_key(it.seq_id), channel(it.seq_id),
-                      CANCELLED_KEY, METRICS_KEY],
+                      CANCELLED_KEY, METRICS_KEY, owner_seqs_key(rec.get("owner", ""))],
                 args=[",".join(s.value for s in it.only_if), json.dumps(fields),
                       encode_event(EVENT_DONE, job)["data"], encode_pubsub(EVENT_DONE, job),
-                      self.stream_maxlen, self.result_ttl_s, it.seq_id, running_key(""),
-                      "" if it.attempt is None else str(int(it.attempt)),
-                      Keys.owner(""),
+                      self.stream_maxlen, self.result_ttl_s, it.seq_id, running_pre,
+                      "" if it.attempt is None else str(int(it.attempt)), running_post,
                       "" if it.metrics_recorded else f"c:{SUCCESS_COUNTER}:{it.reason.value}"],
                 client=pipe)
             queued.append(i)
@@ -567,6 +601,10 @@ class SequenceStore:
         for i, ok in zip(queued, pipe.execute() if queued else []):
             written[i] = bool(ok)
         return written
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """Every worker's figures as GET /metrics shows them (common/metrics.read_snapshot)."""
+        return read_snapshot(self.r)
 
     def record_metrics(self, observations: list[dict[str, Any]]) -> None:
         """Run sequences' figures (common/metrics.record_finished's arguments), one round trip."""

@@ -23,7 +23,7 @@ from common.batch_store import (BATCH_TASK, DISPATCH_GRACE_S, TERMINAL, batch_ob
 from common.llm_engine import Overloaded
 from common.openai_responses import ChoiceShaper, response_body
 from common.protocol import GENERATE_TASK, SamplingParams, SequenceStatus
-from common.store import job_from_record, record_key
+from common.store import job_from_record
 from common.webhook_store import WEBHOOK_TASK, event_body, event_id
 
 from .services import BatchLineSender, Services, services, start_loop
@@ -118,10 +118,8 @@ class BatchDriver:
         """Answers every line in flight whose sequence has ended."""
         flying, sent = self.batches.inflight(self.batch_id)
         flying = sorted(flying)
-        pipe = self.seqs.r.pipeline(transaction=False)
-        for i in flying:
-            pipe.hgetall(self.seqs_key(i))
-        for i, rec in zip(flying, pipe.execute() if flying else []):
+        recs = self.seqs.get_records([line_seq_id(self.batch_id, i) for i in flying])
+        for i, rec in zip(flying, recs):
             if not rec:
                 if i in sent:   # its record expired before anyone read it
                     self.answer_error(i, "request_lost", "the request's record expired")
@@ -184,9 +182,6 @@ class BatchDriver:
 
     def priority(self, spec: dict) -> int:
         return max(spec.get("priority") or 0, self.svc.settings.batch_priority)
-
-    def seqs_key(self, i: int) -> str:
-        return record_key(line_seq_id(self.batch_id, i))
 
     def answer(self, i: int, rec: dict[str, str]) -> None:
         """A finished sequence's output line (or error line), in OpenAI's shape; its tokens

@@ -85,7 +85,7 @@ class EngineCore:
         self._stop = threading.Event()
         self.inputs = InputProcessor(name, settings, store, executor, tokenizer)
         self.output = OutputProcessor(store, self.scheduler, tokenizer)
-        self.liveness = Liveness(name, settings, store, self.stats, self.requeue, self._stop)
+        self.liveness = Liveness(name, settings, store, self.stats, self._send_back, self._stop)
         self.inbox: queue.Queue[Sequence] = queue.Queue()
         self.timing = StepTiming()
         self.last_step_time = time.time()
@@ -178,7 +178,7 @@ class EngineCore:
         """Hands the sequence to the input processor (in the caller's thread) and queues it,
         unless this engine should not take it now."""
         if self._draining.is_set():
-            self.requeue(seq_id, priority)   # shutting down: another worker takes it
+            self._send_back(seq_id)   # shutting down: another worker takes it
             return None
         if not self.liveness.advancing():
             # The engine is stuck mid-step and its heartbeat has gone quiet, so other workers
@@ -187,7 +187,7 @@ class EngineCore:
             # the only worker).
             log.warning("engine stuck: handing a sequence back", extra={"seq_id": seq_id})
             self._stop.wait(1.0)
-            self.requeue(seq_id, priority)
+            self._send_back(seq_id)
             return None
         owner = self.store.owner_of(seq_id)
         if not self._reserve(owner):
@@ -210,6 +210,11 @@ class EngineCore:
             seq.priority = priority or 0
             self.inbox.put(seq)
         return seq
+
+    def _send_back(self, seq_id: str) -> None:
+        """Queues a sequence again (handed back, or taken from a dead worker) at the priority
+        it was queued at."""
+        self.requeue(seq_id, self.store.priority_of(seq_id))
 
     def _reserve(self, owner: str) -> bool:
         """Counts a sequence toward its key's share from the moment it passes the fair-share
@@ -332,7 +337,7 @@ class EngineCore:
             handed = self.store.reclaim(self.name, held=False, reason="handed back")
             self._stall("handback")
             for seq_id in handed:
-                self.requeue(seq_id)
+                self._send_back(seq_id)
                 handed_back.add(seq_id)
                 log.info("handed back at shutdown", extra={"seq_id": seq_id})
         except Exception as exc:  # noqa: BLE001 - RedisError, or kombu's OperationalError

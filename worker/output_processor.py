@@ -1,8 +1,9 @@
 """The output processor: the only place a sequence ends.
 
-Each step's sampled tokens become text (detokenizer, logprobs, stop strings); every end, a
-stop token or string, the length limit, a cancel, a deadline, an error, a copy dropped for a
-newer start, goes through here: its record is written once, its metrics counted once, and its
+Each step's sampled tokens become text (detokenizer, logprobs, stop strings); every end, an
+EOS or stop token, the length limit, a stop string, a cancel, a deadline, an error, a copy
+dropped for a newer start, is decided here and freed through the scheduler (which appends
+tokens and ends nothing itself): its record is written once, its metrics counted once, and its
 task thread let go. (vLLM v1's OutputProcessor, with the engine's Redis writes.)
 """
 from __future__ import annotations
@@ -23,6 +24,19 @@ from .sequence import Sequence
 from .workload_manager import SchedulerOutput, WorkloadManager
 
 log = logging.getLogger("llmq.engine")
+
+
+def end_on_token(seq: Sequence) -> FinishReason | None:
+    """How the token just appended ends its sequence, if it does: a stop token (EOS unless
+    ignored, or one of the request's stop_token_ids; counted, and only once min_tokens are
+    out) is "stop", then the length limit is "length". An echo-only sequence (max_tokens 0)
+    keeps no token and ends at once."""
+    n, params = len(seq.output_token_ids), seq.params
+    if n and n >= params.min_tokens and seq.output_token_ids[-1] in seq.stop_token_ids:
+        return FinishReason.STOP
+    if n >= params.max_tokens:
+        return FinishReason.LENGTH
+    return None
 
 
 class Output(NamedTuple):
@@ -58,7 +72,8 @@ class OutputProcessor:
 
     # --- from the model ----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: StepResult) -> None:
-        """Appends the sampled tokens, turns them into text deltas and ends what stopped."""
+        """Appends the sampled tokens (through the scheduler), turns them into text deltas
+        and ends the sequences they stop."""
         for seq_id, error in result.errors.items():
             self.abort(next(s for s in out.prefill + out.decode if s.seq_id == seq_id),
                        FinishReason.ERROR, error)
@@ -67,34 +82,28 @@ class OutputProcessor:
                 seq.num_cached_tokens = result.cached_tokens.get(seq.seq_id, 0)
             self.num_prefill_tokens += seq.num_tokens
             self.num_cached_tokens += seq.num_cached_tokens
-        self.scheduler.update(out, result.token_ids)   # stop tokens and the length end here
+        got = self.scheduler.update(out, result.token_ids)   # appends; ends nothing
         for seq in out.prefill + out.decode:
-            if seq.seq_id in result.errors:
-                continue
-            self.logprobs.record(seq, result)
-            if seq.seq_id in result.token_ids and not seq.is_closed:
-                self.pending.append(self._detokenize(seq))
-            elif seq.is_finished:
-                self.pending.append(Output(seq, None, seq.num_output_tokens))
+            if seq.seq_id not in result.errors:
+                self.logprobs.record(seq, result)
+        for seq in got:
+            self.pending.append(self._on_token(seq))
 
-    def _detokenize(self, seq: Sequence) -> Output:
+    def _on_token(self, seq: Sequence) -> Output:
+        """A sequence's new token: its text delta and, when the token ends it, its end. A stop
+        string beats the length on the same token (vLLM and OpenAI report "stop")."""
+        reason = end_on_token(seq)
         detok = seq.detokenizer
         delta = detok.step(seq.output_token_ids[-1]) if seq.output_token_ids else ""
-        if seq.is_finished:
+        if reason is not None:
             delta += detok.flush()
-        text = seq.add_text(delta, final=seq.is_finished)
+        text = seq.add_text(delta, final=reason is not None)
         if seq.is_cut_at_stop:
-            self._end_at_stop_string(seq)
+            reason = FinishReason.STOP
+        if reason is not None:
+            self.scheduler.abort(seq, reason)
         # (no output token: an echo-only sequence ends with no token event)
         return Output(seq, text if seq.output_token_ids else None, seq.num_output_tokens)
-
-    def _end_at_stop_string(self, seq: Sequence) -> None:
-        """The text ends at a stop string: "stop", even when the same token also reached the
-        length limit (vLLM and OpenAI report a stop string before the length)."""
-        if seq.is_finished:
-            seq.finish_reason = FinishReason.STOP
-        else:
-            self.scheduler.abort(seq, FinishReason.STOP)
 
     # --- ends decided outside a token ----------------------------------------------------------
     def abort(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:

@@ -81,17 +81,12 @@ class Sequence:
         return tuple(eos) + tuple(self.params.stop_token_ids)
 
     def append_token(self, token_id: int) -> None:
-        """Records a sampled token and ends the sequence on a stop token or the length limit."""
+        """Records a sampled token. Whether it ends the sequence is the output processor's
+        call (`output_processor.end_on_token`)."""
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
-        if self.params.max_tokens == 0:   # prompt logprobs only (echo): the token is not kept
-            self.finish(FinishReason.LENGTH)
-            return
-        self.output_token_ids.append(token_id)
-        if self.num_output_tokens >= self.params.min_tokens and token_id in self.stop_token_ids:
-            self.finish(FinishReason.STOP)
-        elif self.num_output_tokens >= self.params.max_tokens:
-            self.finish(FinishReason.LENGTH)
+        if self.params.max_tokens:   # max_tokens 0: prompt logprobs only (echo), not kept
+            self.output_token_ids.append(token_id)
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         if self.is_finished:

@@ -66,9 +66,9 @@ def services(app) -> Services:
             s = app.llmq_settings
             engine = getattr(app, "llmq_engine", None)
             seqs = engine.store if engine is not None else SequenceStore.from_settings(s)
-            svc = Services(s, app, seqs, FileStore(seqs.r, s.file_ttl_s),
-                           BatchStore(seqs.r, s.file_ttl_s),
-                           WebhookStore(seqs.r, s.pending_ttl_s))
+            svc = Services(s, app, seqs, seqs.beside(FileStore, s.file_ttl_s),
+                           seqs.beside(BatchStore, s.file_ttl_s),
+                           seqs.beside(WebhookStore, s.pending_ttl_s))
             app.llmq_services = svc
         return svc
 

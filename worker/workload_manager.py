@@ -1,7 +1,8 @@
 """The workload manager (scheduler): waiting and running queues, and the next batch.
 
 Plain Python over plain data: no torch, no Redis. The engine asks `schedule()` for the next
-step's work and reports the sampled tokens back through `update()`.
+step's work and reports the sampled tokens back through `update()`, which appends them; the
+output processor decides which sequences they end and frees those through `abort()`.
 """
 from __future__ import annotations
 
@@ -163,7 +164,8 @@ class WorkloadManager:
         self.waiting.append(seq)
 
     def abort(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        """Ends a sequence wherever it is (cancel, stop string, error) and frees its slot."""
+        """Ends a sequence wherever it is and frees its slot. The output processor decides
+        every end and calls this; the scheduler itself ends nothing."""
         seq.finish(reason, error)
         self._remove(seq)
 
@@ -276,8 +278,9 @@ class WorkloadManager:
         self.stats.num_preemptions += len(victims)
 
     def update(self, out: SchedulerOutput, token_ids: dict[str, int]) -> list[Sequence]:
-        """Appends each sequence's new token; returns the sequences that finished on a token."""
-        finished = []
+        """Appends each sequence's new token; returns the sequences that got one, in step
+        order (whether it ends them is the output processor's call)."""
+        got = []
         for seq in out.prefill:
             if seq.is_finished:   # aborted while its prefill ran: the model holds its cache
                 self._freed.append(seq.seq_id)
@@ -290,10 +293,8 @@ class WorkloadManager:
                 continue
             self._prompt_left.pop(seq.seq_id, None)   # its prompt is all computed
             seq.append_token(token_ids[seq.seq_id])
-            if seq.is_finished:
-                self._remove(seq)
-                finished.append(seq)
-        return finished
+            got.append(seq)
+        return got
 
     def requeue(self, out: SchedulerOutput) -> list[Sequence]:
         """After the model process died: the running batch and the step's newcomers go back to

@@ -573,3 +573,5 @@ def test_a_keys_share_of_the_queue_leaves_room_for_others():
                   headers=auth("k1"))
     b.client.post("/v1/jobs", json={"prompt": "x", "max_tokens": 1}, headers=auth("k2"))
     assert [c["priority"] for c in b.celery.calls] == [None, None, 5, 7, None]
+    # Each record keeps the priority it was queued at (bug 10: a hand-back queues it the same).
+    assert [b.store.priority_of(c["args"][0]) for c in b.celery.calls] == [None, None, 5, 7, None]

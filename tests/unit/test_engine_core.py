@@ -11,6 +11,7 @@ import pytest
 
 from common import metrics
 from common.protocol import FinishReason, SamplingParams, SequenceRequest
+from common.keys import Keys
 from common.store import SequenceStore
 
 from .factories import EOS, ScriptedBackend, make_engine
@@ -62,6 +63,7 @@ def assert_ended_once(store, engine, seq, reason: FinishReason) -> None:
     ({"stop": [" w6"]}, [5, 6, 8], FinishReason.STOP, " w5"),                   # a stop string
     ({"max_tokens": 3}, [5], FinishReason.LENGTH, " w5 w7 w7"),                 # the length
     ({"max_tokens": 2, "stop": [" w6"]}, [5, 6], FinishReason.STOP, " w5"),     # both at once
+    ({"max_tokens": 0, "prompt_logprobs": 1}, [5], FinishReason.LENGTH, ""),    # echo only
 ])
 def test_each_end_on_a_token_is_written_once(store, params, script, reason, text):
     engine = make_engine(store, ScriptedBackend({"s": script}))
@@ -208,6 +210,41 @@ def test_drain_hands_the_batch_back_and_new_work_goes_back_too(store):
         assert store.get_job("s")["status"] == "queued"
         submit(store, "late")
         assert engine.admit("late") is None and requeued == ["s", "late"]
+    finally:
+        engine.stop()
+
+
+def test_a_sequence_handed_back_keeps_its_priority(store):
+    """Bug 10: every way a sequence goes back to the queue (the hand-back at drain, a task
+    arriving while draining or while the engine is stuck, a dead worker's reaped sequence)
+    queues it at the priority it was queued at, not Celery's default."""
+    requeued = []
+    backend = SignallingBackend(max_model_len=1_000_000)
+    engine = make_engine(store, backend,
+                         lambda seq_id, priority=None: requeued.append((seq_id, priority)))
+    for seq_id, priority in (("s", 3), ("late", 7), ("stuck", 1), ("reaped", 4)):
+        store.create([SequenceRequest(seq_id=seq_id, prompt_token_ids=[3, 4, 5],
+                                      params=SamplingParams(max_tokens=900_000),
+                                      priority=priority)])
+    store.create([SequenceRequest(seq_id="plain", prompt_token_ids=[3, 4])])
+    engine.liveness._progress -= engine.settings.worker_stale_s   # (a stuck engine's silence)
+    assert engine.admit("stuck") is None and engine.admit("plain") is None
+    assert requeued == [("stuck", 1), ("plain", None)]
+    store.start("reaped", "dead-worker")
+    store.heartbeat("dead-worker", {"model": "m"}, ttl_s=60)
+    store.r.zadd(Keys.workers, {"dead-worker": 0})   # its last beat, long ago
+    engine.liveness.reap_dead_workers()
+    assert requeued[-1] == ("reaped", 4)
+    requeued.clear()
+    engine.start()
+    try:
+        task = threading.Thread(target=engine.run_sequence, args=("s",))
+        task.start()
+        assert backend.running.wait(30)
+        engine.drain(grace_s=0)
+        task.join(30)
+        assert requeued == [("s", 3)]
+        assert engine.admit("late") is None and requeued[-1] == ("late", 7)
     finally:
         engine.stop()
 

@@ -1,4 +1,5 @@
-"""Every Redis key is named in common/keys.py: no other module spells one."""
+"""Every Redis key is named in common/keys.py: no other module spells one; and only the store
+modules touch Redis (no `store.r` elsewhere)."""
 from __future__ import annotations
 
 import ast
@@ -53,3 +54,46 @@ def test_the_check_sees_a_key_spelled_elsewhere(tmp_path):
                       'D = "llmq: a log line"\n')
     assert [h.split(": ", 1)[0] for h in key_spellings(module)] == [
         "probe.py:3", "probe.py:4", "probe.py:5"]
+
+
+# The stores: the only modules that hold a Redis client as `.r` and call it.
+STORE_MODULES = {Path("common", n) for n in ("store.py", "batch_store.py", "file_store.py",
+                                              "webhook_store.py", "owner_index.py")}
+
+
+def redis_touches(path: Path) -> list[str]:
+    """Where a module reaches into a store's client (`store.r`, `self.seqs.r.pipeline()`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [f"{path.name}:{line}" for line in sorted(
+        node.lineno for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "r")]
+
+
+def test_no_module_but_the_stores_touches_redis_through_a_store():
+    modules = [p for d in ("app", "worker", "common", "bench", "scripts")
+               for p in (ROOT / d).rglob("*.py")]
+    found = [hit for p in modules if p.relative_to(ROOT) not in STORE_MODULES
+             for hit in redis_touches(p)]
+    assert found == []
+
+
+def test_the_redis_check_sees_a_store_client_used_elsewhere(tmp_path):
+    module = tmp_path / "probe.py"
+    module.write_text("def f(store, self):\n    store.r.get('x')\n    r = store.r\n"
+                      "    self.seqs.r.pipeline()\n    store.read(1)\n")
+    assert redis_touches(module) == ["probe.py:2", "probe.py:3", "probe.py:4"]
+
+
+LUA_SPELLS_KEY = re.compile(r"\.\.\s*['\"]:")   # `rec .. ':events'`: a key part spelled in Lua
+
+
+def test_no_lua_script_spells_part_of_a_key():
+    """The scripts get their keys from common/keys.py (KEYS, or prefix and suffix around an id
+    the script reads itself): no script appends ':events' or ':seqs' to a prefix."""
+    found = []
+    for rel in sorted(STORE_MODULES):
+        tree = ast.parse((ROOT / rel).read_text())
+        found += [f"{rel}:{node.lineno}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and "redis.call" in node.value and LUA_SPELLS_KEY.search(node.value)]
+    assert found == []

@@ -1,4 +1,5 @@
-"""The Sequence state machine (stop tokens, lengths) and its stop-string text handling."""
+"""The Sequence state machine, the ends a token makes (the output processor's end_on_token:
+stop tokens, lengths) and the sequence's stop-string text handling."""
 from __future__ import annotations
 
 import random
@@ -6,6 +7,7 @@ import random
 import pytest
 
 from common.protocol import FinishReason, SamplingParams, SequenceStatus
+from worker.output_processor import end_on_token
 from worker.sequence import Sequence, SequenceState
 
 from .factories import EOS, make_seq
@@ -21,76 +23,70 @@ def test_new_sequence_is_waiting_with_counters():
     assert s.first_token_time is not None
 
 
+def ends(seq: Sequence, *tokens: int) -> list[FinishReason | None]:
+    """Appends tokens as the scheduler does; what the output processor decides after each."""
+    out = []
+    for t in tokens:
+        seq.append_token(t)
+        out.append(end_on_token(seq))
+    return out
+
+
+def test_appending_never_ends_a_sequence():
+    s = make_seq(2, max_tokens=1)
+    s.append_token(EOS)
+    s.append_token(5)                                # past max_tokens: still the caller's call
+    assert not s.is_finished and s.output_token_ids == [EOS, 5]
+
+
 def test_eos_stops():
     s = make_seq(2)
-    s.append_token(5)
-    assert not s.is_finished
-    s.append_token(EOS)
-    assert s.is_finished and s.finish_reason is FinishReason.STOP
+    assert ends(s, 5, EOS) == [None, FinishReason.STOP]
     assert s.output_token_ids == [5, EOS]            # the stop token is counted
 
 
 def test_any_of_several_eos_ids_stops():
-    s = make_seq(2, eos=(2, 3))
-    s.append_token(3)
-    assert s.finish_reason is FinishReason.STOP
+    assert ends(make_seq(2, eos=(2, 3)), 3) == [FinishReason.STOP]
 
 
 def test_stop_token_ids_stop():
-    s = make_seq(2, stop_token_ids=[42])
-    s.append_token(41)
-    assert not s.is_finished
-    s.append_token(42)
-    assert s.finish_reason is FinishReason.STOP and s.state is SequenceState.FINISHED
+    assert ends(make_seq(2, stop_token_ids=[42]), 41, 42) == [None, FinishReason.STOP]
 
 
 def test_max_tokens_gives_length():
-    s = make_seq(2, max_tokens=3)
-    for t in (5, 6):
-        s.append_token(t)
-        assert not s.is_finished
-    s.append_token(7)
-    assert s.finish_reason is FinishReason.LENGTH
+    assert ends(make_seq(2, max_tokens=3), 5, 6, 7) == [None, None, FinishReason.LENGTH]
 
 
 def test_stop_token_on_last_allowed_token_is_stop_not_length():
-    s = make_seq(2, max_tokens=2)
-    s.append_token(5)
-    s.append_token(EOS)
-    assert s.finish_reason is FinishReason.STOP
+    assert ends(make_seq(2, max_tokens=2), 5, EOS) == [None, FinishReason.STOP]
 
 
 def test_min_tokens_suppresses_eos_stop():
     s = make_seq(2, min_tokens=3, stop_token_ids=[42])
-    s.append_token(EOS)
-    s.append_token(42)
-    assert not s.is_finished                         # 2 tokens < min_tokens: no stop yet
-    s.append_token(EOS)                              # the 3rd token may stop
-    assert s.finish_reason is FinishReason.STOP and s.num_output_tokens == 3
+    # 2 tokens < min_tokens: no stop yet; the 3rd token may stop
+    assert ends(s, EOS, 42, EOS) == [None, None, FinishReason.STOP]
+    assert s.num_output_tokens == 3
 
 
 def test_min_tokens_does_not_override_max_tokens():
-    s = make_seq(2, min_tokens=2, max_tokens=2)
-    s.append_token(EOS)
-    s.append_token(5)
-    assert s.finish_reason is FinishReason.LENGTH
+    assert ends(make_seq(2, min_tokens=2, max_tokens=2), EOS, 5) == [None, FinishReason.LENGTH]
 
 
 def test_ignore_eos_keeps_going_but_stop_token_ids_still_stop():
     s = make_seq(2, ignore_eos=True, stop_token_ids=[42], max_tokens=10)
     assert s.stop_token_ids == (42,)
-    for _ in range(3):
-        s.append_token(EOS)
-    assert not s.is_finished
-    s.append_token(42)
-    assert s.finish_reason is FinishReason.STOP
+    assert ends(s, EOS, EOS, EOS, 42) == [None, None, None, FinishReason.STOP]
 
 
 def test_ignore_eos_runs_to_max_tokens():
-    s = make_seq(2, ignore_eos=True, max_tokens=4)
-    for _ in range(4):
-        s.append_token(EOS)
-    assert s.finish_reason is FinishReason.LENGTH
+    assert ends(make_seq(2, ignore_eos=True, max_tokens=4), *[EOS] * 4) == [None] * 3 + [
+        FinishReason.LENGTH]
+
+
+def test_echo_only_keeps_no_token_and_ends_at_once():
+    s = make_seq(2, max_tokens=0)
+    assert ends(s, EOS) == [FinishReason.LENGTH]
+    assert s.output_token_ids == [] and s.first_token_time is not None
 
 
 def test_stop_token_ids_include_eos_unless_ignored():
@@ -187,10 +183,9 @@ def test_stop_string_completed_by_the_last_allowed_token_is_cut():
     """The sequence reports the cut; the output processor makes the reason "stop" even on the
     last token (tests/unit/test_engine_core.py: a stop string and the length at once)."""
     s = make_seq(1, stop=["END"], max_tokens=2)
-    s.append_token(5)
+    assert ends(s, 5) == [None]
     assert s.add_text("ok EN") == "ok "
-    s.append_token(6)                                # hits max_tokens
-    assert s.finish_reason is FinishReason.LENGTH
+    assert ends(s, 6) == [FinishReason.LENGTH]       # hits max_tokens
     assert s.add_text("D", final=True) == ""
     assert s.text == "ok " and s.is_cut_at_stop
 

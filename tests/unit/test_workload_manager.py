@@ -1,9 +1,13 @@
-"""The scheduler driven by hand: schedule() -> (model step) -> update(), with hand-made tokens."""
+"""The scheduler driven by hand: schedule() -> (model step) -> update(), with hand-made tokens.
+
+update() appends tokens and ends nothing; the output processor decides which sequences a token
+ends (`end_on_token`) and ends them through abort(). `step` plays both parts, as the engine."""
 from __future__ import annotations
 
 import pytest
 
 from common.protocol import FinishReason
+from worker.output_processor import end_on_token
 from worker.sequence import SequenceState
 from worker.workload_manager import (POLICIES, ContinuousBatching, SchedulerOutput,
                                      StaticBatching, WorkloadManager)
@@ -11,11 +15,21 @@ from worker.workload_manager import (POLICIES, ContinuousBatching, SchedulerOutp
 from .factories import EOS, ids, make_manager, make_seq, tokens_for
 
 
+def end_what_stops(wm: WorkloadManager, got) -> list:
+    """The output processor's part of a step: each sequence its new token ends leaves."""
+    finished = []
+    for seq in got:
+        reason = end_on_token(seq)
+        if reason is not None:
+            wm.abort(seq, reason)
+            finished.append(seq)
+    return finished
+
+
 def step(wm: WorkloadManager, token: int = 7, **overrides: int):
-    """One full engine step: schedule, sample `token` for everyone, update."""
+    """One full engine step: schedule, sample `token` for everyone, update, end what stops."""
     out = wm.schedule()
-    finished = wm.update(out, tokens_for(out, token, **overrides))
-    return out, finished
+    return out, end_what_stops(wm, wm.update(out, tokens_for(out, token, **overrides)))
 
 
 # --- admission -------------------------------------------------------------------------------
@@ -332,7 +346,7 @@ def test_finished_sequence_leaves_at_once_and_frees_its_slot():
     assert wm.schedule().freed_seq_ids == []         # reported once
 
 
-def test_finish_on_max_tokens_inside_update():
+def test_finish_on_max_tokens_in_the_step():
     wm = make_manager()
     a = make_seq(2, max_tokens=3)
     wm.add(a)
@@ -342,14 +356,29 @@ def test_finish_on_max_tokens_inside_update():
     assert wm.num_unfinished == 0
 
 
+def test_update_appends_and_ends_nothing():
+    """Even a stop token or the last allowed token leaves the sequence running until the
+    output processor ends it: the scheduler decides no end."""
+    wm = make_manager()
+    a, b = make_seq(2, max_tokens=1), make_seq(2)
+    wm.add(a)
+    wm.add(b)
+    out = wm.schedule()
+    got = wm.update(out, tokens_for(out, 5, **{b.seq_id: EOS}))
+    assert got == [a, b] and not a.is_finished and not b.is_finished
+    assert ids(wm.running) == ids([a, b]) and b.output_token_ids == [EOS]
+    wm.abort(b, FinishReason.STOP)                   # the output processor's call
+    assert ids(wm.running) == [a.seq_id] and wm.schedule().freed_seq_ids == [b.seq_id]
+
+
 def test_only_sequences_with_a_token_advance():
     wm = make_manager()
     a, b = make_seq(2), make_seq(2)
     wm.add(a)
     wm.add(b)
     out = wm.schedule()
-    wm.update(out, {a.seq_id: 5})                    # b errored / got no token this step
-    assert a.output_token_ids == [5] and b.output_token_ids == []
+    got = wm.update(out, {a.seq_id: 5})              # b errored / got no token this step
+    assert got == [a] and a.output_token_ids == [5] and b.output_token_ids == []
     assert ids(wm.running) == ids([a, b])
 
 
@@ -387,8 +416,8 @@ def test_abort_while_decode_in_flight_ignores_its_token():
     step(wm)
     out = wm.schedule()                              # a decodes in this step...
     wm.abort(a, FinishReason.CANCELLED)              # ...and is cancelled meanwhile
-    finished = wm.update(out, tokens_for(out, 9))
-    assert finished == [] and a.output_token_ids == [7]
+    got = wm.update(out, tokens_for(out, 9))
+    assert got == [] and a.output_token_ids == [7]
     assert a.finish_reason is FinishReason.CANCELLED
     assert wm.schedule().freed_seq_ids == [a.seq_id]
 
@@ -401,8 +430,8 @@ def test_abort_while_prefill_in_flight_is_freed_after_update():
     out = wm.schedule()
     wm.abort(a, FinishReason.CANCELLED)              # in neither queue: its prefill is running
     assert a.is_finished
-    finished = wm.update(out, tokens_for(out))
-    assert finished == [] and a.output_token_ids == []
+    got = wm.update(out, tokens_for(out))
+    assert got == [b] and a.output_token_ids == []
     assert a not in wm.running and ids(wm.running) == [b.seq_id]
     assert wm.num_unfinished == 1
     nxt = wm.schedule()

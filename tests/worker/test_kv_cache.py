@@ -305,6 +305,7 @@ def test_the_scheduler_keeps_the_worker_within_a_tight_budget_by_preemption(shar
     worker never runs out of blocks, and every sequence still gets its solo tokens."""
     from common.protocol import SamplingParams
     from worker.messages import NewSequence
+    from worker.output_processor import end_on_token
     from worker.sequence import Sequence
     from worker.workload_manager import WorkloadManager
 
@@ -329,7 +330,9 @@ def test_the_scheduler_keeps_the_worker_within_a_tight_budget_by_preemption(shar
                      for s in out.prefill],
             decode_seq_ids=[s.seq_id for s in out.decode], free_seq_ids=out.freed_seq_ids))
         assert not res.errors, res.errors
-        wm.update(out, res.token_ids)
+        for seq in wm.update(out, res.token_ids):   # the output processor's part: the ends
+            if (reason := end_on_token(seq)) is not None:
+                wm.abort(seq, reason)
     assert not wm.num_unfinished and wm.stats.num_preemptions >= 1
     assert sum(s.num_preemptions for s in seqs) == wm.stats.num_preemptions
     for s in seqs:
