@@ -129,7 +129,7 @@ def test_a_long_prompts_next_chunks_take_the_budget_of_the_steps_after_it_joined
     wm.add(big)
     out = wm.schedule()                              # chunk 1 of 20 -> 8 tokens
     assert ids(out.prefill) == [big.seq_id] and out.chunks == {}
-    wm.update(out, model_tokens(wm, out))
+    end_what_stops(wm, wm.update(out, model_tokens(wm, out)))
     assert big.output_token_ids == []
     a, b = make_seq(3), make_seq(3)
     wm.add(a)
@@ -138,11 +138,11 @@ def test_a_long_prompts_next_chunks_take_the_budget_of_the_steps_after_it_joined
     assert out.chunks == {big.seq_id: 8}             # one newcomer only (at least one per step)
     assert ids(out.prefill) == [a.seq_id] and ids(out.decode) == [big.seq_id]
     assert out.num_batched_tokens == 8 + 3
-    wm.update(out, model_tokens(wm, out))
+    end_what_stops(wm, wm.update(out, model_tokens(wm, out)))
     out = wm.schedule()                              # the last chunk (4) + a's decode leave 3
     assert out.chunks == {big.seq_id: 4} and ids(out.prefill) == [b.seq_id]
     assert out.num_batched_tokens == 4 + 1 + 3 == 8
-    wm.update(out, model_tokens(wm, out))
+    end_what_stops(wm, wm.update(out, model_tokens(wm, out)))
     assert big.output_token_ids == [7]               # its first token, from the last chunk
     out = wm.schedule()
     assert out.chunks == {} and out.num_batched_tokens == 3
@@ -159,7 +159,7 @@ def test_a_wave_of_newcomers_is_spread_over_steps_while_the_joined_ones_decode()
         assert ids(out.decode) == ids(joined)        # every joined one steps every step
         assert out.num_batched_tokens <= 16
         joined += out.prefill
-        wm.update(out, model_tokens(wm, out))
+        end_what_stops(wm, wm.update(out, model_tokens(wm, out)))
     assert [len(s.output_token_ids) for s in wave] == [4, 4, 4, 4, 3, 3, 3, 2, 2, 1]
 
 
@@ -167,10 +167,10 @@ def test_a_chunked_prompt_leaves_the_count_when_it_is_aborted_or_gets_its_token_
     wm = make_manager(max_num_batched_tokens=8)
     big, other = make_seq(30), make_seq(30)
     wm.add(big)
-    wm.update(out := wm.schedule(), model_tokens(wm, out))
+    end_what_stops(wm, wm.update(out := wm.schedule(), model_tokens(wm, out)))
     wm.abort(big, FinishReason.CANCELLED)
     wm.add(other)
-    wm.update(out := wm.schedule(), model_tokens(wm, out))
+    end_what_stops(wm, wm.update(out := wm.schedule(), model_tokens(wm, out)))
     out = wm.schedule()
     assert out.chunks == {other.seq_id: 8}
     wm.update(out, tokens_for(out))                  # its token came early (a cached prefix)
@@ -190,7 +190,7 @@ def test_a_long_prompt_gets_the_capped_chunk_per_step_while_the_batch_decodes():
     assert out.prompt_chunks == {big.seq_id: 4} and out.num_batched_tokens == 2 + 4
     sizes = []
     while not big.output_token_ids:
-        wm.update(out, model_tokens(wm, out))
+        end_what_stops(wm, wm.update(out, model_tokens(wm, out)))
         out = wm.schedule()
         sizes.append(out.prompt_chunks.get(big.seq_id))
         assert out.num_batched_tokens <= 2 + 4       # every step grows by the cap at most
@@ -203,15 +203,15 @@ def test_a_long_prompt_alone_gets_the_whole_budget_and_the_cap_lifts_when_decode
     wm.add(big)
     out = wm.schedule()
     assert out.first_chunks == {big.seq_id: 16}      # nothing else in the step: no cap
-    wm.update(out, model_tokens(wm, out))
+    end_what_stops(wm, wm.update(out, model_tokens(wm, out)))
     short = make_seq(2, max_tokens=2)
     wm.add(short)                                    # a short one waits: the chunk is capped
     out = wm.schedule()
     assert ids(out.prefill) == [short.seq_id] and out.chunks == {big.seq_id: 4}
-    wm.update(out, model_tokens(wm, out))
+    end_what_stops(wm, wm.update(out, model_tokens(wm, out)))
     out = wm.schedule()                              # short decodes: still capped
     assert out.chunks == {big.seq_id: 4}
-    wm.update(out, model_tokens(wm, out))
+    end_what_stops(wm, wm.update(out, model_tokens(wm, out)))
     assert short.is_finished
     out = wm.schedule()                              # alone again: the rest in one chunk
     assert out.chunks == {big.seq_id: 40 - 16 - 4 - 4}
@@ -241,7 +241,7 @@ def test_a_wave_of_short_prompts_is_not_capped():
     assert out.num_batched_tokens == 1 + 6 * 8
     big = make_seq(9)                                # one more token: long, 2 per step at most
     wm.add(big)
-    wm.update(out, model_tokens(wm, out))
+    end_what_stops(wm, wm.update(out, model_tokens(wm, out)))
     out = wm.schedule()
     assert 1 <= out.first_chunks[big.seq_id] <= 2
 
@@ -265,7 +265,7 @@ def test_a_long_prompts_chunks_shrink_with_the_context_they_attend_over():
             sizes.append(n)
             assert n == 1 or n * (1 + (done + n / 2) / k) <= cap   # its cost fits the cap
             done += n
-        wm.update(out, model_tokens(wm, out))
+        end_what_stops(wm, wm.update(out, model_tokens(wm, out)))
         out = wm.schedule()
     assert sum(sizes) == 60 and sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0]
 
@@ -280,7 +280,7 @@ def test_a_long_prompt_alone_is_weighted_against_the_whole_budget():
         assert n * (1 + (done + n / 2) / 32) <= 64       # not the cap of 8: nothing decodes
         sizes.append(n)
         done += n
-        wm.update(out, model_tokens(wm, out))
+        end_what_stops(wm, wm.update(out, model_tokens(wm, out)))
         out = wm.schedule()
     assert sum(sizes) == 400 and sizes[0] > 8 and sizes[0] > sizes[-2]
 
