@@ -239,6 +239,7 @@ def test_the_worker_computes_the_chunk_the_step_names(sharp_model):
     the worker computes exactly that much per step, and the tokens are the solo run's."""
     from common.protocol import SamplingParams
     from worker.messages import NewSequence
+    from worker.output_processor import end_on_token
     from worker.sequence import Sequence
     from worker.workload_manager import WorkloadManager
 
@@ -264,7 +265,9 @@ def test_the_worker_computes_the_chunk_the_step_names(sharp_model):
         assert not res.errors, res.errors
         if "long" in worker.cache.lengths and not seqs["long"].output_token_ids:
             lengths.append(worker.cache.lengths["long"])
-        wm.update(out, res.token_ids)
+        for seq in wm.update(out, res.token_ids):   # the output processor's part: the ends
+            if (reason := end_on_token(seq)) is not None:
+                wm.abort(seq, reason)
     assert lengths == [8, 16, 24, 32, 40, 45]       # 8 per step beside the decode, then 5
     for sid, seq in seqs.items():
         assert seq.output_token_ids == solo[sid].tokens, sid
