@@ -20,12 +20,14 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import requests
 
 from .efficiency import fraction_for
 from .loadgen import closed_loop, stream_completion
 from .report import best_peer_ratios, summarize
 from .stack import HOST, Proc, Stack, free_port, wait_until
+from common.settings import Settings
 from worker.model_manager import resolve_dtype
 
 PEER_NAMES = ("vllm", "llama-server")
@@ -87,6 +89,15 @@ class LlmqSystem:
     def stop(self) -> None:
         self.stack.stop()
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of each part: the model process (the worker's child), the engine
+        (the Celery worker itself), the API and Redis."""
+        worker = process_cpu(self.stack.worker)
+        model = {k: v for k, v in worker.items() if k != "root"}
+        return {"model": sum(model.values()), "engine": worker.get("root", 0.0),
+                "api": sum(process_cpu(self.stack.api).values()),
+                "redis": sum(process_cpu(self.stack.redis).values())}
+
 
 class ServerPeer:
     """A peer's own OpenAI-compatible server: one process group on a free loopback port, ready
@@ -130,6 +141,36 @@ class ServerPeer:
             self.proc.stop(grace_s=10)
             self.proc = None
 
+    def cpu_seconds(self) -> dict[str, float]:
+        return {"server": sum(process_cpu(self.proc).values())}
+
+
+def process_cpu(proc: Proc | None) -> dict:
+    """CPU seconds (user + system) of a process ("root") and of each living descendant (by
+    pid); {} when it is not running."""
+    if proc is None or proc.proc is None:
+        return {}
+    try:
+        root = psutil.Process(proc.proc.pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return {}
+    out = {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out["root" if p is root else p.pid] = t.user + t.system
+        except psutil.Error:
+            pass
+    return out
+
+
+def cpu_ms_per_token(before: dict, after: dict, tokens: int) -> dict:
+    """Each part's CPU milliseconds per output token over a level (where a served system's
+    time goes: the model's compute against the serving around it), plus their total."""
+    per = {k: round(1000 * (after[k] - before.get(k, 0.0)) / max(1, tokens), 2) for k in after}
+    return {**per, "total": round(sum(per.values()), 2)}
+
 
 def vllm_peer(model_dir: str, workdir: Path, max_num_seqs: int, tokens: int) -> ServerPeer:
     import importlib.util
@@ -151,7 +192,9 @@ def vllm_peer(model_dir: str, workdir: Path, max_num_seqs: int, tokens: int) -> 
 
 
 def llama_server_peer(binary: Path, gguf: str, workdir: Path, slots: int) -> ServerPeer:
-    threads = str(os.cpu_count() or 1)   # as the llama_cpp backend (LLMQ_TORCH_THREADS unset)
+    # The llama_cpp backend's count: LLMQ_TORCH_THREADS, else every core (the same for both, so
+    # a pinned comparison, e.g. LLMQ_TORCH_THREADS=1 on a shared host, stays like for like).
+    threads = str(Settings.from_env().torch_threads or os.cpu_count() or 1)
 
     def argv(port: int) -> list[str]:
         return [str(binary), "-m", gguf, "--host", HOST, "--port", str(port), "-np", str(slots),
@@ -215,16 +258,20 @@ def run_system(system, levels: list[int], prompts: dict[int, list[str]], tokens:
         closed_loop(url, len(warm), warm, hard_limit_s=120, send=stream_completion)
         for c in levels:
             payloads = [completion_payload(model, p, tokens, system.force) for p in prompts[c]]
+            cpu = system.cpu_seconds()
             results, wall, cut = closed_loop(url, c, payloads, level_time_limit,
                                              2 * level_time_limit, send=stream_completion)
             s = summarize(results, wall)
             s.update(concurrency=c, max_tokens=tokens, truncated=cut)
+            s["cpu_ms_per_token"] = cpu_ms_per_token(cpu, system.cpu_seconds(),
+                                                     round((s["tokens_per_s_all"] or 0) * wall))
             s["compute_fraction"] = fraction_for(eff, s["tokens_per_s_all"], system.dtype, c)
             entry["levels"].append(s)
             fail = (f", {s['failures']} failed ({'; '.join(s['failure_examples'])})"
                     if s["failures"] else "")
             progress(f"peers: {system.name} c={c}: {s['tokens_per_s_all']} tok/s, TTFT p50 "
-                     f"{s['ttft_p50_s']} s, ITL p50 {s['itl_p50_s']} s{fail}"
+                     f"{s['ttft_p50_s']} s, ITL p50 {s['itl_p50_s']} s, CPU ms/token "
+                     f"{s['cpu_ms_per_token']}{fail}"
                      f"{' (cut by the time limit)' if cut else ''}")
     except Exception as exc:  # noqa: BLE001 - one system's failure is a row, not the run's end
         entry["error"] = f"{type(exc).__name__}: {exc}"[:500]

@@ -3,6 +3,7 @@ absent is skipped, a peer that runs is started, measured and stopped (a stand-in
 over real loopback HTTP), and the client reads OpenAI's stream as llmq, vLLM and llama-server
 send it."""
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -153,7 +154,31 @@ def test_a_peer_is_started_measured_at_each_level_and_stopped(tmp_path):
     assert [(lv["ok"], lv["completion_tokens"]) for lv in entry["levels"]] == [(2, 12), (8, 48)]
     lv = entry["levels"][1]
     assert lv["compute_fraction"] == pytest.approx(lv["tokens_per_s_all"] / 1000.0, rel=1e-3)
+    # Where the level's CPU went, per output token: the peer is one process.
+    assert set(lv["cpu_ms_per_token"]) == {"server", "total"}
+    assert lv["cpu_ms_per_token"]["total"] == lv["cpu_ms_per_token"]["server"] >= 0
     assert peer.proc is None   # stopped
+
+
+def test_cpu_per_token_is_each_parts_growth_over_the_level_and_their_sum():
+    from bench.peers import cpu_ms_per_token
+
+    before = {"model": 10.0, "engine": 2.0, "api": 1.0}
+    after = {"model": 11.0, "engine": 2.25, "api": 1.5, "redis": 0.05}   # redis: new
+    assert cpu_ms_per_token(before, after, 100) == {
+        "model": 10.0, "engine": 2.5, "api": 5.0, "redis": 0.5, "total": 18.0}
+
+
+def test_llama_server_gets_the_llama_cpp_backends_thread_count(tmp_path, monkeypatch):
+    """Pinned (LLMQ_TORCH_THREADS, as a shared host wants) both sides use the same count."""
+    def threads():
+        argv = llama_server_peer(tmp_path / "s", "m.gguf", tmp_path, 4).argv(1)
+        return argv[argv.index("-t") + 1], argv[argv.index("-tb") + 1]
+
+    monkeypatch.setenv("LLMQ_TORCH_THREADS", "1")
+    assert threads() == ("1", "1")
+    monkeypatch.delenv("LLMQ_TORCH_THREADS")
+    assert threads() == (str(os.cpu_count()),) * 2
 
 
 def test_the_systems_are_llmq_then_the_peers_then_llmqs_other_backends(tmp_path):

@@ -95,6 +95,37 @@ def test_slots_are_freed_and_reused(backend, tok):
     assert len(backend.free_slots) == 4 and not backend.slots and not backend.chains
 
 
+def test_the_batch_goes_to_llama_cpp_in_slot_order(backend, tok, monkeypatch):
+    """llama.cpp cuts a batch into micro-batches of ascending runs of consecutive sequence ids
+    (one KV stream per sequence), each a pass over all the weights: rows out of slot order
+    make one pass per row. Whatever order the engine lists them in, they go in slot order,
+    each sequence's prompt in position order, and the tokens still go to the right sequence."""
+    ids = {sid: tok(p)["input_ids"] for sid, p in
+           [("a", "Once upon a time"), ("b", "The best way to learn Python is"),
+            ("c", "Hello"), ("d", "The capital of France is")]}
+    alone = {sid: run(backend, {sid: v}, 3)[sid] for sid, v in ids.items()}
+    batches = []
+    decode = backend.lib.llama_decode
+
+    def recording(ctx, batch):
+        batches.append([(batch.seq_id[i][0], batch.pos[i]) for i in range(batch.n_tokens)])
+        return decode(ctx, batch)
+
+    monkeypatch.setattr(backend.lib, "llama_decode", recording)
+    out = {sid: [] for sid in ids}
+    joining = [("c", "b", "a"), ("d",), ()]   # newcomers listed out of slot order too
+    for step in range(3):
+        new = [NewSequence(sid, ids[sid], GREEDY) for sid in joining[step]]
+        running = [sid for sid in ("c", "a", "b", "d") if out[sid]]   # not in slot order
+        res = backend.step(StepRequest(prefill=new, decode_seq_ids=running))
+        for sid, t in res.token_ids.items():
+            out[sid].append(t)
+    backend.step(StepRequest(free_seq_ids=list(ids)))
+    assert batches and all(b == sorted(b) for b in batches), batches
+    assert out == {sid: alone[sid][:len(out[sid])] for sid in ids}
+    assert [len(v) for v in out.values()] == [3, 3, 3, 2]
+
+
 def test_a_bad_sequence_fails_alone(backend, tok):
     ok = NewSequence("ok", tok("Hello")["input_ids"], GREEDY)
     too_long = NewSequence("long", [1] * 300, GREEDY)
