@@ -51,3 +51,70 @@ def test_greedy_copies_of_a_prompt_get_the_same_text_as_their_tokens_decode(engi
     assert ja["text"] == jb["text"] == engine.tokenizer.decode(a.output_token_ids,
                                                                skip_special_tokens=True)
     assert engine.executor.num_starts == 1 and engine.executor.pid is None
+
+
+
+def test_sequences_that_come_and_go_leave_nothing_behind_in_the_model(tiny_model_dir):
+    """Per-sequence state lives only while its sequence does: after a cancel mid-prefill (a
+    chunked prompt), mid-decode and while waiting, preemptions by a full KV cache, and ends on
+    a token, every per-sequence container of the engine and the model worker is empty and
+    every KV block is free or parked in the prefix cache (the soak's memory check, in one
+    process and without timing)."""
+    import random
+
+    from worker.engine_core import EngineCore
+    from worker.inprocess_executor import InProcessExecutor
+    from worker.model_manager import ModelManager
+
+    # 1 MiB of KV is 256 blocks of 8 tokens with the tiny model: six 300-token prompts fit
+    # beside a short one, and outgrow the cache as they decode (preemption).
+    settings = Settings(model=tiny_model_dir, device="cpu", dtype="float32", kv_cache_mb=1,
+                        prefix_cache_mb=1, max_num_seqs=8)
+    executor = InProcessExecutor(settings)
+    executor.start()
+    store = SequenceStore(fakeredis.FakeRedis(decode_responses=True))
+    engine = EngineCore("w1", settings, store, executor,
+                        ModelManager(tiny_model_dir).load_tokenizer())
+    engine.scheduler.set_kv_budget(*executor.kv_capacity)   # as start() does
+    worker, cache = executor.backend, executor.backend.cache
+    rng = random.Random(0)
+
+    def admit(sid: str, prompt_len: int, max_tokens: int):
+        store.create([SequenceRequest(
+            seq_id=sid, prompt_token_ids=[rng.randint(3, 900) for _ in range(prompt_len)],
+            params=SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                  temperature=rng.choice([0.0, 0.8])))])
+        return engine.admit(sid)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            engine.step()
+
+    seqs = [admit("short", 5, 12)]
+    steps(2)
+    seqs.append(admit("chunked", 300, 10))   # beside a decode: computed 32 tokens a step
+    steps(3)
+    assert "chunked" in worker.prefilling
+    store.request_cancel("chunked")
+    seqs.append(admit("decoding", 5, 200))
+    steps(3)
+    assert "decoding" in worker.states
+    store.request_cancel("decoding")
+    seqs += [admit(f"long{i}", 300, 60) for i in range(8)]   # six fit; two wait
+    steps(1)
+    store.request_cancel("long7")
+    run(engine, seqs, max_steps=400)
+    engine.step()   # hands the last frees to the model worker
+
+    statuses = {s.seq_id: store.get_job(s.seq_id)["status"] for s in seqs}
+    assert [k for k, v in statuses.items() if v == "cancelled"] == ["chunked", "decoding",
+                                                                    "long7"]
+    assert engine.scheduler.stats.num_preemptions > 0
+    assert (worker.states, worker.prefilling) == ({}, {})
+    assert (cache.tables, cache.lengths, cache._slots) == ({}, {}, {})
+    assert len(cache.pool.free) + cache.prefix.num_parked == cache.num_blocks
+    assert not any(cache.pool.refs)
+    assert engine.output.admitted == {} and not engine.output.pending
+    assert not (engine.scheduler.waiting or engine.scheduler.running
+                or engine.scheduler._prompt_left)
+    executor.stop()
