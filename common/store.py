@@ -234,6 +234,7 @@ def _delta_keys(seq_id: str) -> tuple[str, str, str]:
     """A running sequence's record, events and channel keys, named once, not once per token."""
     return record_key(seq_id), events_key(seq_id), channel(seq_id)
 
+
 def _now() -> float:
     return round(time.time(), 6)
 
