@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -74,9 +75,10 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.state is SequenceState.FINISHED
 
-    @property
+    @functools.cached_property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """Tokens that end this sequence (EOS unless ignored, plus the request's own)."""
+        """Tokens that end this sequence (EOS unless ignored, plus the request's own); made
+        once, since the output processor reads it for every token."""
         eos = () if self.params.ignore_eos else self.eos_token_ids
         return tuple(eos) + tuple(self.params.stop_token_ids)
 
