@@ -14,7 +14,7 @@ from common.protocol import SamplingParams
 from factories import GREEDY, Driver, make_prompts, new_seq, run_batch, run_solo
 from worker.messages import StepRequest
 from worker.model_worker import ModelWorker
-from worker.sampler import Sampler, SamplingState
+from worker.sampler import Sampler, SamplingState, greedy_tokens
 
 N = 20
 
@@ -160,6 +160,23 @@ def test_temperature_zero_is_argmax_even_next_to_sampled_rows():
     want = logits.argmax(-1).tolist()
     for i in (0, 2, 3, 5):
         assert out[i] == want[i]
+
+
+@pytest.mark.parametrize("vocab", [49152, 5000, 3000, 100])
+def test_greedy_tokens_are_torch_argmax_ties_and_nan_included(vocab):
+    """The two-pass argmax picks what torch.argmax picks: the first of equal maxima (also
+    across chunks and in a short last chunk), NaN as the largest, index 0 of an all -inf row."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=gen).to(torch.bfloat16).float()
+    top = float(logits.max()) + 1
+    logits[1, [vocab - 1, vocab // 2, 7]] = top             # ties: the first wins
+    logits[2, [vocab - 1, vocab - 2]] = top                 # in the last columns
+    logits[3, vocab - 1] = top
+    logits[4] = float("-inf")
+    logits[5, [vocab // 3, vocab - 5]] = float("nan")
+    logits[6] = 0.0                                         # all equal
+    assert greedy_tokens(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
+    assert greedy_tokens(logits, chunk=7).tolist() == torch.argmax(logits, dim=-1).tolist()
 
 
 def draws(params_for_seed, logits, n=300) -> set[int]:
