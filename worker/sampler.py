@@ -42,6 +42,16 @@ class SamplingState:
         return self.token_ids[len(self.token_ids) - self.num_output_tokens:]
 
     @property
+    def plain_greedy(self) -> bool:
+        """The next token is the argmax of the raw logits: no sampling, mask, penalty, bias,
+        blocked stop token or logprobs."""
+        p = self.params
+        return (not (p.temperature or 0.0) > 0.0 and not p.structured and p.logprobs is None
+                and not (p.presence_penalty or p.frequency_penalty or p.logit_bias)
+                and p.repetition_penalty in (None, 1.0)
+                and not (self.num_output_tokens < p.min_tokens and self.stop_token_ids))
+
+    @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 
@@ -63,6 +73,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, states: list[SamplingState]
                ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """One token per row, and its logprobs for the rows whose sequence asked for them."""
+        if all(st.plain_greedy for st in states):
+            # Nothing to edit: argmax of the logits as they are (a bf16 -> fp32 copy of a
+            # 64 x 49,152 matrix is a fresh 12 MB every step, ~2% of a decode step on CPU;
+            # the conversion is exact, so the tokens are the same).
+            return greedy_tokens(logits).tolist(), [None] * len(states)
         logits = logits.float()
         self._mask(logits, states)
         # Log-probabilities of the raw distribution (after the grammar mask, which decides what

@@ -179,6 +179,25 @@ def test_greedy_tokens_are_torch_argmax_ties_and_nan_included(vocab):
     assert greedy_tokens(logits, chunk=7).tolist() == torch.argmax(logits, dim=-1).tolist()
 
 
+def test_plain_greedy_rows_take_the_argmax_without_copying_the_logits(monkeypatch):
+    """A batch of plain greedy rows is answered from the logits as they are (bf16 in a bf16
+    model): the same tokens as argmax over fp32, and no fp32 copy of the whole matrix. A row
+    that needs an edit (here min_tokens blocking its stop token) sends the batch the long way."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 3000, generator=gen).to(torch.bfloat16)
+    logits[2, [5, 2999]] = 10.0                              # a tie: the first wins
+    want = torch.argmax(logits.float(), dim=-1).tolist()
+    states = [state(GREEDY) for _ in range(4)]
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "float", lambda self: pytest.fail("the logits were copied"))
+        assert Sampler().sample(logits, states) == (want, [None] * 4)
+    stop = int(want[1])
+    blocked = [state(GREEDY), state(SamplingParams(temperature=0.0, min_tokens=2), stop=[stop])]
+    assert not blocked[1].plain_greedy and blocked[0].plain_greedy
+    out = Sampler()(logits[:2], blocked)
+    assert out[0] == want[0] and out[1] != stop
+
+
 def draws(params_for_seed, logits, n=300) -> set[int]:
     """The tokens sampled from one row of logits under n seeds."""
     return {Sampler()(logits.clone(), [state(params_for_seed(s))])[0] for s in range(n)}
