@@ -2,7 +2,8 @@
 
 32 short sequences alone, then the same 32 beside one long prompt: the median time of a decode
 step of the whole batch, in this process, default model (CPU: 2 threads, packed linears). Used
-to choose the paged attention's layout; run it under an older checkout's PYTHONPATH to compare.
+to choose the paged attention's layout; run it under an older checkout's PYTHONPATH to compare
+(64 rows in bf16: `--short 64 --short-len 150 --dtype bfloat16 --threads 1`).
 """
 from __future__ import annotations
 
@@ -47,11 +48,12 @@ def main() -> None:
     ap.add_argument("--long-len", type=int, default=3000)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)   # 1 on a busy machine
+    ap.add_argument("--dtype", default="float32", help="bfloat16: the default on AVX512-BF16/AMX")
     ap.add_argument("--group-padding", type=float, default=None,
                     help="paged cache only: max padding of a decode group (large: one group)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    worker = ModelWorker.load(Settings.from_env().replace(device="cpu", dtype="float32",
+    worker = ModelWorker.load(Settings.from_env().replace(device="cpu", dtype=args.dtype,
                                                           prefix_cache_mb=0))
     if args.group_padding is not None:
         worker.cache.max_group_padding = args.group_padding

@@ -118,11 +118,12 @@ class PagedKVCache:
 
     def __init__(self, num_blocks: int, block_size: int = 8, max_rows: int = 64,
                  prefix_blocks: int = 0, max_group_padding: float = 0.25,
-                 device: str | torch.device = "cpu"):
+                 max_group_slots: int | None = None, device: str | torch.device = "cpu"):
         self.block_size = block_size
         self.device = torch.device(device)
         self.max_rows = max_rows
         self.max_group_padding = max_group_padding
+        self.max_group_slots = max_group_slots or float("inf")
         self.prefix = PrefixCache(prefix_blocks, block_size)
         self.pool = BlockPool(num_blocks, self.prefix)
         self.k: list[torch.Tensor | None] = []
@@ -238,11 +239,13 @@ class PagedKVCache:
     def _group(self, decodes: list[Row]) -> list[list[Row]]:
         """Decode rows in groups of similar length (padding at most max_group_padding of the
         real tokens), longest first: each group is one padded attention call, so a row's cost
-        follows its own length, not the batch's longest."""
+        follows its own length, not the batch's longest. A group also spans at most
+        max_group_slots slots (rows x longest), so that its gathered keys and values are still
+        in the CPU's cache when its attention reads them (see ModelWorker)."""
         groups: list[list[Row]] = []
         for row in sorted(decodes, key=lambda r: -r.length):
             g = groups[-1] if groups else None
-            if g is not None:
+            if g is not None and g[0].length * (len(g) + 1) <= self.max_group_slots:
                 real = sum(r.length for r in g) + row.length
                 if g[0].length * (len(g) + 1) <= (1 + self.max_group_padding) * real:
                     g.append(row)

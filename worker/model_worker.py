@@ -43,6 +43,7 @@ class ModelWorker:
                                                   * max_num_seqs * info.max_model_len)
         self.cache = PagedKVCache(max(1, budget // block_bytes), block_size, max_num_seqs,
                                   prefix_blocks=prefix_cache_bytes // block_bytes,
+                                  max_group_slots=decode_group_slots(model, self.device),
                                   device=self.device)
         log.info("KV cache: %d blocks of %d tokens (%d MiB)", self.cache.num_blocks, block_size,
                  self.cache.num_blocks * block_bytes >> 20)
@@ -295,6 +296,21 @@ def kv_bytes_per_token(model) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     itemsize = next(model.parameters()).element_size()
     return cfg.num_hidden_layers * 2 * kv_heads * head_dim * itemsize
+
+
+# The keys and values one decode group gathers per layer, on CPU: small enough to stay in a
+# core's L2 until the group's attention reads them back. At 64 rows of ~250 tokens (bf16
+# SmolLM2-135M on the Xeon, one thread, alternated in one process) a step took ~10% less
+# CPU time with groups of 1,024 slots than with one or two groups of all 64 rows.
+DECODE_GROUP_BYTES = 768 << 10
+
+
+def decode_group_slots(model, device: torch.device) -> int | None:
+    """The most slots one decode group may span (None: no limit; on a GPU, larger is better)."""
+    if device.type != "cpu":
+        return None
+    per_layer = kv_bytes_per_token(model) // model.config.get_text_config().num_hidden_layers
+    return max(1, DECODE_GROUP_BYTES // per_layer)
 
 
 def auto_kv_budget(device: torch.device, most_ever: int, fraction: float = 0.4) -> int:

@@ -42,6 +42,16 @@ class SamplingState:
         return self.token_ids[len(self.token_ids) - self.num_output_tokens:]
 
     @property
+    def plain_greedy(self) -> bool:
+        """The next token is the argmax of the raw logits: no sampling, mask, penalty, bias,
+        blocked stop token or logprobs."""
+        p = self.params
+        return (not (p.temperature or 0.0) > 0.0 and not p.structured and p.logprobs is None
+                and not (p.presence_penalty or p.frequency_penalty or p.logit_bias)
+                and p.repetition_penalty in (None, 1.0)
+                and not (self.num_output_tokens < p.min_tokens and self.stop_token_ids))
+
+    @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 
@@ -63,6 +73,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, states: list[SamplingState]
                ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """One token per row, and its logprobs for the rows whose sequence asked for them."""
+        if all(st.plain_greedy for st in states):
+            # Nothing to edit: argmax of the logits as they are (a bf16 -> fp32 copy of a
+            # 64 x 49,152 matrix is a fresh 12 MB every step, ~2% of a decode step on CPU;
+            # the conversion is exact, so the tokens are the same).
+            return greedy_tokens(logits).tolist(), [None] * len(states)
         logits = logits.float()
         self._mask(logits, states)
         # Log-probabilities of the raw distribution (after the grammar mask, which decides what
@@ -91,7 +106,7 @@ class Sampler:
                 blocked[list(st.stop_token_ids)] = float("-inf")
                 if torch.isfinite(blocked).any():   # a finished grammar allows only EOS
                     logits[i] = blocked
-        out = torch.argmax(logits, dim=-1)
+        out = greedy_tokens(logits)
         sampled = [i for i, st in enumerate(states) if (st.params.temperature or 0.0) > 0.0]
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
@@ -164,6 +179,25 @@ class Sampler:
             min_p = torch.tensor(mps, device=dev).unsqueeze(1)
             probs = torch.where(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
         return probs
+
+
+def greedy_tokens(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1), the same indices (the first of equal maxima, NaN counting
+    as the largest), found in two passes: the maximum of each chunk of `chunk` columns, then
+    argmax within each row's first chunk holding the row's maximum. On CPU, argmax over a
+    64 x 49,152 matrix ran at about 200 M values/s (16 ms, 5% of a 64-row bf16 decode step on
+    the Xeon, one thread) while amax is vectorised (0.7 ms); the two passes took 0.9 ms."""
+    rows, vocab = logits.shape
+    if vocab < 2 * chunk:
+        return torch.argmax(logits, dim=-1)
+    full = vocab // chunk * chunk
+    best = logits[:, :full].unflatten(-1, (full // chunk, chunk)).amax(-1)
+    if full < vocab:   # the short last chunk
+        best = torch.cat([best, logits[:, full:].amax(-1, keepdim=True)], dim=1)
+    start = torch.argmax(best, dim=-1) * chunk
+    # Columns past the vocabulary repeat its last one: later than the real one, never first.
+    cols = (start[:, None] + torch.arange(chunk, device=logits.device)).clamp_(max=vocab - 1)
+    return start + torch.argmax(logits.gather(1, cols), dim=-1)
 
 
 def token_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from factories import Driver, compare_to_solo, make_prompts, new_seq, recording, solo_references
 from worker.kv_cache import KVCacheFull, PagedKVCache
 from worker.messages import StepRequest
-from worker.model_worker import ModelWorker, kv_bytes_per_token
+from worker.model_worker import (DECODE_GROUP_BYTES, ModelWorker, decode_group_slots,
+                                 kv_bytes_per_token)
 from worker.paged_attention import paged_attention_forward
 
 BS = 4          # tokens per block in the unit tests
@@ -122,15 +123,11 @@ def reference(q, k, v, past_k, past_v, scale):
                                           scale=scale)[0].transpose(0, 1)   # [n, heads, d]
 
 
-def test_paged_attention_equals_each_rows_own_attention():
-    """Decode rows of very different lengths, a prefill from scratch and a prefill chunk over
-    a cached past, in one pass: each row's output equals its attention computed alone."""
-    torch.manual_seed(0)
-    heads, kv_heads, dim, scale = 6, 2, 8, 0.3
-    cache = PagedKVCache(num_blocks=200, block_size=BS, max_group_padding=0.25)
-    past = {"d1": 3, "d2": 50, "d3": 20, "d4": 21, "chunk": 9}
+def fill(cache, past: dict[str, int], heads: int, kv_heads: int, dim: int, scale: float) -> dict:
+    """Adds the sequences and writes `n` random keys and values of each through the attention
+    function itself; returns them by sequence."""
     stored = {}
-    for sid, n in past.items():   # fill the pool through the attention function itself
+    for sid, n in past.items():
         cache.add(sid)
         plan = cache.plan([(sid, n)])
         k, v = torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
@@ -138,28 +135,72 @@ def test_paged_attention_equals_each_rows_own_attention():
                                 scaling=scale, kv_plan=plan)
         cache.commit(plan)
         stored[sid] = (k[0], v[0])
+    return stored
+
+
+def check_rows(plan, q, k, v, stored: dict, new: dict[str, int], scale: float) -> None:
+    """The pass over `plan` gives each row its own attention (the pass's tokens in plan order)."""
+    out, _ = paged_attention_forward(FakeAttention(), q, k, v, None, scaling=scale, kv_plan=plan)
+    assert out.shape == (1, q.shape[2], q.shape[1], q.shape[3])
+    start = 0
+    for row in plan.rows:
+        n = new[row.seq_id]
+        pk, pv = stored.get(row.seq_id, (torch.zeros(k.shape[1], 0, k.shape[3]),) * 2)
+        want = reference(q[0, :, start:start + n], k[0, :, start:start + n],
+                         v[0, :, start:start + n], pk, pv, scale)
+        torch.testing.assert_close(out[0, start:start + n], want, rtol=1e-5, atol=1e-5)
+        start += n
+
+
+def test_paged_attention_equals_each_rows_own_attention():
+    """Decode rows of very different lengths, a prefill from scratch and a prefill chunk over
+    a cached past, in one pass: each row's output equals its attention computed alone."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, scale = 6, 2, 8, 0.3
+    cache = PagedKVCache(num_blocks=200, block_size=BS, max_group_padding=0.25)
+    past = {"d1": 3, "d2": 50, "d3": 20, "d4": 21, "chunk": 9}
+    stored = fill(cache, past, heads, kv_heads, dim, scale)
     cache.add("fresh")
     new = {"d1": 1, "d2": 1, "fresh": 5, "d3": 1, "chunk": 6, "d4": 1}
     plan = cache.plan(list(new.items()))
     total = sum(new.values())
     q = torch.randn(1, heads, total, dim)
     k, v = torch.randn(1, kv_heads, total, dim), torch.randn(1, kv_heads, total, dim)
-    out, _ = paged_attention_forward(FakeAttention(), q, k, v, None, scaling=scale, kv_plan=plan)
-    assert out.shape == (1, total, heads, dim)
-    start = 0
-    for row in plan.rows:   # the pass's tokens are in plan order
-        n = new[row.seq_id]
-        pk, pv = stored.get(row.seq_id, (torch.zeros(kv_heads, 0, dim),) * 2)
-        want = reference(q[0, :, start:start + n], k[0, :, start:start + n],
-                         v[0, :, start:start + n], pk, pv, scale)
-        torch.testing.assert_close(out[0, start:start + n], want, rtol=1e-5, atol=1e-5)
-        start += n
+    check_rows(plan, q, k, v, stored, new, scale)
     assert [len(g.slots) for g in plan.decode_groups] == [1, 2, 1]
     assert len(plan.prefill_rows) == 2
     # Both ways of reading a row's keys were used: a slice of consecutive blocks (d2's, alone
     # in its group; fresh's) and a gather (the others).
     assert plan.decode_groups[0].first_slot == cache.tables["d2"][0] * BS
     assert [r.first_slot is not None for _t, r in plan.prefill_rows] == [True, False]
+
+
+def test_decode_groups_span_at_most_max_group_slots():
+    """Rows of one length are split into groups of at most max_group_slots slots (rows x
+    longest: the keys and values one attention call gathers), and each row still gets its own
+    attention. Without the limit they are one group."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, scale = 4, 2, 8, 0.5
+    past = {f"r{i}": 20 for i in range(7)}
+    for limit, sizes in ((70, [3, 3, 1]), (None, [7])):
+        cache = PagedKVCache(num_blocks=100, block_size=BS, max_group_slots=limit)
+        stored = fill(cache, past, heads, kv_heads, dim, scale)
+        plan = cache.plan([(sid, 1) for sid in past])
+        assert [len(g.slots) for g in plan.decode_groups] == sizes
+        assert all(g.slots.numel() <= (limit or 7 * 21) for g in plan.decode_groups)
+        q = torch.randn(1, heads, 7, dim)
+        k, v = torch.randn(1, kv_heads, 7, dim), torch.randn(1, kv_heads, 7, dim)
+        check_rows(plan, q, k, v, stored, dict.fromkeys(past, 1), scale)
+
+
+def test_a_cpu_worker_limits_decode_groups_to_a_cache_sized_gather(tiny_model):
+    """On CPU the worker caps a decode group's gathered keys and values per layer near
+    DECODE_GROUP_BYTES; a 1-slot row always fits."""
+    model, info = tiny_model
+    worker = ModelWorker(model, info, 4)
+    per_layer = kv_bytes_per_token(model) // model.config.num_hidden_layers
+    assert worker.cache.max_group_slots == DECODE_GROUP_BYTES // per_layer
+    assert decode_group_slots(model, torch.device("meta")) is None   # not a CPU: no limit
 
 
 # --- through a real ModelWorker ------------------------------------------------------------------

@@ -14,7 +14,7 @@ from common.protocol import SamplingParams
 from factories import GREEDY, Driver, make_prompts, new_seq, run_batch, run_solo
 from worker.messages import StepRequest
 from worker.model_worker import ModelWorker
-from worker.sampler import Sampler, SamplingState
+from worker.sampler import Sampler, SamplingState, greedy_tokens
 
 N = 20
 
@@ -160,6 +160,42 @@ def test_temperature_zero_is_argmax_even_next_to_sampled_rows():
     want = logits.argmax(-1).tolist()
     for i in (0, 2, 3, 5):
         assert out[i] == want[i]
+
+
+@pytest.mark.parametrize("vocab", [49152, 5000, 3000, 100])
+def test_greedy_tokens_are_torch_argmax_ties_and_nan_included(vocab):
+    """The two-pass argmax picks what torch.argmax picks: the first of equal maxima (also
+    across chunks and in a short last chunk), NaN as the largest, index 0 of an all -inf row."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=gen).to(torch.bfloat16).float()
+    top = float(logits.max()) + 1
+    logits[1, [vocab - 1, vocab // 2, 7]] = top             # ties: the first wins
+    logits[2, [vocab - 1, vocab - 2]] = top                 # in the last columns
+    logits[3, vocab - 1] = top
+    logits[4] = float("-inf")
+    logits[5, [vocab // 3, vocab - 5]] = float("nan")
+    logits[6] = 0.0                                         # all equal
+    assert greedy_tokens(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
+    assert greedy_tokens(logits, chunk=7).tolist() == torch.argmax(logits, dim=-1).tolist()
+
+
+def test_plain_greedy_rows_take_the_argmax_without_copying_the_logits(monkeypatch):
+    """A batch of plain greedy rows is answered from the logits as they are (bf16 in a bf16
+    model): the same tokens as argmax over fp32, and no fp32 copy of the whole matrix. A row
+    that needs an edit (here min_tokens blocking its stop token) sends the batch the long way."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 3000, generator=gen).to(torch.bfloat16)
+    logits[2, [5, 2999]] = 10.0                              # a tie: the first wins
+    want = torch.argmax(logits.float(), dim=-1).tolist()
+    states = [state(GREEDY) for _ in range(4)]
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "float", lambda self: pytest.fail("the logits were copied"))
+        assert Sampler().sample(logits, states) == (want, [None] * 4)
+    stop = int(want[1])
+    blocked = [state(GREEDY), state(SamplingParams(temperature=0.0, min_tokens=2), stop=[stop])]
+    assert not blocked[1].plain_greedy and blocked[0].plain_greedy
+    out = Sampler()(logits[:2], blocked)
+    assert out[0] == want[0] and out[1] != stop
 
 
 def draws(params_for_seed, logits, n=300) -> set[int]:
