@@ -63,7 +63,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
             o = F.scaled_dot_product_attention(qr, k, v, is_causal=True, scale=scaling,
                                                enable_gqa=rep > 1)
         else:
-            o = chunk_attention(qr, k, v, r.num_past, scaling)
+            o = chunk_attention(qr, k, v, r, scaling)
         out[start:start + r.num_new] = o[0].transpose(0, 1)
     return out[None], None
 
@@ -76,22 +76,20 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
 GROUPED_CHUNK_TOKENS = 8
 
 
-def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int,
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row,
                     scale: float | None = None) -> torch.Tensor:
-    """q [1, heads, n, dim]: a chunk's queries after num_past cached tokens; k, v [1, kv heads,
-    num_past + n, dim]. Query i (at position num_past + i) sees keys 0..num_past + i. Returns
-    [1, heads, n, dim], the same sums either layout."""
+    """q [1, heads, n, dim]: the queries of a row's chunk of n tokens after its cached past;
+    k, v [1, kv heads, length, dim]: all the row's keys and values (a kv_cache.Row: its masks
+    are made once per pass). Returns [1, heads, n, dim], the same sums either layout."""
     heads, n, dim = q.shape[1:]
-    kv_heads, length = k.shape[1:3]
+    kv_heads = k.shape[1]
     rep = heads // kv_heads
-    cols = torch.arange(length, device=q.device)
-    mask = cols[None, :] <= torch.arange(num_past, num_past + n, device=q.device)[:, None]
     if rep == 1 or n > GROUPED_CHUNK_TOKENS:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                              enable_gqa=rep > 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=row.chunk_mask(q.dtype),
+                                              scale=scale, enable_gqa=rep > 1)
     # Query head h uses kv head h // rep (repeat_interleave's order): heads [kv, rep] -> rows.
     o = F.scaled_dot_product_attention(q.reshape(1, kv_heads, rep * n, dim), k, v,
-                                       attn_mask=mask.repeat(rep, 1), scale=scale)
+                                       attn_mask=row.chunk_mask(q.dtype, rep), scale=scale)
     return o.view(1, heads, n, dim)
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from factories import Driver, compare_to_solo, make_prompts, new_seq, recording, solo_references
-from worker.kv_cache import KVCacheFull, PagedKVCache
+from worker.kv_cache import KVCacheFull, PagedKVCache, Row
 from worker.messages import StepRequest
 from worker.model_worker import ModelWorker, kv_bytes_per_token
 from worker.paged_attention import GROUPED_CHUNK_TOKENS, chunk_attention, paged_attention_forward
@@ -171,7 +171,7 @@ def test_a_chunk_over_a_long_past_attends_as_each_head_alone(n, dtype):
     heads, kv_heads, dim, past, scale = 9, 3, 16, 300, 0.25
     q = torch.randn(1, heads, n, dim, dtype=dtype)
     k, v = (torch.randn(1, kv_heads, past + n, dim, dtype=dtype) for _ in range(2))
-    got = chunk_attention(q, k, v, past, scale)
+    got = chunk_attention(q, k, v, Row("r", past, n, torch.arange(past + n)), scale)
     want = reference(q[0].float(), k[0, :, past:].float(), v[0, :, past:].float(),
                      k[0, :, :past].float(), v[0, :, :past].float(), scale)
     assert got.shape == (1, heads, n, dim) and got.dtype == dtype
