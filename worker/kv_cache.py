@@ -72,10 +72,24 @@ class Row:
     num_new: int
     slots: torch.Tensor       # [num_past + num_new] the pool slots of all its tokens, in order
     first_slot: int | None = None   # set when the slots are consecutive: read a view, no gather
+    _masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def length(self) -> int:
         return self.num_past + self.num_new
+
+    def chunk_mask(self, dtype: torch.dtype, rep: int = 1) -> torch.Tensor:
+        """[rep x num_new, length] additive mask of the new tokens over all the row's tokens
+        (query i, at position num_past + i, sees keys 0..num_past + i), the rows repeated
+        `rep` times for query heads grouped by kv head. Made once per pass, not once per
+        layer: a boolean mask is converted by SDPA on every call."""
+        if (dtype, rep) not in self._masks:
+            cols = torch.arange(self.length, device=self.slots.device)
+            rows = torch.arange(self.num_past, self.length, device=self.slots.device)
+            hidden = cols[None, :] > rows[:, None]
+            mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+            self._masks[dtype, rep] = mask.masked_fill_(hidden, float("-inf")).repeat(rep, 1)
+        return self._masks[dtype, rep]
 
 
 @dataclass

@@ -9,8 +9,8 @@ import pytest
 from common.protocol import FinishReason
 from worker.output_processor import end_on_token
 from worker.sequence import SequenceState
-from worker.workload_manager import (POLICIES, ContinuousBatching, SchedulerOutput,
-                                     StaticBatching, WorkloadManager)
+from worker.workload_manager import (CHUNK_READ_COST, POLICIES, ContinuousBatching,
+                                     SchedulerOutput, StaticBatching, WorkloadManager)
 
 from .factories import EOS, ids, make_manager, make_seq, tokens_for
 
@@ -258,16 +258,48 @@ def test_a_long_prompts_chunks_shrink_with_the_context_they_attend_over():
     out = wm.schedule()
     assert out.first_chunks[big.seq_id] < cap        # its own causal attention counts too
     assert short.seq_id not in out.prompt_chunks     # a prompt at the cap goes whole
-    sizes, done = [], 0
-    while not big.output_token_ids:
-        n = out.prompt_chunks.get(big.seq_id)
+    per_token = []
+    for done, n in paced_chunks(wm, out, big):
         if n:
-            sizes.append(n)
-            assert n == 1 or n * (1 + (done + n / 2) / k) <= cap   # its cost fits the cap
-            done += n
+            per_token.append(n * (1 + (done + n / 2) / k) / n)
+    assert per_token == sorted(per_token)            # each token costs more, deeper in
+
+
+def paced_chunks(wm, out, seq) -> list[tuple[int, int]]:
+    """(tokens computed before, chunk) of each step until `seq` has its first token."""
+    steps, done = [], 0
+    while not seq.output_token_ids:
+        n = out.prompt_chunks.get(seq.seq_id, 0)
+        steps.append((done, n))
+        done += n
         end_what_stops(wm, wm.update(out, model_tokens(wm, out)))
         out = wm.schedule()
-    assert sum(sizes) == 60 and sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0]
+    assert done == seq.num_prompt_tokens
+    return steps
+
+
+def test_deep_into_a_long_prompt_a_chunk_comes_every_few_steps_at_the_caps_average_cost():
+    """Any chunk reads its whole context once: deep in, that alone costs more than a step's
+    cap, so the prompt gets a chunk only every few steps, and the decodes' steps carry the cap
+    on average, not one deep chunk each."""
+    k, cap = 8, 8
+    wm = make_manager(max_num_batched_tokens=64, long_prefill_tokens=cap, attention_context=k)
+    running = make_seq(2, max_tokens=500)
+    wm.add(running)
+    step(wm)
+    big = make_seq(60)
+    wm.add(big)
+    steps = paced_chunks(wm, wm.schedule(), big)
+    read = lambda done: CHUNK_READ_COST * done / k                      # noqa: E731
+    cost = lambda done, n: n * (1 + (done + n / 2) / k) + read(done)    # noqa: E731
+    spent = 0.0
+    for i, (done, n) in enumerate(steps, 1):
+        spent += cost(done, n) if n else 0.0
+        assert spent <= cap * i + 1e-9                  # never more than the cap a step
+        if n and done and i < len(steps):               # (the last is what the prompt has left)
+            assert cost(done, n + 1) > 2 * read(done)   # it waited to earn twice its reading
+    gaps = [n for _d, n in steps[1:]]
+    assert 0 in gaps and len(steps) > 2 * sum(1 for n in gaps if n)   # mostly steps without
 
 
 def test_a_long_prompt_alone_is_weighted_against_the_whole_budget():

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from factories import Driver, compare_to_solo, make_prompts, new_seq, recording, solo_references
-from worker.kv_cache import KVCacheFull, PagedKVCache
+from worker.kv_cache import KVCacheFull, PagedKVCache, Row
 from worker.messages import StepRequest
 from worker.model_worker import (DECODE_GROUP_BYTES, ModelWorker, decode_group_slots,
                                  kv_bytes_per_token)
-from worker.paged_attention import paged_attention_forward
+from worker.paged_attention import GROUPED_CHUNK_TOKENS, chunk_attention, paged_attention_forward
 
 BS = 4          # tokens per block in the unit tests
 LOGIT_TOL = 1e-4
@@ -201,6 +201,23 @@ def test_a_cpu_worker_limits_decode_groups_to_a_cache_sized_gather(tiny_model):
     per_layer = kv_bytes_per_token(model) // model.config.num_hidden_layers
     assert worker.cache.max_group_slots == DECODE_GROUP_BYTES // per_layer
     assert decode_group_slots(model, torch.device("meta")) is None   # not a CPU: no limit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 3, GROUPED_CHUNK_TOKENS, GROUPED_CHUNK_TOKENS + 1, 20])
+def test_a_chunk_over_a_long_past_attends_as_each_head_alone(n, dtype):
+    """Both layouts of a chunk's attention (query heads grouped by kv head for small chunks,
+    per head for bigger ones) give each head's own causal attention over past and chunk."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, past, scale = 9, 3, 16, 300, 0.25
+    q = torch.randn(1, heads, n, dim, dtype=dtype)
+    k, v = (torch.randn(1, kv_heads, past + n, dim, dtype=dtype) for _ in range(2))
+    got = chunk_attention(q, k, v, Row("r", past, n, torch.arange(past + n)), scale)
+    want = reference(q[0].float(), k[0, :, past:].float(), v[0, :, past:].float(),
+                     k[0, :, :past].float(), v[0, :, :past].float(), scale)
+    assert got.shape == (1, heads, n, dim) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[0].transpose(0, 1).float(), want, rtol=tol, atol=tol)
 
 
 # --- through a real ModelWorker ------------------------------------------------------------------
