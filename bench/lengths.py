@@ -17,14 +17,19 @@ LONG_TEXT = ("The history of the lighthouse begins with fires lit on hilltops to
 
 
 def long_prompt(tokenizer, num_tokens: int) -> str:
-    """About num_tokens tokens of plain text, ending with a question. Decoded and encoded
+    """About num_tokens tokens of plain text, ending with a question, sharing no first token
+    with another size's (so no cached prefix either). Decoded and encoded
     again, repeated text merges across the joins (8,000 ids gave 7,750 tokens): the body is
     grown by what is missing until the prompt is within 16 tokens of the size."""
     ids = tokenizer(LONG_TEXT, add_special_tokens=False)["input_ids"]
     want = num_tokens - 16
+    # Each size begins with its own first token: the 8,000-token prompt otherwise began with
+    # the 3,000-token one, whose blocks the prefix cache still held, so its prefill started
+    # 3,000 tokens deep and the phase measured a 5,000-token prefill of deep chunks.
+    lead = f"{num_tokens}: "
     for _ in range(4):
         body = (ids * (want // len(ids) + 1))[:want]
-        text = tokenizer.decode(body) + "\nWhat is this text about?"
+        text = lead + tokenizer.decode(body) + "\nWhat is this text about?"
         got = len(tokenizer(text)["input_ids"])
         if abs(got - num_tokens) <= 16:
             break

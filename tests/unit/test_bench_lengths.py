@@ -3,7 +3,7 @@ target is read against, and its targets."""
 from __future__ import annotations
 
 from bench.bench import parse_args
-from bench.lengths import kv_bytes_per_token
+from bench.lengths import kv_bytes_per_token, long_prompt
 from bench.report import lengths_targets
 
 
@@ -32,3 +32,22 @@ def test_each_long_prompt_gets_its_latency_and_memory_target():
         "lengths: model RSS growth beside 1 x 3000 <= 1.25 x its KV bytes": True,
         "lengths: short p50 beside 1 x 8000 tokens <= 1.5 x alone": False,
         "lengths: model RSS growth beside 1 x 8000 <= 1.25 x its KV bytes": None}
+
+
+class _Chars:
+    """A tokenizer of one id per character: enough for long_prompt's sizing loop."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+def test_long_prompts_of_two_sizes_share_no_cached_prefix():
+    """The phase runs 3,000 then 8,000 on one stack: had they begun alike, the prefix cache
+    would have started the 8,000-token prefill 3,000 tokens deep."""
+    tok = _Chars()
+    a, b = (tok(long_prompt(tok, n))["input_ids"] for n in (3000, 8000))
+    assert abs(len(a) - 3000) <= 16 and abs(len(b) - 8000) <= 16
+    assert a[0] != b[0]
