@@ -242,7 +242,9 @@ def test_prompt_logprobs_beside_c_sampling(backend, tok):
 
 @pytest.fixture
 def decodes(backend, monkeypatch) -> list[int]:
-    """The batch sizes of the llama_decode calls made from here on."""
+    """The batch sizes of the llama_decode calls made from here on (running ahead allowed,
+    whatever LLMQ_RUN_AHEAD=auto says about this host's cores)."""
+    monkeypatch.setattr(backend, "runs_ahead", True)
     calls: list[int] = []
     decode = backend.lib.llama_decode
 
@@ -317,3 +319,13 @@ def test_no_running_ahead_beside_others_nor_past_the_end(backend, tok, decodes):
     backend.step(StepRequest(free_seq_ids=["d"]))
     assert last.token_ids["c"] is not None and len(decodes) == made + 1   # d's prefill only
     assert backend.ahead is None
+
+
+def test_running_ahead_waits_for_a_core_left_to_the_serving_stack(monkeypatch):
+    """`auto` runs ahead only when llama.cpp's threads leave a core over: without one, the
+    engine's turn would take a core from a llama.cpp thread mid-decode."""
+    from worker.backends.llama_cpp_backend import _runs_ahead
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert _runs_ahead("auto", 1) and not _runs_ahead("auto", 2)
+    assert _runs_ahead("on", 2) and not _runs_ahead("off", 1)

@@ -11,7 +11,8 @@ llmq's own `Sampler`, as on the transformers backend.
 
 A lone running sequence is decoded one token ahead (`run_ahead`, called by the model process
 once a step's result is sent): its next token is ready when the engine asks for it, so the
-engine's turn (pipe, update, schedule) overlaps the model instead of following it.
+engine's turn (pipe, update, schedule) overlaps the model instead of following it
+(LLMQ_RUN_AHEAD).
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ NONE, PROMPT, SAMPLE = 0, 1, 2   # what a batch row's logits are for
 class LlamaCppBackend:
     """Runs llmq steps as llama_decode calls over one multi-sequence llama.cpp context."""
 
-    def __init__(self, lib, model, ctx, info: ModelInfo, max_num_seqs: int, n_batch: int):
+    def __init__(self, lib, model, ctx, info: ModelInfo, max_num_seqs: int, n_batch: int,
+                 runs_ahead: bool = True):
         self.lib = lib
         self.model = model
         self.ctx = ctx
@@ -56,6 +58,7 @@ class LlamaCppBackend:
         self.positions: dict[str, int] = {}     # seq_id -> tokens in its KV cache
         self.states: dict[str, SamplingState] = {}
         self.chains: dict[str, ChainSampler] = {}   # the sequences sampled in C
+        self.runs_ahead = runs_ahead
         self.ahead: _Ahead | None = None   # a token decoded before it was asked for
         # logits copied out for llmq's Sampler, one row per sequence that needs them
         self.rows = np.empty((max_num_seqs, info.vocab_size), dtype=np.float32)
@@ -110,7 +113,8 @@ class LlamaCppBackend:
             generation_defaults=generation_defaults(mm.generation_config()))
         log.info("llama.cpp loaded %s: %d sequences x %d tokens of context, %d threads",
                  path, settings.max_num_seqs, per_seq, threads)
-        backend = cls(lib, model, ctx, info, settings.max_num_seqs, n_batch)
+        backend = cls(lib, model, ctx, info, settings.max_num_seqs, n_batch,
+                      _runs_ahead(settings.run_ahead, threads))
         backend.tokenizer = tok
         return backend
 
@@ -189,8 +193,9 @@ class LlamaCppBackend:
         it, as vLLM's async scheduling does. Not with more sequences: there the batch changes
         often, a token run ahead for a sequence that leaves is a wasted pass over the weights,
         and a newcomer's prefill could no longer share the decode's pass. Nor for a sequence
-        sampled by llmq's Sampler (its state is not rewound), or one whose last token ends it."""
-        if self.ahead is not None or len(self.slots) != 1:
+        sampled by llmq's Sampler (its state is not rewound), or one whose last token ends it;
+        nor when LLMQ_RUN_AHEAD says not to (see _runs_ahead)."""
+        if not self.runs_ahead or self.ahead is not None or len(self.slots) != 1:
             return
         (sid,) = self.slots
         chain, st = self.chains.get(sid), self.states[sid]
@@ -335,6 +340,15 @@ class _Argmax:
                                         shape=(len(out), b.info.vocab_size))
             self.best = dict(zip(out, buf.argmax(axis=1).tolist()))
         return self.best[row]
+
+
+def _runs_ahead(setting: str, threads: int) -> bool:
+    """LLMQ_RUN_AHEAD: `auto` runs ahead when llama.cpp's threads leave a core to the serving
+    stack. Running ahead overlaps the engine's turn with the decode; without a core of its own
+    that turn only takes one from a llama.cpp thread, and the others wait at its barriers."""
+    if setting != "auto":
+        return setting == "on"
+    return threads < len(os.sched_getaffinity(0))
 
 
 def _gguf_type(path: str) -> str:
