@@ -34,6 +34,7 @@ _CHOICES = (
     ("batch_policy", "LLMQ_BATCH_POLICY", ("continuous", "static")),
     ("backend", "LLMQ_BACKEND", ("transformers", "llama_cpp", "vllm")),
     ("dtype", "LLMQ_DTYPE", ("auto", "float32", "bfloat16", "float16")),
+    ("run_ahead", "LLMQ_RUN_AHEAD", ("auto", "on", "off")),
     ("test_stall_at", "LLMQ_TEST_STALL_AT", ("", "received", "handback")),
 )
 # Counts and sizes that must be >= 0 (field, variable); those that must be >= 1 follow.
@@ -102,6 +103,8 @@ class Settings:
     # A prompt token at this much context counts as two in a chunk's size (0 = one each).
     prefill_attention_context: int = 1024
     batch_policy: str = "continuous"   # continuous | static
+    # llama_cpp: decode a lone sequence's next token ahead (auto: when a core is left over)
+    run_ahead: str = "auto"
     # Redis record keeping.
     result_ttl_s: int = 24 * 3600
     pending_ttl_s: int = 7 * 24 * 3600
@@ -222,6 +225,7 @@ class Settings:
             prefill_attention_context=_int("LLMQ_PREFILL_ATTENTION_CONTEXT",
                                            d.prefill_attention_context),
             batch_policy=_env("LLMQ_BATCH_POLICY", d.batch_policy),
+            run_ahead=_env("LLMQ_RUN_AHEAD", d.run_ahead),
             result_ttl_s=_int("LLMQ_RESULT_TTL", d.result_ttl_s),
             stream_maxlen=_int("LLMQ_STREAM_MAXLEN", d.stream_maxlen),
             queue=_env("LLMQ_QUEUE", d.queue),

@@ -365,6 +365,8 @@ def main(conn, settings) -> None:
         return
     blocks, block_size = getattr(worker, "kv_capacity", (0, 0))
     conn.send_bytes(messages.encode(Ready(worker.info, blocks, block_size)))
+    # A backend that can decode ahead does so while the engine takes its turn (llama_cpp).
+    run_ahead = getattr(worker, "run_ahead", None)
     while True:
         try:
             msg = messages.decode(conn.recv_bytes())
@@ -379,3 +381,9 @@ def main(conn, settings) -> None:
             conn.send_bytes(messages.encode(RuntimeError(f"{type(exc).__name__}: {exc}")))
             return
         conn.send_bytes(messages.encode(result))
+        if run_ahead is not None:
+            try:
+                run_ahead()
+            except Exception:  # noqa: BLE001 - as a broken step: exit, the executor restarts us
+                log.exception("running ahead failed")
+                return

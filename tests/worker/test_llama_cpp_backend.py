@@ -238,3 +238,94 @@ def test_prompt_logprobs_beside_c_sampling(backend, tok):
     lps = scored.prompt_logprobs["q"]
     assert len(lps) == len(ids) - 1 and all(lp.rank >= 1 and len(lp.top_ids) == 1 for lp in lps)
     assert scored.token_ids["q"] == plain.token_ids["p"]
+
+
+@pytest.fixture
+def decodes(backend, monkeypatch) -> list[int]:
+    """The batch sizes of the llama_decode calls made from here on (running ahead allowed,
+    whatever LLMQ_RUN_AHEAD=auto says about this host's cores)."""
+    monkeypatch.setattr(backend, "runs_ahead", True)
+    calls: list[int] = []
+    decode = backend.lib.llama_decode
+
+    def counting(ctx, batch):
+        calls.append(batch.n_tokens)
+        return decode(ctx, batch)
+
+    monkeypatch.setattr(backend.lib, "llama_decode", counting)
+    return calls
+
+
+def _run_ahead(backend, decodes, ids, params, stops, n, held_back=()) -> tuple[list, list]:
+    """A lone sequence as the model process runs it: `run_ahead` after every step. At the
+    output counts in `held_back` the next step does not decode it (as when the engine
+    preempts or holds it back), so the token run ahead must be taken back. Returns its tokens
+    and the llama_decode calls made by each step that decoded it."""
+    sid = "ahead"
+    res = backend.step(StepRequest(prefill=[NewSequence(sid, ids, params, stop_token_ids=stops)]))
+    toks, calls = [res.token_ids[sid]], []
+    held = list(held_back)
+    while len(toks) < n:
+        backend.run_ahead()
+        if len(toks) in held:
+            held.remove(len(toks))
+            assert sid not in backend.step(StepRequest()).token_ids
+            # the cell run ahead is gone: the KV cache ends at the last token asked for
+            kv_end = backend.lib.llama_memory_seq_pos_max(backend.mem, backend.slots[sid])
+            assert kv_end == backend.positions[sid] - 1
+            continue
+        made = len(decodes)
+        toks.append(backend.step(StepRequest(decode_seq_ids=[sid])).token_ids[sid])
+        calls.append(len(decodes) - made)
+    backend.step(StepRequest(free_seq_ids=[sid]))
+    return toks, calls
+
+
+@pytest.mark.parametrize("params", [
+    GREEDY, SamplingParams(temperature=1.0, seed=5)], ids=["greedy", "seeded"])
+def test_a_lone_sequence_is_decoded_ahead_of_the_step_that_asks(backend, tok, decodes, params):
+    """Run ahead, a lone sequence's next token is ready when its step comes: that step makes
+    no llama_decode call, and the tokens are those of the plain steps."""
+    ids = tok("The capital of France is")["input_ids"]
+    plain = _run_with_stops(backend, ids, params, (), 6)
+    ahead, calls = _run_ahead(backend, decodes, ids, params, (), 6)
+    assert ahead == plain
+    assert calls == [0] * 5
+
+
+def test_a_token_run_ahead_and_not_asked_for_is_taken_back(backend, tok, decodes):
+    """A step that does not decode the sequence (preempted, held back) takes back its token
+    run ahead, KV cell and sample: the seeded draws, and the min_tokens mask lifted by the
+    sample taken back, come out as without running ahead."""
+    ids = tok("My favourite colour is")["input_ids"]
+    params = SamplingParams(temperature=1.0, seed=9, min_tokens=3)
+    stops = tuple(dict.fromkeys(run(backend, {"a": ids}, 3, params=params)["a"]))
+    plain = _run_with_stops(backend, ids, params, stops, 6)
+    ahead, _calls = _run_ahead(backend, decodes, ids, params, stops, 6, held_back=(2, 3, 4))
+    assert ahead == plain
+
+
+def test_no_running_ahead_beside_others_nor_past_the_end(backend, tok, decodes):
+    ids = tok("Hello")["input_ids"]
+    backend.step(StepRequest(prefill=[NewSequence("a", ids, GREEDY), NewSequence("b", ids, GREEDY)]))
+    backend.run_ahead()   # two running: a newcomer could not share the pass any more
+    backend.step(StepRequest(free_seq_ids=["a", "b"]))
+    last = backend.step(StepRequest(prefill=[NewSequence("c", ids, with_(GREEDY, max_tokens=1))]))
+    made = len(decodes)
+    backend.run_ahead()   # its one token is out: the engine ends it
+    backend.step(StepRequest(prefill=[NewSequence("d", ids, with_(GREEDY, logprobs=0))],
+                             free_seq_ids=["c"]))
+    backend.run_ahead()   # sampled by llmq's Sampler, whose state is not taken back
+    backend.step(StepRequest(free_seq_ids=["d"]))
+    assert last.token_ids["c"] is not None and len(decodes) == made + 1   # d's prefill only
+    assert backend.ahead is None
+
+
+def test_running_ahead_waits_for_a_core_left_to_the_serving_stack(monkeypatch):
+    """`auto` runs ahead only when llama.cpp's threads leave a core over: without one, the
+    engine's turn would take a core from a llama.cpp thread mid-decode."""
+    from worker.backends.llama_cpp_backend import _runs_ahead
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert _runs_ahead("auto", 1) and not _runs_ahead("auto", 2)
+    assert _runs_ahead("on", 2) and not _runs_ahead("off", 1)

@@ -8,6 +8,11 @@ what llama.cpp's samplers do (greedy, temperature, top-k/p, min-p, seed, logit_b
 is sampled in C by its own sampler chain (`llama_cpp_sampling`), its logits never copied out;
 the others (logprobs, structured output, penalties) have their logits copied and go through
 llmq's own `Sampler`, as on the transformers backend.
+
+A lone running sequence is decoded one token ahead (`run_ahead`, called by the model process
+once a step's result is sent): its next token is ready when the engine asks for it, so the
+engine's turn (pipe, update, schedule) overlaps the model instead of following it
+(LLMQ_RUN_AHEAD).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import heapq
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,7 +42,8 @@ NONE, PROMPT, SAMPLE = 0, 1, 2   # what a batch row's logits are for
 class LlamaCppBackend:
     """Runs llmq steps as llama_decode calls over one multi-sequence llama.cpp context."""
 
-    def __init__(self, lib, model, ctx, info: ModelInfo, max_num_seqs: int, n_batch: int):
+    def __init__(self, lib, model, ctx, info: ModelInfo, max_num_seqs: int, n_batch: int,
+                 runs_ahead: bool = True):
         self.lib = lib
         self.model = model
         self.ctx = ctx
@@ -51,6 +58,8 @@ class LlamaCppBackend:
         self.positions: dict[str, int] = {}     # seq_id -> tokens in its KV cache
         self.states: dict[str, SamplingState] = {}
         self.chains: dict[str, ChainSampler] = {}   # the sequences sampled in C
+        self.runs_ahead = runs_ahead
+        self.ahead: _Ahead | None = None   # a token decoded before it was asked for
         # logits copied out for llmq's Sampler, one row per sequence that needs them
         self.rows = np.empty((max_num_seqs, info.vocab_size), dtype=np.float32)
         self.sampler = Sampler(Grammars(lambda: self.tokenizer, info.eos_token_ids))
@@ -104,13 +113,15 @@ class LlamaCppBackend:
             generation_defaults=generation_defaults(mm.generation_config()))
         log.info("llama.cpp loaded %s: %d sequences x %d tokens of context, %d threads",
                  path, settings.max_num_seqs, per_seq, threads)
-        backend = cls(lib, model, ctx, info, settings.max_num_seqs, n_batch)
+        backend = cls(lib, model, ctx, info, settings.max_num_seqs, n_batch,
+                      _runs_ahead(settings.run_ahead, threads))
         backend.tokenizer = tok
         return backend
 
     # --- a step -------------------------------------------------------------------------------
     def step(self, req: StepRequest, early=None) -> StepResult:   # answers in one piece
         res = StepResult()
+        decode_ids, ahead_s = self._claim_ahead(req, res)
         for sid in req.free_seq_ids:
             self._free(sid)
         t0 = time.perf_counter()
@@ -118,7 +129,7 @@ class LlamaCppBackend:
         # (a prompt position scored for prompt logprobs) or SAMPLE (the row the next token
         # comes from: a running sequence's token, a newcomer's last prompt token).
         rows: list[tuple[str, int, int, int]] = []
-        for sid in req.decode_seq_ids:
+        for sid in decode_ids:
             rows.append((sid, self.states[sid].last_token_id, self.positions[sid], SAMPLE))
         fresh: list[NewSequence] = []
         for seq in req.prefill:
@@ -170,8 +181,51 @@ class LlamaCppBackend:
                                               [self.states[sid] for sid in copied])
             for sid, tok, lp in zip(copied, tokens, lps):
                 self._emit(sid, tok, lp, res)
-        res.decode_s = time.perf_counter() - t0
+        res.decode_s = time.perf_counter() - t0 + ahead_s
         return res
+
+    # --- running ahead ------------------------------------------------------------------------
+    def run_ahead(self) -> None:
+        """Decodes the next token of the only running sequence before the engine asks for it
+        (the model process calls this once a step's result is sent). At one sequence a step
+        is short, and the engine's turn between steps (the result through the pipe, update,
+        schedule, the request back) would otherwise add to every token; running ahead hides
+        it, as vLLM's async scheduling does. Not with more sequences: there the batch changes
+        often, a token run ahead for a sequence that leaves is a wasted pass over the weights,
+        and a newcomer's prefill could no longer share the decode's pass. Nor for a sequence
+        sampled by llmq's Sampler (its state is not rewound), or one whose last token ends it;
+        nor when LLMQ_RUN_AHEAD says not to (see _runs_ahead)."""
+        if not self.runs_ahead or self.ahead is not None or len(self.slots) != 1:
+            return
+        (sid,) = self.slots
+        chain, st = self.chains.get(sid), self.states[sid]
+        if (chain is None or st.last_token_id in st.stop_token_ids
+                or st.num_output_tokens >= st.params.max_tokens):
+            return
+        t0 = time.perf_counter()
+        pos = self.positions[sid]
+        if self._decode([(sid, st.last_token_id, pos, SAMPLE)]) != 0:
+            self.lib.llama_memory_seq_rm(self.mem, self.slots[sid], pos, -1)
+            return   # the step asked for next decodes it again, and reports a failure
+        tok = chain.sample(self.ctx, 0, lambda: int(self._logits(0).argmax()))
+        self.ahead = _Ahead(sid, tok, time.perf_counter() - t0)
+
+    def _claim_ahead(self, req: StepRequest, res: StepResult) -> tuple[list[str], float]:
+        """The step's decode ids less the one whose token was run ahead (answered from it), and
+        the seconds that took. A token run ahead that the step does not ask for (the sequence
+        ended, was cancelled or preempted) is taken back: its KV cell and its sample."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return req.decode_seq_ids, 0.0
+        sid = ahead.seq_id
+        if sid in req.decode_seq_ids and sid not in req.free_seq_ids:
+            self.positions[sid] += 1
+            self._emit(sid, ahead.token_id, None, res)
+            return [s for s in req.decode_seq_ids if s != sid], ahead.seconds
+        if sid in self.slots:
+            self.lib.llama_memory_seq_rm(self.mem, self.slots[sid], self.positions[sid], -1)
+            self.chains[sid].unsample()
+        return req.decode_seq_ids, 0.0
 
     def _in_slot_order(self, row) -> tuple[int, int]:
         """The batch's rows by slot, then position. With one KV stream per sequence, llama.cpp
@@ -260,6 +314,15 @@ class LlamaCppBackend:
         self.step(StepRequest(free_seq_ids=["__warmup__"]))
 
 
+@dataclass(slots=True)
+class _Ahead:
+    """A token decoded ahead for a sequence, and the model time it took."""
+
+    seq_id: str
+    token_id: int
+    seconds: float
+
+
 class _Argmax:
     """The argmax of each row of a decoded chunk, found for all output rows at once in
     llama.cpp's logits buffer (contiguous, in batch order) when the first is asked for."""
@@ -277,6 +340,15 @@ class _Argmax:
                                         shape=(len(out), b.info.vocab_size))
             self.best = dict(zip(out, buf.argmax(axis=1).tolist()))
         return self.best[row]
+
+
+def _runs_ahead(setting: str, threads: int) -> bool:
+    """LLMQ_RUN_AHEAD: `auto` runs ahead when llama.cpp's threads leave a core to the serving
+    stack. Running ahead overlaps the engine's turn with the decode; without a core of its own
+    that turn only takes one from a llama.cpp thread, and the others wait at its barriers."""
+    if setting != "auto":
+        return setting == "on"
+    return threads < len(os.sched_getaffinity(0))
 
 
 def _gguf_type(path: str) -> str:

@@ -67,6 +67,16 @@ class ChainSampler:
             self.chain = self._build()
         return tok
 
+    def unsample(self) -> None:
+        """Takes back the last sample (a token run ahead and then not asked for): the count
+        of output tokens, and the min_tokens mask on stop tokens if that sample lifted it. A
+        seeded draw is seeded from the count, so the token drawn again is the same."""
+        self.num_output_tokens -= 1
+        if not self.masking and self._masks_stops():
+            self.masking = True
+            self.lib.llama_sampler_free(self.chain)
+            self.chain = self._build()
+
     def free(self) -> None:
         if self.chain is not None:
             self.lib.llama_sampler_free(self.chain)
