@@ -105,7 +105,7 @@ class Settings:
     prefill_attention_context: int = 1024
     # While a better priority runs, waits or did within priority_window_s, worse-priority
     # newcomers (batch lines) join together once every priority_hold_steps steps (0, 1: always).
-    priority_hold_steps: int = 4
+    priority_hold_steps: int = 2
     priority_window_s: float = 2.0
     batch_policy: str = "continuous"   # continuous | static
     # Redis record keeping.
