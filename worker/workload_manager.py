@@ -151,6 +151,12 @@ class WorkloadManager:
         self.kv_budget = kv_budget
         # A key's fair share of the batch, in slots (all of them for key_share 1).
         self.key_cap = max(1, int(max_num_seqs * key_share))
+        # Worse-priority newcomers' prefill is held beside a better priority (1: never held).
+        self.priority_hold_steps = max(1, priority_hold_steps)
+        self.priority_window_s = priority_window_s
+        self._clock = clock
+        self._seen: dict[int, float] = {}   # priority -> when a sequence of it last ran or waited
+        self._held = 0                      # steps in a row that held worse-priority newcomers
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -161,12 +167,6 @@ class WorkloadManager:
         # at most that (cached prefixes make this count an upper bound, and a sequence that
         # gets its first token early is dropped from it).
         self._prompt_left: dict[str, int] = {}
-        # Worse-priority newcomers' prefill is held beside a better priority (1: never held).
-        self.priority_hold_steps = max(1, priority_hold_steps)
-        self.priority_window_s = priority_window_s
-        self._clock = clock
-        self._seen: dict[int, float] = {}   # priority -> when a sequence of it last ran or waited
-        self._held = 0                      # steps in a row that held worse-priority newcomers
 
     @property
     def num_unfinished(self) -> int:
