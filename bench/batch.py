@@ -23,17 +23,17 @@ def probe(session: requests.Session, url: str, tokens: int) -> float | None:
 
 
 def batch_phase(url: str, lines: int = 1000, tokens: int = 16, probes: int = 10,
-                progress=print, timing=None) -> dict:
-    """timing: the worker's StepTiming totals (Stack.worker_timing), read before and after the
-    batch for its mean step time, which is what an interactive request waits for (the step
-    in flight) before its prefill."""
+                progress=print, info=None) -> dict:
+    """info: the worker's counters and StepTiming totals (Stack.worker_info), read before and
+    after the batch for its mean step time, which is what an interactive request waits for
+    (the step in flight) before its prefill, and the steps that held batch newcomers back."""
     with requests.Session() as s:
         idle = [t for t in (probe(s, url, 8) for _ in range(probes)) if t is not None]
         body = "".join(json.dumps({
             "custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
             "body": {"prompt": f"Fact number {i}:", "max_tokens": tokens, "ignore_eos": True,
                      "temperature": 0}}) + "\n" for i in range(lines))
-        before = timing() if timing else None
+        before = info() if info else None
         f = s.post(f"{url}/v1/files", data={"purpose": "batch"},
                    files={"file": ("bench.jsonl", body.encode())}, timeout=60).json()
         t0 = time.perf_counter()
@@ -47,14 +47,16 @@ def batch_phase(url: str, lines: int = 1000, tokens: int = 16, probes: int = 10,
                 during.append(ttft)
             batch = s.get(f"{url}/v1/batches/{batch['id']}", timeout=30).json()
         elapsed = time.perf_counter() - t0
-    split = time_split(before, timing(), elapsed) if timing else None
+    after = info() if info else None
+    split = time_split(_timing(before), _timing(after), elapsed) if info else None
     counts = batch["request_counts"]
     out = {"lines": lines, "tokens_per_line": tokens, "status": batch["status"],
            "completed": counts["completed"], "failed": counts["failed"],
            "seconds": round(elapsed, 2), "lines_per_s": round(counts["completed"] / elapsed, 2),
            "ttft_idle_p50": pct(idle, 50), "ttft_during_p50": pct(during, 50),
            "probes_idle": len(idle), "probes_during": len(during),
-           "ms_per_step": split and split["ms_per_step"], "time_split": split}
+           "ms_per_step": split and split["ms_per_step"], "time_split": split,
+           "held_steps": _delta(before, after, "num_held_steps")}
     if out["ttft_idle_p50"] and out["ttft_during_p50"]:
         out["ttft_ratio"] = round(out["ttft_during_p50"] / out["ttft_idle_p50"], 2)
         if out["ms_per_step"]:
@@ -66,8 +68,20 @@ def batch_phase(url: str, lines: int = 1000, tokens: int = 16, probes: int = 10,
              f"({out['lines_per_s']} lines/s); interactive TTFT p50 idle "
              f"{_ms(out['ttft_idle_p50'])}, during the batch {_ms(out['ttft_during_p50'])} "
              f"({len(during)} probes; x{out.get('ttft_ratio', '?')}, target <= 2); engine step "
-             f"{out['ms_per_step'] or '-'} ms on average during the batch")
+             f"{out['ms_per_step'] or '-'} ms on average during the batch; batch prefill held in "
+             f"{out['held_steps'] if out['held_steps'] is not None else '-'} of "
+             f"{split['steps'] if split else '-'} steps")
     return out
+
+
+def _timing(info: dict | None) -> dict | None:
+    return info and {k[len("timing_"):]: v for k, v in info.items() if k.startswith("timing_")}
+
+
+def _delta(before: dict | None, after: dict | None, key: str) -> int | None:
+    if not before or not after or key not in after:
+        return None
+    return int(after[key] - before.get(key, 0))
 
 
 def _ms(v: float | None) -> str:

@@ -435,7 +435,7 @@ def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None
         if batch_lines and budget.allows("batch API", 60):
             progress(f"phase 2e: a batch of {batch_lines} lines, interactive TTFT meanwhile")
             result["batch"] = batch_phase(stack.url, batch_lines, progress=progress,
-                                          timing=stack.worker_timing)
+                                          info=stack.worker_info)
         if full and not args.skip_structured and budget.allows("structured output", 60):
             c = max(args.levels)
             progress(f"phase 2f: structured output at concurrency {c}, without and with a JSON "

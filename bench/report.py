@@ -263,7 +263,17 @@ def format_batch(batch: dict | None) -> list[str]:
             f"({batch['probes_during']} probes): x{_f(batch.get('ttft_ratio'), '{:.2f}')} "
             f"(target <= 2); engine step {_f(batch.get('ms_per_step'), '{:.0f}')} ms on average "
             f"during the batch, the difference {_f(batch.get('excess_in_steps'), '{:.2f}')} steps",
-            ""]
+            *_held_line(batch), ""]
+
+
+def _held_line(batch: dict) -> list[str]:
+    """Steps whose batch newcomers waited beside interactive traffic (LLMQ_PRIORITY_HOLD_STEPS;
+    absent from results before it)."""
+    split, held = batch.get("time_split") or {}, batch.get("held_steps")
+    if held is None or not split.get("steps"):
+        return []
+    return [f"  batch prefill held beside interactive requests in {held} of {split['steps']} "
+            f"steps ({100 * held / split['steps']:.0f}%, LLMQ_PRIORITY_HOLD_STEPS)"]
 
 
 # --- peers (bench/peers.py) ---------------------------------------------------------------------

@@ -43,6 +43,8 @@ _NON_NEGATIVE = (
     ("long_prefill_tokens", "LLMQ_LONG_PREFILL_TOKEN_THRESHOLD"),
     ("long_prefill_chunk", "LLMQ_LONG_PREFILL_CHUNK"),
     ("prefill_attention_context", "LLMQ_PREFILL_ATTENTION_CONTEXT"),
+    ("priority_hold_steps", "LLMQ_PRIORITY_HOLD_STEPS"),
+    ("priority_window_s", "LLMQ_PRIORITY_WINDOW"),
     ("prefix_cache_mb", "LLMQ_PREFIX_CACHE_MB"), ("kv_cache_mb", "LLMQ_KV_CACHE_MB"),
     ("max_stop", "LLMQ_MAX_STOP"), ("rate_limit_rpm", "LLMQ_RATE_LIMIT_RPM"),
     ("rate_limit_tpm", "LLMQ_RATE_LIMIT_TPM"), ("key_max_streams", "LLMQ_KEY_MAX_STREAMS"),
@@ -102,6 +104,10 @@ class Settings:
     long_prefill_chunk: int = 32
     # A prompt token at this much context counts as two in a chunk's size (0 = one each).
     prefill_attention_context: int = 1024
+    # While a better priority runs, waits or did within priority_window_s, worse-priority
+    # newcomers (batch lines) join together once every priority_hold_steps steps (0, 1: always).
+    priority_hold_steps: int = 2
+    priority_window_s: float = 2.0
     batch_policy: str = "continuous"   # continuous | static
     # llama_cpp: decode a lone sequence's next token ahead (auto: when a core is left over)
     run_ahead: str = "auto"
@@ -222,6 +228,8 @@ class Settings:
             max_num_batched_tokens=_int("LLMQ_MAX_NUM_BATCHED_TOKENS", d.max_num_batched_tokens),
             long_prefill_tokens=_int("LLMQ_LONG_PREFILL_TOKEN_THRESHOLD", d.long_prefill_tokens),
             long_prefill_chunk=_int("LLMQ_LONG_PREFILL_CHUNK", d.long_prefill_chunk),
+            priority_hold_steps=_int("LLMQ_PRIORITY_HOLD_STEPS", d.priority_hold_steps),
+            priority_window_s=_float("LLMQ_PRIORITY_WINDOW", d.priority_window_s),
             prefill_attention_context=_int("LLMQ_PREFILL_ATTENTION_CONTEXT",
                                            d.prefill_attention_context),
             batch_policy=_env("LLMQ_BATCH_POLICY", d.batch_policy),

@@ -80,7 +80,9 @@ class EngineCore:
             POLICIES[settings.batch_policy](), key_share=settings.key_batch_share,
             long_prefill_tokens=settings.long_prefill_tokens,
             long_prefill_chunk=settings.long_prefill_chunk,
-            attention_context=settings.prefill_attention_context)
+            attention_context=settings.prefill_attention_context,
+            priority_hold_steps=settings.priority_hold_steps,
+            priority_window_s=settings.priority_window_s)
         self.requeue = requeue or (lambda seq_id, priority=None: None)
         self._stop = threading.Event()
         self.inputs = InputProcessor(name, settings, store, executor, tokenizer)
@@ -381,6 +383,7 @@ class EngineCore:
                 "num_steps": st.num_steps, "num_prefilled": st.num_prefilled,
                 "num_joined_running_batch": st.num_joined_running_batch,
                 "max_running": st.max_running, "num_preempted": st.num_preempted,
+                "num_held_steps": st.num_held_steps,
                 "num_finished": out.num_finished,
                 "prefill_tokens": out.num_prefill_tokens,
                 "prefix_cached_tokens": out.num_cached_tokens,

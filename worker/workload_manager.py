@@ -7,6 +7,7 @@ output processor decides which sequences they end and frees those through `abort
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -97,6 +98,7 @@ class SchedulerStats:
     max_running: int = 0
     num_preemptions: int = 0             # running sequences sent back to wait for KV blocks
     num_preempted: int = 0               # running sequences that gave their slot to a fair share or a better priority
+    num_held_steps: int = 0              # steps whose worse-priority newcomers waited for a better priority's sake
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,10 @@ class WorkloadManager:
     queue, keeping their output; their next prefill covers prompt and output). The best
     priority waiting goes first (0 before 9: interactive requests before batch lines), takes the
     newest slot of a worse priority when the batch is full (vLLM's priority scheduling), and is
-    prefilled without worse-priority newcomers beside it. Within a priority, FIFO within a key;
+    prefilled without worse-priority newcomers beside it; and while a better priority runs or
+    waits (or did, within `priority_window_s`), worse-priority newcomers join the running
+    batch together once every `priority_hold_steps` steps, so most steps an interactive
+    request lands in are decode-only. Within a priority, FIFO within a key;
     across keys (sequence owners) the key holding the fewest slots goes first, and while
     another key waits, none holds more than `key_share` of the batch (docs/security.md).
 
@@ -140,7 +145,9 @@ class WorkloadManager:
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  policy: BatchPolicy | None = None, kv_budget: KVBudget | None = None,
                  key_share: float = 1.0, long_prefill_tokens: int = 0,
-                 long_prefill_chunk: int = 0, attention_context: int = 0):
+                 long_prefill_chunk: int = 0, attention_context: int = 0,
+                 priority_hold_steps: int = 1, priority_window_s: float = 0.0,
+                 clock=time.monotonic):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_tokens = long_prefill_tokens   # longer prompts are long; 0: no cap
@@ -153,6 +160,12 @@ class WorkloadManager:
         self.kv_budget = kv_budget
         # A key's fair share of the batch, in slots (all of them for key_share 1).
         self.key_cap = max(1, int(max_num_seqs * key_share))
+        # Worse-priority newcomers' prefill is held beside a better priority (1: never held).
+        self.priority_hold_steps = max(1, priority_hold_steps)
+        self.priority_window_s = priority_window_s
+        self._clock = clock
+        self._seen: dict[int, float] = {}   # priority -> when a sequence of it last ran or waited
+        self._held = 0                      # steps in a row that held worse-priority newcomers
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -195,6 +208,7 @@ class WorkloadManager:
                   - sum(out.chunks.values()))
         kv = self.kv_budget
         used = sum(kv.blocks(s) for s in self.running) if kv else 0
+        guard = self._guarded_priority()
         # (After a preemption nobody joins: the front of the queue is now the oldest victim,
         # and preemption stopped as soon as the batch fit without it.)
         if self.policy.may_admit(len(self.running)):
@@ -203,6 +217,8 @@ class WorkloadManager:
                 # A newcomer of a worse priority waits for the next step: the better one's
                 # first token (sent after this step's prefill pass) is not held up by it.
                 if out.prefill and seq.priority > out.prefill[0].priority:
+                    break
+                if seq.priority > guard and self._held < self.priority_hold_steps - 1:
                     break
                 chunk = self._chunk(seq.num_tokens, 0, limit)
                 # The first newcomer of a step is admitted whatever its size (alone among the
@@ -222,12 +238,40 @@ class WorkloadManager:
                     self._prompt_left[seq.seq_id] = seq.num_tokens - chunk
                     out.first_chunks[seq.seq_id] = chunk
                 used += kv.blocks(seq) if kv else 0
+        self._count_held(guard, out)
         out.freed_seq_ids, self._freed = self._freed, []
         self.stats.num_steps += 1
         self.stats.num_prefilled += len(out.prefill)
         if out.decode:
             self.stats.num_joined_running_batch += len(out.prefill)
         return out
+
+    # --- worse priorities beside a better one ----------------------------------------------------
+    def _guarded_priority(self) -> float:
+        """The best priority running, waiting or seen within `priority_window_s`: newcomers of
+        a worse one join only every `priority_hold_steps` steps, and only while something
+        decodes (an idle batch gains nothing from waiting). Each step a newcomer joins beside
+        32 decodes costs a prefill pass, about as dear as the decode's own (its fixed cost),
+        and an interactive request arriving waits for the step in flight: steps without that
+        pass keep the wait close to a decode's. No better priority about: no guard."""
+        if self.priority_hold_steps <= 1:
+            return math.inf
+        now = self._clock()
+        for seq in self.running + list(self.waiting):
+            self._seen[seq.priority] = now
+        if not self.running:
+            return math.inf
+        recent = [p for p, t in self._seen.items() if now - t <= self.priority_window_s]
+        return min(recent, default=math.inf)
+
+    def _count_held(self, guard: float, out: SchedulerOutput) -> None:
+        """Counts the steps in a row that held worse-priority newcomers back (one that admits
+        them, or no guard, starts the count again)."""
+        if guard == math.inf or any(s.priority > guard for s in out.prefill):
+            self._held = 0
+        elif any(s.priority > guard for s in self.waiting):
+            self._held += 1
+            self.stats.num_held_steps += 1
 
     def _chunk_limit(self) -> int:
         """The most prompt tokens of one sequence this step: the whole budget, or the long

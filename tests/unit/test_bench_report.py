@@ -181,3 +181,18 @@ def test_the_peers_table_comes_first_with_a_row_per_system_and_level():
     # A limit exceeded says the rates were measured on a busy machine.
     peers["systems"][1]["levels"][0]["compute_fraction"] = 1.7
     assert "above 100% of the limit" in format_table({"peers": peers, "targets": []})
+
+
+def test_the_batch_summary_shows_the_steps_that_held_batch_prefill():
+    from bench.report import format_batch
+
+    batch = {"lines": 300, "tokens_per_line": 16, "status": "completed", "completed": 300,
+             "failed": 0, "seconds": 30.0, "lines_per_s": 10.0, "ttft_idle_p50": 0.1,
+             "ttft_during_p50": 0.15, "probes_idle": 10, "probes_during": 20,
+             "ttft_ratio": 1.5, "ms_per_step": 120.0, "excess_in_steps": 0.4,
+             "time_split": {"steps": 400}, "held_steps": 300}
+    assert "batch prefill held beside interactive requests in 300 of 400 steps (75%" in \
+        "\n".join(format_batch(batch))
+    # A result from before the hold has no such line.
+    del batch["held_steps"]
+    assert "held" not in "\n".join(format_batch(batch))

@@ -1,0 +1,152 @@
+"""Worse priorities beside a better one (issue 16): batch lines' prefill is held while an
+interactive request runs, waits or did a moment ago, so most steps it lands in are decode-only;
+an idle queue still gives the batch every step. Driven by hand with hand-made token ids."""
+from __future__ import annotations
+
+import fakeredis
+import pytest
+
+from common.protocol import FinishReason
+from common.settings import Settings
+from common.store import SequenceStore
+from worker.workload_manager import WorkloadManager
+
+from .factories import ids, make_engine, make_seq, tokens_for
+
+
+class Clock:
+    """A monotonic clock a test moves by hand."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def manager(clock: Clock, hold_steps: int = 3, window_s: float = 2.0) -> WorkloadManager:
+    return WorkloadManager(max_num_seqs=16, priority_hold_steps=hold_steps,
+                           priority_window_s=window_s, clock=clock)
+
+
+def seqs(priority: int, n: int, max_tokens: int = 50) -> list:
+    made = [make_seq(3, max_tokens=max_tokens) for _ in range(n)]
+    for s in made:
+        s.priority = priority
+    return made
+
+
+def step(wm: WorkloadManager):
+    out = wm.schedule()
+    wm.update(out, tokens_for(out, 7))
+    return out
+
+
+def line_steps(wm: WorkloadManager, n: int) -> list[list[str]]:
+    """n steps, one new batch line queued before each: which lines each step prefilled."""
+    joined = []
+    for _ in range(n):
+        wm.add(seqs(9, 1)[0])
+        joined.append([s.seq_id for s in step(wm).prefill if s.priority == 9])
+    return joined
+
+
+def test_beside_a_running_interactive_request_batch_lines_join_together_every_few_steps():
+    wm = manager(Clock(), hold_steps=3)
+    first = seqs(9, 2)
+    for s in first:
+        wm.add(s)
+    step(wm)                                     # the batch runs
+    [chat] = seqs(0, 1)
+    wm.add(chat)
+    assert ids(step(wm).prefill) == [chat.seq_id]
+    joined = line_steps(wm, 6)
+    # Two steps of decodes only, then the three lines queued meanwhile in one prefill pass.
+    assert [len(j) for j in joined] == [0, 0, 3, 0, 0, 3]
+    assert wm.stats.num_held_steps == 4
+    assert chat in wm.running and len(wm.running) == 1 + 2 + 6
+
+
+def test_an_idle_queue_gives_the_batch_every_step():
+    wm = manager(Clock(), hold_steps=3)
+    wm.add(seqs(9, 1)[0])
+    step(wm)
+    assert [len(j) for j in line_steps(wm, 5)] == [1] * 5
+    assert wm.stats.num_held_steps == 0
+
+
+def test_the_hold_outlasts_the_interactive_request_by_the_window_then_ends():
+    clock = Clock()
+    wm = manager(clock, hold_steps=3, window_s=2.0)
+    wm.add(seqs(9, 1)[0])
+    step(wm)
+    [chat] = seqs(0, 1, max_tokens=1)
+    wm.add(chat)
+    step(wm)
+    wm.abort(chat, FinishReason.LENGTH)
+    clock.now += 1.5                              # gone, but seen within the window
+    assert [len(j) for j in line_steps(wm, 3)] == [0, 0, 3]
+    clock.now += 2.1                              # past the window: every step again
+    assert [len(j) for j in line_steps(wm, 3)] == [1, 1, 1]
+
+
+def test_batch_lines_join_at_once_when_nothing_decodes():
+    """Holding a prefill with nothing to decode would only leave the model idle."""
+    clock = Clock()
+    wm = manager(clock, hold_steps=4)
+    [chat] = seqs(0, 1)
+    wm.add(chat)
+    step(wm)
+    wm.abort(chat, FinishReason.CANCELLED)
+    lines = seqs(9, 3)
+    for s in lines:
+        wm.add(s)
+    assert ids(step(wm).prefill) == ids(lines)
+
+
+def test_hold_steps_of_one_turns_it_off():
+    wm = manager(Clock(), hold_steps=1)
+    wm.add(seqs(9, 1)[0])
+    step(wm)
+    wm.add(seqs(0, 1)[0])
+    step(wm)
+    assert [len(j) for j in line_steps(wm, 4)] == [1] * 4
+    assert wm.stats.num_held_steps == 0
+
+
+def test_the_guard_is_the_best_priority_about_not_only_zero():
+    """A middle priority (5) running holds worse newcomers (9) as an interactive one does."""
+    wm = manager(Clock(), hold_steps=2, window_s=0.0)
+    wm.add(seqs(5, 1)[0])
+    step(wm)
+    assert [len(j) for j in line_steps(wm, 4)] == [0, 2, 0, 2]
+
+
+def test_settings_read_and_check_the_hold(monkeypatch):
+    monkeypatch.setenv("LLMQ_PRIORITY_HOLD_STEPS", "6")
+    monkeypatch.setenv("LLMQ_PRIORITY_WINDOW", "0.5")
+    s = Settings.from_env()
+    assert (s.priority_hold_steps, s.priority_window_s) == (6, 0.5)
+    monkeypatch.setenv("LLMQ_PRIORITY_HOLD_STEPS", "-1")
+    with pytest.raises(ValueError, match="LLMQ_PRIORITY_HOLD_STEPS"):
+        Settings.from_env()
+
+
+def test_the_engine_builds_its_scheduler_with_the_hold():
+    engine = make_engine(SequenceStore(fakeredis.FakeRedis(decode_responses=True)), priority_hold_steps=5, priority_window_s=0.25)
+    try:
+        assert (engine.scheduler.priority_hold_steps, engine.scheduler.priority_window_s) == (5, 0.25)
+        assert engine.stats()["num_held_steps"] == 0
+    finally:
+        engine.executor.stop()
+
+
+def test_over_the_cost_model_the_hold_shortens_the_wait_without_slowing_the_batch():
+    """bench/priority_hold.py steps the real scheduler over step costs (no clock is read): the
+    step an interactive request waits out gets shorter, and the batch gets no fewer lines."""
+    from bench.priority_hold import simulate
+
+    off, on = (simulate(h, decode_ms=80, pass_ms=40, prompt_ms=3, steps=600) for h in (1, 2))
+    assert off["held_steps"] == 0 < on["held_steps"]
+    assert on["wait_p50_ms"] < off["wait_p50_ms"]
+    assert on["lines_per_s"] >= off["lines_per_s"]
