@@ -72,6 +72,7 @@ class Row:
     num_new: int
     slots: torch.Tensor       # [num_past + num_new] the pool slots of all its tokens, in order
     first_slot: int | None = None   # set when the slots are consecutive: read a view, no gather
+    blocks: list[int] = field(default_factory=list)   # the blocks holding its tokens, in order
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -103,17 +104,29 @@ class BatchPlan:
     write_slots: torch.Tensor                          # [tokens]: where each new token goes
     decode_groups: list["DecodeGroup"] = field(default_factory=list)
     prefill_rows: list[tuple[int, Row]] = field(default_factory=list)   # (first token, row)
+    new_blocks: torch.Tensor | None = None   # allocated for this pass: zeroed before writing
 
 
 @dataclass
 class DecodeGroup:
     """Rows of one new token each and similar lengths, attended in one padded SDPA call; their
-    tokens are tokens start..start + rows of the pass."""
+    tokens are tokens start..start + rows of the pass. Their keys are gathered by whole blocks
+    (block ids, not slot ids: 1/block_size as many indices, each a block_size-times longer
+    copy); attention reads each row's whole blocks, the slots past its length masked (new
+    blocks are zeroed at their first pass, so those slots are never NaN)."""
 
     start: int
-    slots: torch.Tensor       # [rows, longest] pool slots (padding points at slot 0)
-    mask: torch.Tensor | None  # [rows, 1, 1, longest] True where a row has a token; None: full
+    blocks: torch.Tensor      # [rows, blocks of the longest row] (padding points at block 0)
+    width: int                # the longest row's length: the slots attended per row
+    block_size: int
+    mask: torch.Tensor | None  # [rows, 1, 1, blocks x block_size] True at a row's tokens
     first_slot: int | None = None   # one row whose slots are consecutive from here
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """[rows, width] the pool slots attended (padding: block 0's), as the gather reads."""
+        offsets = torch.arange(self.block_size, device=self.blocks.device)
+        return (self.blocks[:, :, None] * self.block_size + offsets).flatten(1)[:, :self.width]
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The mask as SDPA's additive float mask, made once per pass (not once per layer)."""
@@ -216,6 +229,8 @@ class PagedKVCache:
         prefills = [r for r in rows if r.num_new > 1]
         rows = [r for g in groups for r in g] + prefills
         plan = BatchPlan(self, rows, torch.cat([r.slots[r.num_past:] for r in rows]))
+        if got:
+            plan.new_blocks = torch.tensor([b for _s, b in got], device=self.device)
         start = 0
         for g in groups:
             plan.decode_groups.append(self._decode_group(start, g))
@@ -233,6 +248,7 @@ class PagedKVCache:
     def _row(self, sid: str, num_new: int) -> Row:
         past = self.lengths[sid]
         row = Row(sid, past, num_new, self._slots_of(sid, past + num_new))
+        row.blocks = self.tables[sid][:self.blocks_for(row.length)]
         # Blocks taken one after another from the free list (a long prompt's, mostly) are
         # consecutive: attention then reads a slice of the pool instead of gathering it.
         table = self.tables[sid]
@@ -269,15 +285,16 @@ class PagedKVCache:
 
     def _decode_group(self, start: int, rows: list[Row]) -> DecodeGroup:
         longest = rows[0].length
-        slots = torch.zeros(len(rows), longest, dtype=torch.long, device=self.device)
-        for i, r in enumerate(rows):
-            slots[i, :r.length] = r.slots
+        width = len(rows[0].blocks)
+        blocks = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in rows],
+                              dtype=torch.long, device=self.device)
         mask = None
-        if rows[-1].length < longest:   # (sorted longest first)
+        if rows[-1].length < width * self.block_size:   # (sorted longest first)
             lengths = torch.tensor([r.length for r in rows], device=self.device)
-            cols = torch.arange(longest, device=self.device)
+            cols = torch.arange(width * self.block_size, device=self.device)
             mask = (cols[None, :] < lengths[:, None])[:, None, None, :]
-        return DecodeGroup(start, slots, mask, rows[0].first_slot if len(rows) == 1 else None)
+        return DecodeGroup(start, blocks, longest, self.block_size, mask,
+                           rows[0].first_slot if len(rows) == 1 else None)
 
     # --- the pool tensors -------------------------------------------------------------------
     def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,8 +4,8 @@
 model. A forward pass given `kv_plan=` (a kv_cache.BatchPlan) writes each new token's keys and
 values into its pool slots, then attends each row over its own tokens only:
 
-- decode rows (one new token) in groups of similar length: the group's slots are gathered into
-  one padded [rows, kv heads, longest, head dim] tensor and one SDPA call does the group; the
+- decode rows (one new token) in groups of similar length: the group's blocks are gathered into
+  one padded [rows, kv heads, whole blocks, head dim] tensor and one SDPA call does the group; the
   query heads sharing a kv head go in as that head's query rows, so nothing is repeated;
 - prefill rows (a prompt or a chunk of one) one at a time: SDPA of the chunk's queries over the
   row's gathered past and new keys, causal from the chunk's offset; a small chunk after a long
@@ -36,6 +36,9 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
     kpool, vpool = plan.cache.layer(module.layer_idx, key)
+    if plan.new_blocks is not None:
+        for pool in (kpool, vpool):
+            pool.view(plan.cache.num_blocks, -1).index_fill_(0, plan.new_blocks, 0)
     kpool.index_copy_(0, plan.write_slots, key[0].transpose(0, 1))
     vpool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1))
     heads, tokens, dim = query.shape[1:]
@@ -44,17 +47,20 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     q = query[0]                                        # [heads, tokens, dim]
     out = query.new_empty(tokens, heads, dim)
     for g in plan.decode_groups:
-        n, longest = g.slots.shape
-        k, v = _read(plan.cache, kpool, vpool, g.slots.flatten(), g.first_slot)
-        k = k.view(n, longest, kv_heads, dim).transpose(1, 2)
-        v = v.view(n, longest, kv_heads, dim).transpose(1, 2)
+        n, width = g.blocks.shape
+        k, v = _read(plan.cache, kpool, vpool, g.blocks.flatten(), g.first_slot)
+        # Each row's whole blocks, the slots past its length masked (new blocks are zeroed,
+        # so an unwritten slot is never NaN).
+        k = k.view(n, width * g.block_size, kv_heads, dim).transpose(1, 2)
+        v = v.view(n, width * g.block_size, kv_heads, dim).transpose(1, 2)
         qg = q[:, g.start:g.start + n].reshape(kv_heads, rep, n, dim).permute(2, 0, 1, 3)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.additive_mask(q.dtype),
                                            scale=scaling)
         out[g.start:g.start + n] = o.reshape(n, heads, dim)
     for start, r in plan.prefill_rows:
-        k, v = _read(plan.cache, kpool, vpool, r.slots, r.first_slot)
-        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]   # [1, kv heads, length, dim]
+        k, v = _read(plan.cache, kpool, vpool, torch.tensor(r.blocks, device=kpool.device),
+                     r.first_slot)
+        k, v = k[:r.length].transpose(0, 1)[None], v[:r.length].transpose(0, 1)[None]
         qr = q[None, :, start:start + r.num_new]
         # enable_gqa, not repeat_interleave: copying a long row's keys `rep` times per layer
         # made a 4-token chunk at 3,000 tokens of context cost ~15x its attention (measured:
@@ -93,16 +99,20 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row,
     return o.view(1, heads, n, dim)
 
 
-def _read(cache, kpool, vpool, slots: torch.Tensor, first_slot: int | None):
-    """The keys and values at `slots`: a view of the pool when they are consecutive from
-    first_slot, else gathered into the cache's scratch buffers (reused: a fresh multi-MB
-    tensor per layer would be fresh pages for the kernel to fault in, every step)."""
-    n = slots.numel()
+def _read(cache, kpool, vpool, blocks: torch.Tensor, first_slot: int | None):
+    """The keys and values of `blocks`, [blocks x block size, kv heads, dim]: a view of the pool
+    when they are consecutive from first_slot, else gathered block by block into the cache's
+    scratch buffers (reused: a fresh multi-MB tensor per layer would be fresh pages for the
+    kernel to fault in, every step)."""
+    n = blocks.numel() * cache.block_size
     if first_slot is not None:
         return kpool.narrow(0, first_slot, n), vpool.narrow(0, first_slot, n)
     kbuf, vbuf = cache.scratch(n, kpool)
-    return (torch.index_select(kpool, 0, slots, out=kbuf),
-            torch.index_select(vpool, 0, slots, out=vbuf))
+    by_block = (blocks.numel(), -1)
+    for pool, buf in ((kpool, kbuf), (vpool, vbuf)):
+        torch.index_select(pool.view(-1, buf[0].numel() * cache.block_size), 0, blocks,
+                           out=buf.view(by_block))
+    return kbuf, vbuf
 
 
 def use_paged_attention(model) -> None:

@@ -56,7 +56,25 @@ def test_rows_of_similar_length_share_one_padded_group():
     group, = plan.decode_groups
     assert group.slots.shape == (3, 21) and [r.seq_id for r in plan.rows] == ["a", "c", "b"]
     assert group.mask[:, 0, 0].sum(-1).tolist() == [21, 20, 19]
-    assert group.additive_mask(torch.float32)[:, 0, 0].isinf().sum(-1).tolist() == [0, 1, 2]
+    # The keys are gathered by whole blocks (6 of 4 slots per row): the rest is masked.
+    assert group.blocks.tolist() == [cache.tables[s] + [0] * (6 - len(cache.tables[s]))
+                                     for s in ("a", "c", "b")]
+    assert group.additive_mask(torch.float32)[:, 0, 0].isinf().sum(-1).tolist() == [3, 4, 5]
+
+
+def test_the_block_gather_reads_each_rows_slots():
+    """Gathering a group by block ids gives, in each row's first `width` places, exactly the
+    keys a gather by slot ids gives."""
+    cache = PagedKVCache(num_blocks=100, block_size=BS)
+    grow(cache, {"a": 20, "b": 18, "c": 19})
+    grow(cache, {"b": 3, "a": 1})                    # interleaved blocks
+    group, = cache.plan([("a", 1), ("b", 1), ("c", 1)]).decode_groups
+    pool = torch.randn(100 * BS, 2, 8)
+    by_block = pool.view(100, -1)[group.blocks.flatten()].view(3, -1, 2, 8)[:, :group.width]
+    for i, sid in enumerate(("a", "b", "c")):
+        n = cache.lengths[sid] + 1
+        slots = cache._slots_of(sid, n)
+        assert torch.equal(by_block[i, :n], pool[slots]) and torch.equal(group.slots[i, :n], slots)
 
 
 def test_the_budget_is_all_or_nothing_and_leaves_the_cache_as_it_was():
@@ -173,6 +191,23 @@ def test_paged_attention_equals_each_rows_own_attention():
     # in its group; fresh's) and a gather (the others).
     assert plan.decode_groups[0].first_slot == cache.tables["d2"][0] * BS
     assert [r.first_slot is not None for _t, r in plan.prefill_rows] == [True, False]
+
+
+def test_unwritten_slots_of_whole_blocks_never_reach_the_output():
+    """Attention reads rows' whole blocks, past their tokens (masked): a pool that held NaN
+    before (it is torch.empty) gives the same outputs, because new blocks are zeroed."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim, scale = 6, 2, 8, 0.3
+    cache = PagedKVCache(num_blocks=50, block_size=BS)
+    cache.layer(0, torch.zeros(1, kv_heads, 1, dim))
+    cache.k[0].fill_(float("nan"))
+    cache.v[0].fill_(float("nan"))
+    past = {"a": 9, "b": 7, "c": 10}
+    stored = fill(cache, past, heads, kv_heads, dim, scale)
+    plan = cache.plan([(sid, 1) for sid in past])
+    q = torch.randn(1, heads, 3, dim)
+    k, v = torch.randn(1, kv_heads, 3, dim), torch.randn(1, kv_heads, 3, dim)
+    check_rows(plan, q, k, v, stored, dict.fromkeys(past, 1), scale)
 
 
 def test_decode_groups_span_at_most_max_group_slots():
