@@ -73,11 +73,17 @@ class Row:
     slots: torch.Tensor       # [num_past + num_new] the pool slots of all its tokens, in order
     first_slot: int | None = None   # set when the slots are consecutive: read a view, no gather
     blocks: list[int] = field(default_factory=list)   # the blocks holding its tokens, in order
-    _masks: dict = field(default_factory=dict, repr=False, compare=False)
+    _masks: dict = field(default_factory=dict, repr=False, compare=False)   # per pass
 
     @property
     def length(self) -> int:
         return self.num_past + self.num_new
+
+    def block_ids(self) -> torch.Tensor:
+        """`blocks` as a tensor, made once per pass (every layer gathers by it)."""
+        if "blocks" not in self._masks:
+            self._masks["blocks"] = torch.tensor(self.blocks, device=self.slots.device)
+        return self._masks["blocks"]
 
     def chunk_mask(self, dtype: torch.dtype, rep: int = 1) -> torch.Tensor:
         """[rep x num_new, length] additive mask of the new tokens over all the row's tokens

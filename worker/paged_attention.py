@@ -58,8 +58,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                                            scale=scaling)
         out[g.start:g.start + n] = o.reshape(n, heads, dim)
     for start, r in plan.prefill_rows:
-        k, v = _read(plan.cache, kpool, vpool, torch.tensor(r.blocks, device=kpool.device),
-                     r.first_slot)
+        k, v = _read(plan.cache, kpool, vpool, r.block_ids(), r.first_slot)
         k, v = k[:r.length].transpose(0, 1)[None], v[:r.length].transpose(0, 1)[None]
         qr = q[None, :, start:start + r.num_new]
         # enable_gqa, not repeat_interleave: copying a long row's keys `rep` times per layer
