@@ -56,7 +56,8 @@ def batch_phase(url: str, lines: int = 1000, tokens: int = 16, probes: int = 10,
            "ttft_idle_p50": pct(idle, 50), "ttft_during_p50": pct(during, 50),
            "probes_idle": len(idle), "probes_during": len(during),
            "ms_per_step": split and split["ms_per_step"], "time_split": split,
-           "held_steps": _delta(before, after, "num_held_steps")}
+           "held_steps": _delta(before, after, "num_held_steps"),
+           "interjected": _delta(before, after, "num_interjected")}
     if out["ttft_idle_p50"] and out["ttft_during_p50"]:
         out["ttft_ratio"] = round(out["ttft_during_p50"] / out["ttft_idle_p50"], 2)
         if out["ms_per_step"]:
@@ -70,7 +71,9 @@ def batch_phase(url: str, lines: int = 1000, tokens: int = 16, probes: int = 10,
              f"({len(during)} probes; x{out.get('ttft_ratio', '?')}, target <= 2); engine step "
              f"{out['ms_per_step'] or '-'} ms on average during the batch; batch prefill held in "
              f"{out['held_steps'] if out['held_steps'] is not None else '-'} of "
-             f"{split['steps'] if split else '-'} steps")
+             f"{split['steps'] if split else '-'} steps; "
+             f"{out['interjected'] if out['interjected'] is not None else '-'} interactive "
+             f"requests interjected into a step in flight")
     return out
 
 

@@ -272,8 +272,13 @@ def _held_line(batch: dict) -> list[str]:
     split, held = batch.get("time_split") or {}, batch.get("held_steps")
     if held is None or not split.get("steps"):
         return []
-    return [f"  batch prefill held beside interactive requests in {held} of {split['steps']} "
-            f"steps ({100 * held / split['steps']:.0f}%, LLMQ_PRIORITY_HOLD_STEPS)"]
+    lines = [f"  batch prefill held beside interactive requests in {held} of {split['steps']} "
+             f"steps ({100 * held / split['steps']:.0f}%, LLMQ_PRIORITY_HOLD_STEPS)"]
+    if batch.get("interjected") is not None:   # (absent from results before interjection)
+        lines.append(f"  interactive requests prefilled inside a batch step in flight: "
+                     f"{batch['interjected']} of {batch['probes_during']} "
+                     f"(LLMQ_PRIORITY_INTERJECT)")
+    return lines
 
 
 # --- peers (bench/peers.py) ---------------------------------------------------------------------

@@ -219,7 +219,7 @@ class Stack:
             session.close()
 
     COUNTERS = ("num_steps", "num_finished", "prefill_tokens", "prefix_cached_tokens",
-                "num_held_steps")
+                "num_held_steps", "num_interjected")
 
     def worker_info(self, settle_s: float = 10.0) -> dict[str, float]:
         """The worker's counters and StepTiming totals (from its heartbeat), once they stop

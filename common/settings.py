@@ -108,6 +108,9 @@ class Settings:
     # newcomers (batch lines) join together once every priority_hold_steps steps (0, 1: always).
     priority_hold_steps: int = 2
     priority_window_s: float = 2.0
+    # A newcomer of a better priority than a whole step in flight (an interactive request
+    # beside batch lines) is prefilled inside that step, between two of its layers.
+    priority_interject: bool = True
     batch_policy: str = "continuous"   # continuous | static
     # llama_cpp: decode a lone sequence's next token ahead (auto: when a core is left over)
     run_ahead: str = "auto"
@@ -230,6 +233,7 @@ class Settings:
             long_prefill_chunk=_int("LLMQ_LONG_PREFILL_CHUNK", d.long_prefill_chunk),
             priority_hold_steps=_int("LLMQ_PRIORITY_HOLD_STEPS", d.priority_hold_steps),
             priority_window_s=_float("LLMQ_PRIORITY_WINDOW", d.priority_window_s),
+            priority_interject=_int("LLMQ_PRIORITY_INTERJECT", int(d.priority_interject)) != 0,
             prefill_attention_context=_int("LLMQ_PREFILL_ATTENTION_CONTEXT",
                                            d.prefill_attention_context),
             batch_policy=_env("LLMQ_BATCH_POLICY", d.batch_policy),

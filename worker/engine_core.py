@@ -9,6 +9,7 @@ workers; the loop itself only schedules, executes, updates, and recovers from a 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -64,6 +65,32 @@ class StepTiming:
                 for k in self.FIELDS}
 
 
+class Bell:
+    """A pipe the task threads ring when they put a sequence in the engine's inbox, so the
+    loop's wait for the model process (a select over both) wakes for it mid-step."""
+
+    def __init__(self):
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+
+    def fileno(self) -> int:
+        return self._r
+
+    def ring(self) -> None:
+        try:
+            os.write(self._w, b"\0")
+        except BlockingIOError:   # full: it is ringing already
+            pass
+
+    def clear(self) -> None:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+
 class EngineCore:
     """Runs the continuous-batching loop of one worker over its model executor."""
 
@@ -82,13 +109,17 @@ class EngineCore:
             long_prefill_chunk=settings.long_prefill_chunk,
             attention_context=settings.prefill_attention_context,
             priority_hold_steps=settings.priority_hold_steps,
-            priority_window_s=settings.priority_window_s)
+            priority_window_s=settings.priority_window_s,
+            interjection=settings.priority_interject)
         self.requeue = requeue or (lambda seq_id, priority=None: None)
         self._stop = threading.Event()
         self.inputs = InputProcessor(name, settings, store, executor, tokenizer)
         self.output = OutputProcessor(store, self.scheduler, tokenizer)
         self.liveness = Liveness(name, settings, store, self.stats, self._send_back, self._stop)
         self.inbox: queue.Queue[Sequence] = queue.Queue()
+        self.bell = Bell()
+        # Newcomers prefilled inside the step in flight, their result not yet in (one at a time).
+        self._interjected: SchedulerOutput | None = None
         self.timing = StepTiming()
         self.last_step_time = time.time()
         self._draining = threading.Event()
@@ -211,6 +242,7 @@ class EngineCore:
         if seq is not None:
             seq.priority = priority or 0
             self.inbox.put(seq)
+            self.bell.ring()
         return seq
 
     def _send_back(self, seq_id: str) -> None:
@@ -257,12 +289,15 @@ class EngineCore:
                 t_published = time.monotonic()
                 if self.settings.test_step_delay_s:   # tests only: a slow engine on any CPU
                     self._stop.wait(self.settings.test_step_delay_s)
-                result = self.executor.wait()
+                in_flight = out
+                result = self._wait(in_flight)
                 if result.partial:   # the newcomers' first tokens, sent ahead of the decode
                     joined, out = out.split()
                     self.output.update(joined, result)
                     self._publish()
-                    result = self.executor.wait()
+                    result = self._wait(in_flight)
+                while self._interjected is not None:   # it came after the step: the next
+                    self._wait(None)                   # step must find it in the batch
         except ModelWorkerDied as exc:
             self._recover(out, exc)
             return
@@ -270,6 +305,31 @@ class EngineCore:
         self.output.update(out, result)                          # 3. update
         self.timing.record(t_sched, t_submit, t_published, t_done, time.monotonic(), result)
         # 4. publish: at the next step's execute, overlapped with the model
+
+    def _wait(self, in_flight: SchedulerOutput | None):
+        """The step's next result. Meanwhile, newcomers that ring the bell are taken in, and
+        those of a better priority than the whole step (`WorkloadManager.interject`) are sent
+        to be prefilled inside it; their result is applied and published as it comes.
+        in_flight None: only the outstanding interjection's result is awaited."""
+        while True:
+            can = in_flight is not None and self._interjected is None and self.executor.interjects
+            res = self.executor.wait(self.bell if can else None)
+            if res is None:   # the bell: newcomers in the inbox
+                self._take_inbox(block=False)
+                side = self.scheduler.interject(in_flight)
+                if side is not None:
+                    self.executor.submit(StepRequest(prefill=self._new_sequences(side),
+                                                     interject=True))
+                    self._interjected = side
+                continue
+            if res.interjected:
+                side, self._interjected = self._interjected, None
+                self.output.update(side, res)
+                self._publish()
+                if in_flight is None:
+                    return res
+                continue
+            return res
 
     def _publish(self) -> None:
         """Publishes what the output processor holds; with Redis away, keeps it for later."""
@@ -283,13 +343,15 @@ class EngineCore:
         self.liveness.progress()
 
     def _take_inbox(self, block: bool) -> None:
+        self.bell.clear()   # (a ring after this finds its sequence here, or wakes the next wait)
         try:
             seq = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
             while True:
                 # A newer start of a record this engine still runs (it was taken for dead and
                 # the record restarted, here): the old copy goes first, so the model process
                 # never holds two sequences under one id.
-                for old in self.scheduler.running + list(self.scheduler.waiting):
+                joining = self._interjected.prefill if self._interjected else []
+                for old in self.scheduler.running + list(self.scheduler.waiting) + joining:
                     if old.seq_id == seq.seq_id:
                         self.output.drop(old)
                 self.scheduler.add(seq)
@@ -301,16 +363,20 @@ class EngineCore:
             self.liveness.progress()
 
     def _request(self, out: SchedulerOutput) -> StepRequest:
-        return StepRequest(
-            prefill=[NewSequence(s.seq_id, s.all_token_ids, s.params, s.num_output_tokens,
-                                 s.stop_token_ids) for s in out.prefill],
-            decode_seq_ids=[s.seq_id for s in out.decode],
-            free_seq_ids=out.freed_seq_ids, chunks=out.prompt_chunks)
+        return StepRequest(prefill=self._new_sequences(out),
+                           decode_seq_ids=[s.seq_id for s in out.decode],
+                           free_seq_ids=out.freed_seq_ids, chunks=out.prompt_chunks)
+
+    @staticmethod
+    def _new_sequences(out: SchedulerOutput) -> list[NewSequence]:
+        return [NewSequence(s.seq_id, s.all_token_ids, s.params, s.num_output_tokens,
+                            s.stop_token_ids) for s in out.prefill]
 
     def _recover(self, out: SchedulerOutput, exc: Exception) -> None:
         """The model process died: restart it and re-run the batch from the tokens we have."""
         log.error("model worker died (%s); restarting it", exc)
-        for seq in self.scheduler.requeue(out):
+        side, self._interjected = self._interjected, None
+        for seq in self.scheduler.requeue(out, side):
             seq.num_restarts += 1
             if seq.num_restarts > MAX_RESTARTS_PER_SEQUENCE:
                 self.output.abort(seq, FinishReason.ERROR,
@@ -383,7 +449,7 @@ class EngineCore:
                 "num_steps": st.num_steps, "num_prefilled": st.num_prefilled,
                 "num_joined_running_batch": st.num_joined_running_batch,
                 "max_running": st.max_running, "num_preempted": st.num_preempted,
-                "num_held_steps": st.num_held_steps,
+                "num_held_steps": st.num_held_steps, "num_interjected": st.num_interjected,
                 "num_finished": out.num_finished,
                 "prefill_tokens": out.num_prefill_tokens,
                 "prefix_cached_tokens": out.num_cached_tokens,

@@ -60,7 +60,9 @@ class InProcessExecutor(ModelExecutor):
             self._results.append(ModelWorkerDied(
                 f"model worker step failed: {type(exc).__name__}: {exc}"))
 
-    def wait(self) -> StepResult:
+    def wait(self, wake=None) -> StepResult:
+        """The step ran whole in submit(): nothing can interject into it, so `wake` never
+        interrupts the wait."""
         if not self._results:
             raise ModelWorkerDied("no step in flight")
         res = self._results.popleft()

@@ -32,6 +32,9 @@ class StepRequest:
     # Prompt tokens to compute this step of each sequence whose prompt spans steps (the
     # scheduler's chunk); a prompt not named here gets the model process's default chunk.
     chunks: dict[str, int] = field(default_factory=dict)
+    # Sent while another step is in flight: newcomers only, prefilled between two layers of
+    # that step's passes (or after it, by a backend that cannot); answered `interjected`.
+    interject: bool = False
 
 
 @dataclass(slots=True)
@@ -62,6 +65,7 @@ class StepResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     partial: bool = False          # more of this step's result follows
+    interjected: bool = False      # the answer to an `interject` request, not to the step
 
 
 @dataclass(slots=True)
@@ -72,6 +76,7 @@ class Ready:
     info: object   # ModelInfo
     kv_num_blocks: int = 0
     kv_block_size: int = 0
+    interjects: bool = False   # runs an `interject` request inside the step in flight
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import time
+from multiprocessing.connection import wait as wait_any
 
 from . import messages, model_worker
 from .messages import Ready, Shutdown, StepRequest, StepResult
@@ -23,11 +24,12 @@ class ModelExecutor:
         self.start_timeout_s = start_timeout_s
         self.info = None
         self.kv_capacity = (0, 0)   # the model process's KV cache: (blocks, tokens per block)
+        self.interjects = False     # runs an interjection inside the step in flight
         self.num_starts = 0
         self._ctx = mp.get_context("spawn")
         self._proc = None
         self._conn = None
-        self._in_flight = False
+        self._in_flight = 0      # requests sent whose (last) result has not come
         self._launched = False   # spawned by launch(), its Ready not yet read
         self.exitcode = None     # the last stopped process's (0: it honoured Shutdown)
 
@@ -45,7 +47,7 @@ class ModelExecutor:
         self._proc.start()
         child.close()
         self._conn = parent
-        self._in_flight = False
+        self._in_flight = 0
         self._launched = True
 
     def start(self) -> None:
@@ -59,6 +61,7 @@ class ModelExecutor:
             raise ModelWorkerDied(f"model worker failed to start: {msg!r}")
         self.info = msg.info
         self.kv_capacity = (msg.kv_num_blocks, msg.kv_block_size)
+        self.interjects = msg.interjects
         self.num_starts += 1
         log.info("model worker %s ready: %s on %s", self._proc.pid, self.info.name, self.info.device)
 
@@ -67,21 +70,27 @@ class ModelExecutor:
         self.start()
 
     def submit(self, req: StepRequest) -> None:
-        """Sends a step without waiting, so the engine can do Redis I/O while the model runs."""
+        """Sends a step without waiting, so the engine can do Redis I/O while the model runs;
+        or, while one is in flight, an interjection (`req.interject`), answered apart."""
         try:
             self._conn.send_bytes(messages.encode(req))
         except (OSError, EOFError, BrokenPipeError) as exc:
             raise ModelWorkerDied(str(exc)) from exc
-        self._in_flight = True
+        self._in_flight += 1
 
-    def wait(self) -> StepResult:
-        """The step's next result: a partial one (the newcomers' first tokens, `partial` set)
-        comes before the rest when the step also decodes."""
-        msg = self._recv(None)
+    def wait(self, wake=None) -> StepResult | None:
+        """The next result: a partial one (the newcomers' first tokens, `partial` set) comes
+        before the rest when the step also decodes; an interjection's (`interjected`) may come
+        before either or after both. `wake`: something with fileno() (the engine's inbox
+        bell); None is returned when it rings first."""
+        msg = self._recv(None, wake)
+        if msg is None:
+            return None
         if not isinstance(msg, StepResult):
-            self._in_flight = False
+            self._in_flight = 0
             raise ModelWorkerDied(f"model worker step failed: {msg}")
-        self._in_flight = msg.partial
+        if not msg.partial:
+            self._in_flight = max(0, self._in_flight - 1)
         return msg
 
     def execute(self, req: StepRequest) -> StepResult:
@@ -98,11 +107,17 @@ class ModelExecutor:
             res = rest
         return res
 
-    def _recv(self, timeout_s: float | None):
+    def _recv(self, timeout_s: float | None, wake=None):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             try:
-                if self._conn.poll(0.5):
+                if wake is None:
+                    ready = self._conn.poll(0.5)
+                else:
+                    ready = wait_any([self._conn, wake], 0.5)
+                    if ready and self._conn not in ready:
+                        return None
+                if ready:
                     return messages.decode(self._conn.recv_bytes())
             except (EOFError, OSError) as exc:
                 raise ModelWorkerDied(f"model worker connection lost: {exc}") from exc

@@ -57,6 +57,16 @@ class ModelWorker:
         self.states: dict[str, SamplingState] = {}
         self.sampler = Sampler(Grammars(lambda: ModelManager(info.path).load_tokenizer(),
                                         info.eos_token_ids))
+        # Before each decoder layer, `between_layers` (set by main: None in tests and tools)
+        # may run an interjection that has arrived (a better priority's prefill, its own pass,
+        # docs/batches.md); never inside an interjection's own pass.
+        self.between_layers: Callable[[], None] | None = None
+        self._interjecting = False
+        self._interjected_s = 0.0   # time spent in interjections, left out of the step's timing
+        layers = decoder_layers(model)
+        for layer in layers:
+            layer.register_forward_pre_hook(self._before_layer)
+        self.interjects = bool(layers)
 
     @classmethod
     def load(cls, settings) -> "ModelWorker":
@@ -95,30 +105,48 @@ class ModelWorker:
         if missing:
             raise RuntimeError(f"asked to decode {len(missing)} sequences the cache does not hold")
         decode_ids = [s for s in req.decode_seq_ids if s not in self.prefilling]
-        t0 = time.perf_counter()
+        t0, lent0 = time.perf_counter(), self._interjected_s
         for seq in req.prefill:
             self._join(seq, res)
+        newcomers = {s.seq_id for s in req.prefill}
         chunks = {sid: min(req.chunks.get(sid, self.prefill_chunk),
                            len(seq.token_ids) - self.cache.lengths[sid])
                   for sid, seq in self.prefilling.items()}
-        todo = [s for s in self.prefilling.values() if chunks[s.seq_id]]
+        # An interjection computes its newcomers alone: the prompts still being computed
+        # chunk by chunk belong to the step it interrupts, which has sized their chunks.
+        todo = [s for s in self.prefilling.values() if chunks[s.seq_id]
+                and (s.seq_id in newcomers or not req.interject)]
         # A running prompt's chunk joins the decode's pass: a pass has a fixed cost about as
         # big as a 32-row decode's, so one pass instead of two keeps the decodes' step short
         # while a long prompt is computed beside them (measured: docs/architecture.md).
-        newcomers = {s.seq_id for s in req.prefill}
         riding = [s for s in todo if s.seq_id not in newcomers
                   and s.params.prompt_logprobs is None] if decode_ids else []
         first = [s for s in todo if s not in riding]
         if first:
             self._prefill(first, res, chunks)
-        t1 = time.perf_counter()
-        res.prefill_s = t1 - t0
+        t1, lent1 = time.perf_counter(), self._interjected_s
+        res.prefill_s = t1 - t0 - (lent1 - lent0)
         if early is not None and decode_ids:
             res = _send_ahead(res, newcomers, early)
         if decode_ids:
             self._decode(decode_ids, res, riding, chunks)
-        res.decode_s = time.perf_counter() - t1
+        res.decode_s = time.perf_counter() - t1 - (self._interjected_s - lent1)
+        res.interjected = req.interject
         return res
+
+    def _before_layer(self, _module, _args) -> None:
+        """A decoder layer's forward pre-hook: the place a step in flight lets an
+        interjection run (its pass touches only its own rows, blocks and the shared scratch,
+        which the layer before has finished with)."""
+        if self.between_layers is None or self._interjecting:
+            return
+        self._interjecting = True
+        t = time.perf_counter()
+        try:
+            self.between_layers()
+        finally:
+            self._interjecting = False
+            self._interjected_s += time.perf_counter() - t
 
     def _join(self, seq: NewSequence, res: StepResult) -> None:
         """A newcomer takes a row and its cached prefix blocks; nothing is computed yet."""
@@ -288,6 +316,16 @@ def _send_ahead(res: StepResult, newcomers: set[str], early) -> StepResult:
                       prompt_logprobs=part(res.prompt_logprobs, False))
 
 
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's decoder layers, in order (its ModuleList as long as the config's layer
+    count); [] when there is none to find, and then nothing interjects."""
+    n = model.config.get_text_config().num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return list(module)
+    return []
+
+
 def kv_bytes_per_token(model) -> int:
     """Keys and values of one token over all layers, after the model's config."""
     cfg = model.config.get_text_config()
@@ -364,23 +402,47 @@ def main(conn, settings) -> None:
         conn.send_bytes(messages.encode(RuntimeError(f"{type(exc).__name__}: {exc}")))
         return
     blocks, block_size = getattr(worker, "kv_capacity", (0, 0))
-    conn.send_bytes(messages.encode(Ready(worker.info, blocks, block_size)))
+    interjects = getattr(worker, "interjects", False)
+    conn.send_bytes(messages.encode(Ready(worker.info, blocks, block_size, interjects)))
     # A backend that can decode ahead does so while the engine takes its turn (llama_cpp).
     run_ahead = getattr(worker, "run_ahead", None)
-    while True:
+    deferred: list = []   # read between layers, not an interjection: served after the step
+
+    def send(msg) -> None:
+        conn.send_bytes(messages.encode(msg))
+
+    def serve(req: StepRequest) -> None:
+        send(worker.step(req, early=send))
+
+    def between_layers() -> None:
+        if not conn.poll():
+            return
         try:
             msg = messages.decode(conn.recv_bytes())
+            if not (isinstance(msg, StepRequest) and msg.interject):
+                deferred.append(msg)
+                return
+            serve(msg)
+        except Exception:  # noqa: BLE001 - not the interrupted step's failure: exit, and the
+            log.exception("interjection failed")   # executor restarts us and re-runs both
+            logging.shutdown()
+            os._exit(1)
+
+    if interjects:
+        worker.between_layers = between_layers
+    while True:
+        try:
+            msg = deferred.pop(0) if deferred else messages.decode(conn.recv_bytes())
         except (EOFError, OSError):
             return   # the executor went away
         if isinstance(msg, Shutdown):
             _exit_at_once()
         try:
-            result = worker.step(msg, early=lambda part: conn.send_bytes(messages.encode(part)))
+            serve(msg)
         except Exception as exc:  # noqa: BLE001 - a broken batch: report it, the executor restarts us
             log.exception("step failed")
-            conn.send_bytes(messages.encode(RuntimeError(f"{type(exc).__name__}: {exc}")))
+            send(RuntimeError(f"{type(exc).__name__}: {exc}"))
             return
-        conn.send_bytes(messages.encode(result))
         if run_ahead is not None:
             try:
                 run_ahead()

@@ -99,6 +99,7 @@ class SchedulerStats:
     num_preemptions: int = 0             # running sequences sent back to wait for KV blocks
     num_preempted: int = 0               # running sequences that gave their slot to a fair share or a better priority
     num_held_steps: int = 0              # steps whose worse-priority newcomers waited for a better priority's sake
+    num_interjected: int = 0             # newcomers prefilled inside a step in flight (interject)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ class WorkloadManager:
                  key_share: float = 1.0, long_prefill_tokens: int = 0,
                  long_prefill_chunk: int = 0, attention_context: int = 0,
                  priority_hold_steps: int = 1, priority_window_s: float = 0.0,
-                 clock=time.monotonic):
+                 interjection: bool = False, clock=time.monotonic):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_tokens = long_prefill_tokens   # longer prompts are long; 0: no cap
@@ -163,6 +164,9 @@ class WorkloadManager:
         # Worse-priority newcomers' prefill is held beside a better priority (1: never held).
         self.priority_hold_steps = max(1, priority_hold_steps)
         self.priority_window_s = priority_window_s
+        # Newcomers of a better priority than a whole step in flight are prefilled inside it
+        # (interject); off: they wait for the step to end.
+        self.interjection = interjection
         self._clock = clock
         self._seen: dict[int, float] = {}   # priority -> when a sequence of it last ran or waited
         self._held = 0                      # steps in a row that held worse-priority newcomers
@@ -244,6 +248,45 @@ class WorkloadManager:
         self.stats.num_prefilled += len(out.prefill)
         if out.decode:
             self.stats.num_joined_running_batch += len(out.prefill)
+        return out
+
+    # --- a better priority inside a step in flight ----------------------------------------------
+    def interject(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
+        """Newcomers that may be prefilled while `in_flight` still runs, in a pass of their own
+        that the model process runs between two of its layers: those of a better priority than
+        the worst of that step (an interactive request beside batch lines), whose prompt goes
+        in one chunk, while slots and KV blocks are free. On a CPU a step of a busy batch
+        lasts ~100 ms, and waiting for it was most of what a batch added to an interactive
+        request's time to first token; its prefill pass costs the batch the same either way
+        (it never shares a pass with worse priorities). They join the running batch when their
+        result comes (update), and decode from the next step on. None: nobody to interject."""
+        flying = in_flight.prefill + in_flight.decode
+        if not (self.interjection and self.waiting and flying):
+            return None
+        worst = max(s.priority for s in flying)
+        rows = self.running + [s for s in in_flight.prefill if s not in self.running]
+        kv = self.kv_budget
+        used = sum(kv.blocks(s) for s in rows) if kv else 0
+        longest = min(self.long_prefill_tokens or self.max_num_batched_tokens,
+                      self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput()
+        for seq in sorted(self.waiting, key=lambda s: s.priority):   # stable: FIFO within one
+            if seq.priority >= worst or len(rows) + len(out.prefill) >= self.max_num_seqs:
+                break
+            if (seq.num_tokens > min(longest, budget)
+                    or (kv and used + kv.blocks(seq) > kv.num_blocks)):
+                continue
+            self.waiting.remove(seq)
+            out.prefill.append(seq)
+            used += kv.blocks(seq) if kv else 0
+            budget -= seq.num_tokens
+        if not out.prefill:
+            return None
+        self._seen[out.prefill[0].priority] = self._clock()
+        self.stats.num_prefilled += len(out.prefill)
+        self.stats.num_joined_running_batch += len(out.prefill)
+        self.stats.num_interjected += len(out.prefill)
         return out
 
     # --- worse priorities beside a better one ----------------------------------------------------
@@ -378,10 +421,13 @@ class WorkloadManager:
             got.append(seq)
         return got
 
-    def requeue(self, out: SchedulerOutput) -> list[Sequence]:
-        """After the model process died: the running batch and the step's newcomers go back to
-        the front of the queue, keeping their output so far (the next prefill covers both)."""
-        seqs = [s for s in self.running + out.prefill if not s.is_finished]
+    def requeue(self, out: SchedulerOutput, interjected: SchedulerOutput | None = None
+                ) -> list[Sequence]:
+        """After the model process died: the running batch and the step's newcomers (and
+        those interjected into it) go back to the front of the queue, keeping their output so
+        far (the next prefill covers both)."""
+        joining = out.prefill + (interjected.prefill if interjected else [])
+        seqs = [s for s in dict.fromkeys(self.running + joining) if not s.is_finished]
         self.running = []
         self._prompt_left.clear()
         for seq in reversed(seqs):

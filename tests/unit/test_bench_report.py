@@ -196,3 +196,17 @@ def test_the_batch_summary_shows_the_steps_that_held_batch_prefill():
     # A result from before the hold has no such line.
     del batch["held_steps"]
     assert "held" not in "\n".join(format_batch(batch))
+
+
+def test_the_batch_summary_shows_how_many_probes_were_interjected():
+    from bench.report import format_batch
+
+    batch = {"lines": 300, "tokens_per_line": 16, "status": "completed", "completed": 300,
+             "failed": 0, "seconds": 30.0, "lines_per_s": 10.0, "ttft_idle_p50": 0.1,
+             "ttft_during_p50": 0.15, "probes_idle": 10, "probes_during": 20,
+             "ttft_ratio": 1.5, "ms_per_step": 120.0, "excess_in_steps": 0.4,
+             "time_split": {"steps": 400}, "held_steps": 300, "interjected": 17}
+    assert ("interactive requests prefilled inside a batch step in flight: 17 of 20"
+            in "\n".join(format_batch(batch)))
+    del batch["interjected"]   # a result from before interjection
+    assert "inside a batch step" not in "\n".join(format_batch(batch))

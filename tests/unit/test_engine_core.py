@@ -14,6 +14,8 @@ from common.protocol import FinishReason, SamplingParams, SequenceRequest
 from common.keys import Keys
 from common.store import SequenceStore
 
+from bench.stack import wait_until
+
 from .factories import EOS, ScriptedBackend, make_engine
 
 pytest.importorskip("lupa", reason="fakeredis needs lupa to run the store's Lua scripts")
@@ -300,3 +302,92 @@ def test_a_messages_priority_orders_the_engines_queue(store):
     engine.step()
     assert engine.scheduler.running == [chat] and chat.num_output_tokens == 1
     assert lines[0].num_preemptions == 1 and not lines[0].done.is_set()
+
+
+class GatedExecutor:
+    """A model executor whose steps run in a thread of their own and end only when the test
+    opens `gate`; an interjection runs at once (as between two layers of the step in flight).
+    Results come through a pipe, so the engine's wait selects over it and its bell."""
+
+    interjects = True
+
+    def __init__(self, backend):
+        import os
+        from collections import deque
+
+        self.backend, self.info, self.kv_capacity = backend, backend.info, (0, 0)
+        self.gate = threading.Event()
+        self.at_gate = threading.Event()   # a step is in flight, held at the gate
+        self.num_starts = 1
+        self._results = deque()
+        self._r, self._w = os.pipe()
+
+    def _put(self, res) -> None:
+        import os
+
+        self._results.append(res)
+        os.write(self._w, b"r")
+
+    def submit(self, req) -> None:
+        if req.interject:
+            res = self.backend.step(req)
+            res.interjected = True
+            self._put(res)
+            return
+        def run():
+            self.at_gate.set()
+            self.gate.wait(30)
+            self._put(self.backend.step(req, early=self._put))
+        threading.Thread(target=run, daemon=True).start()
+
+    def wait(self, wake=None):
+        import os
+        from multiprocessing.connection import wait as wait_any
+
+        ready = wait_any([self._r] + ([wake] if wake is not None else []), 30)
+        if self._r not in ready:
+            assert ready, "no result within 30 s"
+            return None
+        os.read(self._r, 1)
+        return self._results.popleft()
+
+    def stop(self, timeout_s: float = 0) -> None:
+        self.gate.set()
+
+
+def test_an_interactive_request_is_interjected_and_published_while_a_batch_step_runs(store):
+    """Issue 16: an interactive request arriving while a step of batch lines is in flight gets
+    its first token published before that step ends, and decodes with the batch after it."""
+    from worker.engine_core import EngineCore
+
+    from .factories import WordTokenizer
+
+    backend = ScriptedBackend({"chat": [5, 6, 8]})
+    executor = GatedExecutor(backend)
+    engine = EngineCore("w1", __import__("common.settings").settings.Settings(),
+                        store, executor, WordTokenizer())
+    submit(store, "line", max_tokens=50)
+    submit(store, "chat", max_tokens=3)
+    line = engine.admit("line", priority=9)
+    executor.gate.set()
+    engine.step()                                   # the line is prefilled
+    executor.gate.clear()
+    executor.at_gate.clear()
+    stepping = threading.Thread(target=engine.step)   # its decode waits at the gate
+    stepping.start()
+    assert executor.at_gate.wait(10)
+    chat = engine.admit("chat", priority=0)         # rings the bell mid-step
+    assert wait_until(lambda: [k for k, _d in events(store, "chat")] == ["token"], 10,
+                      "chat's first token")
+    assert stepping.is_alive() and line.num_output_tokens == 1   # the step is still running
+    assert engine.scheduler.stats.num_interjected == 1
+    interjection = backend.requests[-1]
+    assert interjection.interject and [s.seq_id for s in interjection.prefill] == ["chat"]
+    executor.gate.set()
+    stepping.join(10)
+    run(engine, [chat])
+    assert store.get_job("chat")["text"] == " w5 w6 w8"
+    # Requests: the line's prefill, the interjection, the held step, then chat decodes at once.
+    decoding = [i for i, r in enumerate(backend.requests) if "chat" in r.decode_seq_ids]
+    assert decoding == [3, 4]
+

@@ -150,3 +150,99 @@ def test_over_the_cost_model_the_hold_shortens_the_wait_without_slowing_the_batc
     assert off["held_steps"] == 0 < on["held_steps"]
     assert on["wait_p50_ms"] < off["wait_p50_ms"]
     assert on["lines_per_s"] >= off["lines_per_s"]
+
+
+# --- interjection: a better priority prefilled inside the step in flight ------------------------
+def interjecting(max_num_seqs: int = 16, **kw) -> WorkloadManager:
+    return WorkloadManager(max_num_seqs=max_num_seqs, interjection=True, **kw)
+
+
+def test_an_interactive_newcomer_is_interjected_into_a_step_of_batch_lines():
+    wm = interjecting()
+    lines = seqs(9, 3)
+    for s in lines:
+        wm.add(s)
+    step(wm)
+    in_flight = wm.schedule()                    # the batch's decode, in flight
+    [chat] = seqs(0, 1)
+    wm.add(chat)
+    side = wm.interject(in_flight)
+    assert ids(side.prefill) == [chat.seq_id] and not side.decode and chat not in wm.waiting
+    wm.update(side, tokens_for(side, 5))         # its result comes first
+    wm.update(in_flight, tokens_for(in_flight, 7))
+    assert chat.output_token_ids == [5] and chat in wm.running
+    assert all(len(s.output_token_ids) == 2 for s in lines)
+    nxt = wm.schedule()                          # from the next step on it decodes with them
+    assert set(ids(nxt.decode)) == set(ids(lines + [chat])) and not nxt.prefill
+    assert wm.stats.num_interjected == 1 and wm.stats.num_prefilled == 4
+
+
+def test_only_a_step_holding_a_worse_priority_is_interjected_into():
+    """Interactive requests among themselves join at the next step, together, as ever: an
+    interjection is a pass of its own, worth it only to skip a worse priority's step. Beside
+    batch lines, an interactive newcomer is interjected even while others of its priority run."""
+    wm = interjecting()
+    [chat] = seqs(0, 1)
+    wm.add(chat)
+    step(wm)
+    in_flight = wm.schedule()                    # chat alone
+    wm.add(seqs(0, 1)[0])
+    assert wm.interject(in_flight) is None
+    wm.update(in_flight, tokens_for(in_flight))
+    step(wm)                                     # the second chat joins
+    line = seqs(9, 1)[0]
+    wm.add(line)
+    step(wm)                                     # a batch line too
+    in_flight = wm.schedule()                    # 0, 0 and 9
+    later = seqs(9, 1)[0]
+    wm.add(later)
+    assert wm.interject(in_flight) is None       # a line is no better than the step's worst
+    [third] = seqs(0, 1)
+    wm.add(third)
+    assert ids(wm.interject(in_flight).prefill) == [third.seq_id]
+    assert later in wm.waiting
+
+
+def test_an_interjection_needs_a_free_slot_free_blocks_and_a_one_chunk_prompt():
+    wm = interjecting(max_num_seqs=3, long_prefill_tokens=16)
+    wm.set_kv_budget(num_blocks=6, block_size=4)
+    lines = [make_seq(5) for _ in range(2)]      # 6 tokens once decoding: 2 blocks each
+    for s in lines:
+        s.priority = 9
+        wm.add(s)
+    step(wm)
+    in_flight = wm.schedule()
+    long_chat = make_seq(17)                     # more than one chunk: it waits
+    long_chat.priority = 0
+    big_chat = make_seq(16)                      # one chunk, but 4 blocks: only 2 are free
+    big_chat.priority = 0
+    small = seqs(0, 2)
+    for s in (long_chat, big_chat, *small):
+        wm.add(s)
+    side = wm.interject(in_flight)
+    assert ids(side.prefill) == [small[0].seq_id]   # the one free slot
+    assert {long_chat, big_chat, small[1]} <= set(wm.waiting)
+
+
+def test_interjection_off_leaves_the_newcomer_for_the_next_step():
+    wm = WorkloadManager(max_num_seqs=16)
+    wm.add(seqs(9, 1)[0])
+    step(wm)
+    in_flight = wm.schedule()
+    wm.add(seqs(0, 1)[0])
+    assert wm.interject(in_flight) is None
+
+
+def test_an_interjected_newcomer_goes_back_to_wait_if_the_model_dies():
+    wm = interjecting()
+    lines = seqs(9, 2)
+    for s in lines:
+        wm.add(s)
+    step(wm)
+    in_flight = wm.schedule()
+    [chat] = seqs(0, 1)
+    wm.add(chat)
+    side = wm.interject(in_flight)
+    back = wm.requeue(in_flight, side)
+    assert set(back) == set(lines + [chat]) and len(back) == 3
+    assert list(wm.waiting)[0] in back and chat in wm.waiting and not wm.running

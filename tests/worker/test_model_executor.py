@@ -101,6 +101,30 @@ def test_newcomers_first_tokens_come_ahead_of_the_decode(running, expected):
     ex.execute(StepRequest(free_seq_ids=["a", "b"]))
 
 
+def test_an_interjection_is_answered_apart_from_the_step_in_flight(running, expected):
+    """Issue 16: sent while a step runs, a newcomer's prefill is answered on its own
+    (`interjected`), between the step's layers or after it, and joins the batch's cache."""
+    from worker.engine_core import Bell
+
+    ex = running
+    assert ex.interjects   # the transformers backend runs them between its layers
+    bell = Bell()
+    bell.ring()
+    assert ex.wait(bell) is None   # nothing in flight: the bell alone wakes the wait
+    ex.execute(StepRequest(prefill=[NewSequence("a", PROMPTS["a"], GREEDY)]))
+    ex.submit(StepRequest(decode_seq_ids=["a"]))
+    ex.submit(StepRequest(prefill=[NewSequence("b", PROMPTS["b"], GREEDY)], interject=True))
+    got = [ex.wait(), ex.wait()]
+    [side] = [r for r in got if r.interjected]
+    [step] = [r for r in got if not r.interjected]
+    assert side.token_ids == {"b": expected["b"][0]} and not side.partial
+    assert step.token_ids == {"a": expected["a"][1]}
+    assert ex._in_flight == 0
+    res = ex.execute(StepRequest(decode_seq_ids=["a", "b"]))
+    assert res.token_ids == {"a": expected["a"][2], "b": expected["b"][1]}
+    ex.execute(StepRequest(free_seq_ids=["a", "b"]))
+
+
 def test_killed_worker_raises_then_restarts(running, expected):
     ex = running
     starts = ex.num_starts
