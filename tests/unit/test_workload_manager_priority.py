@@ -157,15 +157,21 @@ def interjecting(max_num_seqs: int = 16, **kw) -> WorkloadManager:
     return WorkloadManager(max_num_seqs=max_num_seqs, interjection=True, **kw)
 
 
-def test_an_interactive_newcomer_is_interjected_into_a_step_of_batch_lines():
-    wm = interjecting()
-    lines = seqs(9, 3)
+def lines_in_flight(wm: WorkloadManager, n: int):
+    """n batch lines prefilled, their decode scheduled (in flight), and a chat waiting."""
+    lines = seqs(9, n)
     for s in lines:
         wm.add(s)
     step(wm)
-    in_flight = wm.schedule()                    # the batch's decode, in flight
+    in_flight = wm.schedule()
     [chat] = seqs(0, 1)
     wm.add(chat)
+    return lines, in_flight, chat
+
+
+def test_an_interactive_newcomer_is_interjected_into_a_step_of_batch_lines():
+    wm = interjecting()
+    lines, in_flight, chat = lines_in_flight(wm, 3)
     side = wm.interject(in_flight)
     assert ids(side.prefill) == [chat.seq_id] and not side.decode and chat not in wm.waiting
     wm.update(side, tokens_for(side, 5))         # its result comes first
@@ -235,13 +241,7 @@ def test_interjection_off_leaves_the_newcomer_for_the_next_step():
 
 def test_an_interjected_newcomer_goes_back_to_wait_if_the_model_dies():
     wm = interjecting()
-    lines = seqs(9, 2)
-    for s in lines:
-        wm.add(s)
-    step(wm)
-    in_flight = wm.schedule()
-    [chat] = seqs(0, 1)
-    wm.add(chat)
+    lines, in_flight, chat = lines_in_flight(wm, 2)
     side = wm.interject(in_flight)
     back = wm.requeue(in_flight, side)
     assert set(back) == set(lines + [chat]) and len(back) == 3
