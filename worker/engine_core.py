@@ -308,8 +308,8 @@ class EngineCore:
 
     def _wait(self, in_flight: SchedulerOutput | None):
         """The step's next result. Meanwhile, newcomers that ring the bell are taken in, and
-        those of a better priority than the whole step (`WorkloadManager.interject`) are sent
-        to be prefilled inside it; their result is applied and published as it comes.
+        those of a better priority than the worst of the step (`WorkloadManager.interject`)
+        are sent to be prefilled inside it; their result is applied and published as it comes.
         in_flight None: only the outstanding interjection's result is awaited."""
         while True:
             can = in_flight is not None and self._interjected is None and self.executor.interjects
@@ -318,9 +318,9 @@ class EngineCore:
                 self._take_inbox(block=False)
                 side = self.scheduler.interject(in_flight)
                 if side is not None:
+                    self._interjected = side   # (first: a failing send still requeues them)
                     self.executor.submit(StepRequest(prefill=self._new_sequences(side),
                                                      interject=True))
-                    self._interjected = side
                 continue
             if res.interjected:
                 side, self._interjected = self._interjected, None

@@ -328,7 +328,18 @@ class GatedExecutor:
         self._results.append(res)
         os.write(self._w, b"r")
 
+    fail_interject = False   # the interjection's send finds the model process dead
+
+    def restart(self) -> None:
+        self.num_starts += 1
+        self.fail_interject = False
+
     def submit(self, req) -> None:
+        if req.interject and self.fail_interject:
+            from worker.model_executor import ModelWorkerDied
+
+            self.gate.set()   # (the step in flight ends; its result is never read)
+            raise ModelWorkerDied("broken pipe")
         if req.interject:
             res = self.backend.step(req)
             res.interjected = True
@@ -391,3 +402,34 @@ def test_an_interactive_request_is_interjected_and_published_while_a_batch_step_
     decoding = [i for i, r in enumerate(backend.requests) if "chat" in r.decode_seq_ids]
     assert decoding == [3, 4]
 
+
+
+def test_an_interjection_whose_send_finds_the_model_dead_is_run_after_the_restart(store):
+    """Nothing accepted is lost: the interjected newcomer has left the waiting queue when its
+    send fails, and goes back to it with the batch for the restarted model."""
+    from worker.engine_core import EngineCore
+
+    from .factories import WordTokenizer
+
+    executor = GatedExecutor(ScriptedBackend())
+    executor.fail_interject = True
+    engine = EngineCore("w1", __import__("common.settings").settings.Settings(),
+                        store, executor, WordTokenizer())
+    submit(store, "line", max_tokens=4)
+    submit(store, "chat", max_tokens=2)
+    line = engine.admit("line", priority=9)
+    executor.gate.set()
+    engine.step()
+    executor.gate.clear()
+    executor.at_gate.clear()
+    stepping = threading.Thread(target=engine.step)
+    stepping.start()
+    assert executor.at_gate.wait(10)
+    chat = engine.admit("chat", priority=0)
+    stepping.join(10)
+    assert executor.num_starts == 2 and engine._interjected is None
+    assert chat in engine.scheduler.waiting and line in engine.scheduler.waiting
+    executor.gate.set()
+    run(engine, [chat, line])
+    assert store.get_job("chat")["status"] == "succeeded"
+    assert store.get_job("line")["status"] == "succeeded"
