@@ -46,7 +46,16 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     rep = heads // kv_heads
     q = query[0]                                        # [heads, tokens, dim]
     out = query.new_empty(tokens, heads, dim)
-    for g in plan.decode_groups:
+    kernel = plan.cache.decode_kernel if q.device.type == "cpu" else None
+    if kernel is not None and plan.decode_groups:
+        # All decode rows in one call: the kernel reads each row's blocks in place, so there is
+        # no gather to keep in L2 and no padding, and groups would only add calls.
+        tables, lengths = plan.decode_tables()
+        n = tables.shape[0]
+        kernel(q[:, :n].transpose(0, 1), kpool, vpool, tables, lengths,
+                                plan.cache.block_size,
+                                dim ** -0.5 if scaling is None else scaling, out[:n])
+    for g in plan.decode_groups if kernel is None else ():
         n, width = g.blocks.shape
         k, v = _read(plan.cache, kpool, vpool, g.blocks.flatten(), g.first_slot)
         # Each row's whole blocks, the slots past its length masked (new blocks are zeroed,
