@@ -88,6 +88,7 @@ class Settings:
     prefix_cache_mb: int = 256       # model process: KV of recent prompt prefixes (0 = off)
     kv_cache_mb: int = 0             # model process: KV cache budget (0 = 40 % of free memory)
     packed_linears: bool = True      # CPU fp32, bf16: oneDNN-prepacked Linear weights (faster)
+    decode_kernel: bool = True       # CPU: decode attention by worker/decode_attention.cpp
     # Limits on input.
     max_prompts: int = 64
     max_tokens_limit: int = 4096
@@ -211,6 +212,7 @@ class Settings:
             prefix_cache_mb=_int("LLMQ_PREFIX_CACHE_MB", d.prefix_cache_mb),
             kv_cache_mb=_int("LLMQ_KV_CACHE_MB", d.kv_cache_mb),
             packed_linears=_int("LLMQ_PACKED_LINEARS", int(d.packed_linears)) != 0,
+            decode_kernel=_int("LLMQ_DECODE_KERNEL", int(d.decode_kernel)) != 0,
             max_prompts=_int("LLMQ_MAX_PROMPTS", d.max_prompts),
             max_tokens_limit=_int("LLMQ_MAX_TOKENS_LIMIT", d.max_tokens_limit),
             default_max_tokens=_int("LLMQ_DEFAULT_MAX_TOKENS", d.default_max_tokens),

@@ -111,6 +111,20 @@ class BatchPlan:
     decode_groups: list["DecodeGroup"] = field(default_factory=list)
     prefill_rows: list[tuple[int, Row]] = field(default_factory=list)   # (first token, row)
     new_blocks: torch.Tensor | None = None   # allocated for this pass: zeroed before writing
+    _decode_tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All decode rows' block tables [decode rows, most blocks] (padding: block 0, never
+        read) and lengths [decode rows], int64, in token order: what the CPU decode kernel
+        reads the pools by. Made once per pass, not once per layer."""
+        if self._decode_tables is None:
+            rows = self.rows[:sum(g.blocks.shape[0] for g in self.decode_groups)]
+            width = max((len(r.blocks) for r in rows), default=0)
+            self._decode_tables = (
+                torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in rows],
+                             dtype=torch.long, device=self.cache.device).view(len(rows), width),
+                torch.tensor([r.length for r in rows], dtype=torch.long, device=self.cache.device))
+        return self._decode_tables
 
 
 @dataclass
@@ -165,6 +179,9 @@ class PagedKVCache:
         self.lengths: dict[str, int] = {}       # tokens whose keys and values are stored
         self._slots: dict[str, torch.Tensor] = {}   # cached slot list per sequence
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        # worker/decode_kernel.py's function when decode rows are attended by it (CPU), else
+        # None. The function, not its module: a builtin function deep-copies as itself.
+        self.decode_kernel = None
 
     # --- sequences --------------------------------------------------------------------------
     @property

@@ -22,6 +22,7 @@ from .kv_cache import PagedKVCache
 from .messages import NewSequence, Ready, Shutdown, StepRequest, StepResult
 from .model_manager import ModelManager, pick_device, resolve_dtype
 from .packed_linear import pack_linears
+from . import decode_kernel as decode_kernels
 from .paged_attention import use_paged_attention
 from .sampler import Sampler, SamplingState, prompt_logprobs
 from .structured_output import Grammars
@@ -33,7 +34,8 @@ class ModelWorker:
     """Runs prefill and batched decode steps of one model on one device."""
 
     def __init__(self, model, info, max_num_seqs: int, prefix_cache_bytes: int = 0,
-                 kv_cache_bytes: int = 0, prefill_chunk: int = 2048, block_size: int = 8):
+                 kv_cache_bytes: int = 0, prefill_chunk: int = 2048, block_size: int = 8,
+                 decode_kernel: bool = True):
         self.model = model
         self.info = info
         self.device = torch.device(info.device)
@@ -45,8 +47,13 @@ class ModelWorker:
                                   prefix_blocks=prefix_cache_bytes // block_bytes,
                                   max_group_slots=decode_group_slots(model, self.device),
                                   device=self.device)
-        log.info("KV cache: %d blocks of %d tokens (%d MiB)", self.cache.num_blocks, block_size,
-                 self.cache.num_blocks * block_bytes >> 20)
+        if decode_kernel and self.device.type == "cpu" and kernel_fits(model):
+            module = decode_kernels.load()
+            self.cache.decode_kernel = module and module.decode_attention
+        log.info("KV cache: %d blocks of %d tokens (%d MiB), decode attention: %s",
+                 self.cache.num_blocks, block_size,
+                 self.cache.num_blocks * block_bytes >> 20,
+                 "gather + SDPA" if self.cache.decode_kernel is None else "C++ kernel")
         # A sequence is never longer than the cache (the engine caps max_tokens by this), so
         # preempting the others always leaves room for the oldest one.
         capacity = self.cache.num_blocks * block_size
@@ -77,7 +84,8 @@ class ModelWorker:
             info = dataclasses.replace(info, max_model_len=min(info.max_model_len,
                                                                settings.max_model_len))
         return cls(model, info, settings.max_num_seqs, settings.prefix_cache_mb << 20,
-                   settings.kv_cache_mb << 20, settings.max_num_batched_tokens)
+                   settings.kv_cache_mb << 20, settings.max_num_batched_tokens,
+                   decode_kernel=settings.decode_kernel)
 
     @property
     def kv_capacity(self) -> tuple[int, int]:
@@ -341,6 +349,17 @@ def kv_bytes_per_token(model) -> int:
 # SmolLM2-135M on the Xeon, one thread, alternated in one process) a step took ~10% less
 # CPU time with groups of 1,024 slots than with one or two groups of all 64 rows.
 DECODE_GROUP_BYTES = 768 << 10
+
+
+def kernel_fits(model) -> bool:
+    """Whether worker/decode_attention.cpp handles the model's attention shapes (up to 8 query
+    heads per kv head, head dim a multiple of 8) and dtype."""
+    cfg = model.config.get_text_config()
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rep, odd = divmod(cfg.num_attention_heads, kv_heads)
+    return (not odd and 1 <= rep <= 8 and dim % 8 == 0
+            and model.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 def decode_group_slots(model, device: torch.device) -> int | None:

@@ -4,7 +4,9 @@
 model. A forward pass given `kv_plan=` (a kv_cache.BatchPlan) writes each new token's keys and
 values into its pool slots, then attends each row over its own tokens only:
 
-- decode rows (one new token) in groups of similar length: the group's blocks are gathered into
+- decode rows (one new token) on a CPU with the kernel (worker/decode_kernel.py, the cache's
+  `decode_kernel`): all of them in one call that reads each row's blocks in place;
+- decode rows otherwise (a GPU, or no kernel) in groups of similar length: the group's blocks are gathered into
   one padded [rows, kv heads, whole blocks, head dim] tensor and one SDPA call does the group; the
   query heads sharing a kv head go in as that head's query rows, so nothing is repeated;
 - prefill rows (a prompt or a chunk of one) one at a time: SDPA of the chunk's queries over the
@@ -46,7 +48,16 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     rep = heads // kv_heads
     q = query[0]                                        # [heads, tokens, dim]
     out = query.new_empty(tokens, heads, dim)
-    for g in plan.decode_groups:
+    kernel = plan.cache.decode_kernel if q.device.type == "cpu" else None
+    if kernel is not None and plan.decode_groups:
+        # All decode rows in one call: the kernel reads each row's blocks in place, so there is
+        # no gather to keep in L2 and no padding, and groups would only add calls.
+        tables, lengths = plan.decode_tables()
+        n = tables.shape[0]
+        kernel(q[:, :n].transpose(0, 1), kpool, vpool, tables, lengths,
+                                plan.cache.block_size,
+                                dim ** -0.5 if scaling is None else scaling, out[:n])
+    for g in plan.decode_groups if kernel is None else ():
         n, width = g.blocks.shape
         k, v = _read(plan.cache, kpool, vpool, g.blocks.flatten(), g.first_slot)
         # Each row's whole blocks, the slots past its length masked (new blocks are zeroed,

@@ -1,0 +1,20 @@
+"""Without a working build of the decode kernel, the worker keeps its torch path."""
+from __future__ import annotations
+
+import logging
+
+from worker import decode_kernel
+
+
+def test_a_failed_build_logs_one_line_and_gives_none(monkeypatch, caplog):
+    import torch.utils.cpp_extension as ext
+
+    def no_compiler(**_kw):
+        raise RuntimeError("Ninja is required to load C++ extensions\nno g++ found")
+
+    monkeypatch.setattr(ext, "load", no_compiler)
+    monkeypatch.setattr(decode_kernel, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger=decode_kernel.__name__):
+        assert decode_kernel.load() is None
+        assert decode_kernel.load() is None            # remembered: tried once per process
+    assert len(caplog.records) == 1 and "no g++ found" in caplog.records[0].getMessage()

@@ -1,0 +1,247 @@
+// Decode attention over the paged KV cache, reading the pools in place (no gather).
+//
+// One task per (decode row, kv head): the query heads sharing that kv head (GQA) score every
+// key of the row's blocks in fp32, then a softmax and the weighted sum of the values, so each
+// key and value is read once for all of its query heads. Built by worker/decode_kernel.py with
+// portable flags (AVX2 + FMA + F16C, never -march=native).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  // bf16 is the top half of an fp32: widen to 32 bits and shift into place.
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The sums of 8 vectors at once, [sum(v[0]), ..., sum(v[7])]: a horizontal sum per score
+// took as long as its dot product.
+inline __m256 hsum8(const __m256* v) {
+  __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// exp for x <= 0 (scores minus their maximum): Cephes' polynomial after range reduction,
+// ~1 ulp; a scalar std::exp per score cost more than the whole dot products.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+template <typename T>
+inline void prefetch_block(const T* p, int64_t token_stride, int64_t n, int64_t dim) {
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < n; ++i, p += token_stride)
+    for (int64_t o = 0; o < bytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p) + o, _MM_HINT_T0);
+}
+
+inline void store_out(float* o, float v) { *o = v; }
+inline void store_out(at::BFloat16* o, float v) { *o = at::BFloat16(v); }
+inline void store_out(at::Half* o, float v) { *o = at::Half(v); }
+
+// One (row, kv head): REP query heads, DIM a multiple of 8 (checked by the caller).
+template <typename T, int REP>
+void attend(const T* q, int64_t q_head_stride, const T* kpool, const T* vpool,
+            int64_t token_stride, const int64_t* blocks, int64_t length, int64_t block_size,
+            int64_t dim, float scale, T* out, int64_t out_head_stride,
+            std::vector<float>& scores, std::vector<float>& qf) {
+  const int64_t chunks = dim / 8;
+  qf.resize(REP * dim);
+  for (int r = 0; r < REP; ++r)
+    for (int64_t d = 0; d < dim; ++d)
+      qf[r * dim + d] = static_cast<float>(q[r * q_head_stride + d]) * scale;
+  // Scores laid [REP][length rounded up to 8], so the softmax runs on whole vectors.
+  const int64_t padded = (length + 7) / 8 * 8;
+  scores.resize(REP * padded);
+  float best[REP];
+  for (int r = 0; r < REP; ++r) best[r] = -INFINITY;
+  for (int64_t t0 = 0, b = 0; t0 < length; t0 += block_size, ++b) {
+    const int64_t n = std::min(block_size, length - t0);
+    const T* k = kpool + blocks[b] * block_size * token_stride;
+    // The blocks are scattered over the pool, so the hardware prefetcher cannot guess the next
+    // one: fetch the next block's keys, and this block's values for the second pass, ahead.
+    if (t0 + block_size < length)
+      prefetch_block(kpool + blocks[b + 1] * block_size * token_stride, token_stride,
+                     std::min(block_size, length - t0 - block_size), dim);
+    prefetch_block(vpool + blocks[b] * block_size * token_stride, token_stride, n, dim);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8, k += 8 * token_stride) {   // 8 keys: one vector of scores each
+      __m256 acc[REP][8];
+      for (int j = 0; j < 8; ++j) {
+        for (int r = 0; r < REP; ++r) acc[r][j] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c) {
+          __m256 kv = load8(k + j * token_stride + c * 8);
+          for (int r = 0; r < REP; ++r)
+            acc[r][j] = _mm256_fmadd_ps(load8(&qf[r * dim + c * 8]), kv, acc[r][j]);
+        }
+      }
+      for (int r = 0; r < REP; ++r) {
+        __m256 s8 = hsum8(acc[r]);
+        _mm256_storeu_ps(&scores[r * padded + t0 + i], s8);
+        alignas(32) float m8[8];
+        _mm256_store_ps(m8, s8);
+        for (int j = 0; j < 8; ++j) best[r] = std::max(best[r], m8[j]);
+      }
+    }
+    for (; i < n; ++i, k += token_stride) {
+      __m256 acc[REP];
+      for (int r = 0; r < REP; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m256 kv = load8(k + c * 8);
+        for (int r = 0; r < REP; ++r)
+          acc[r] = _mm256_fmadd_ps(load8(&qf[r * dim + c * 8]), kv, acc[r]);
+      }
+      for (int r = 0; r < REP; ++r) {
+        float s = hsum(acc[r]);
+        scores[r * padded + t0 + i] = s;
+        best[r] = std::max(best[r], s);
+      }
+    }
+  }
+  float inv[REP];
+  for (int r = 0; r < REP; ++r) {
+    float* s = &scores[r * padded];
+    for (int64_t t = length; t < padded; ++t) s[t] = -INFINITY;
+    __m256 m = _mm256_set1_ps(best[r]), sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 8) {
+      __m256 e = exp8(_mm256_sub_ps(load8(s + t), m));
+      // exp8's clamp makes exp(-inf) tiny, not 0: the padding must weigh nothing.
+      if (t + 8 > length) {
+        alignas(32) float keep[8];
+        for (int j = 0; j < 8; ++j) keep[j] = (t + j < length) ? 1.0f : 0.0f;
+        e = _mm256_mul_ps(e, _mm256_load_ps(keep));
+      }
+      _mm256_storeu_ps(s + t, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    inv[r] = 1.0f / hsum(sum);
+  }
+  // The values in groups of 4 vectors (32 dims): REP x 4 accumulators stay in registers.
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+    const int64_t nc = std::min<int64_t>(4, chunks - c0);
+    __m256 acc[REP][4];
+    for (int r = 0; r < REP; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t t0 = 0, b = 0; t0 < length; t0 += block_size, ++b) {
+      const int64_t n = std::min(block_size, length - t0);
+      const T* v = vpool + blocks[b] * block_size * token_stride + c0 * 8;
+      for (int64_t i = 0; i < n; ++i, v += token_stride) {
+        __m256 p[REP];
+        for (int r = 0; r < REP; ++r) p[r] = _mm256_set1_ps(scores[r * padded + t0 + i]);
+        for (int c = 0; c < nc; ++c) {
+          __m256 vv = load8(v + c * 8);
+          for (int r = 0; r < REP; ++r) acc[r][c] = _mm256_fmadd_ps(p[r], vv, acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < REP; ++r) {
+      alignas(32) float tmp[8];
+      for (int c = 0; c < nc; ++c) {
+        _mm256_store_ps(tmp, _mm256_mul_ps(acc[r][c], _mm256_set1_ps(inv[r])));
+        T* o = out + r * out_head_stride + (c0 + c) * 8;
+        for (int j = 0; j < 8; ++j) store_out(o + j, tmp[j]);
+      }
+    }
+  }
+}
+
+template <typename T, int REP>
+void run(const torch::Tensor& q, const torch::Tensor& kpool, const torch::Tensor& vpool,
+         const torch::Tensor& tables, const torch::Tensor& lengths, int64_t block_size,
+         double scale, torch::Tensor& out) {
+  const int64_t rows = tables.size(0), width = tables.size(1);
+  const int64_t kv_heads = kpool.size(1), dim = kpool.size(2);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kpool.data_ptr<T>();
+  const T* vp = vpool.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t token_stride = kv_heads * dim;
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / kv_heads, h = task % kv_heads;
+      attend<T, REP>(qp + row * qs0 + h * REP * qs1, qs1, kp + h * dim, vp + h * dim,
+                     token_stride, tp + row * width, lp[row], block_size, dim,
+                     static_cast<float>(scale), op + row * os0 + h * REP * os1, os1,
+                     scores, qf);
+    }
+  });
+}
+
+template <typename T>
+void dispatch_rep(int64_t rep, const torch::Tensor& q, const torch::Tensor& k,
+                  const torch::Tensor& v, const torch::Tensor& t, const torch::Tensor& l,
+                  int64_t bs, double scale, torch::Tensor& out) {
+  switch (rep) {
+    case 1: return run<T, 1>(q, k, v, t, l, bs, scale, out);
+    case 2: return run<T, 2>(q, k, v, t, l, bs, scale, out);
+    case 3: return run<T, 3>(q, k, v, t, l, bs, scale, out);
+    case 4: return run<T, 4>(q, k, v, t, l, bs, scale, out);
+    case 5: return run<T, 5>(q, k, v, t, l, bs, scale, out);
+    case 6: return run<T, 6>(q, k, v, t, l, bs, scale, out);
+    case 7: return run<T, 7>(q, k, v, t, l, bs, scale, out);
+    case 8: return run<T, 8>(q, k, v, t, l, bs, scale, out);
+    default: TORCH_CHECK(false, "decode_attention: unsupported query heads per kv head ", rep);
+  }
+}
+
+}  // namespace
+
+// q [rows, heads, dim] (last dim contiguous), pools [slots, kv heads, dim] contiguous, tables
+// [rows, blocks] int64 (entries past a row's length unread), lengths [rows] int64; writes
+// out [rows, heads, dim] (last dim contiguous), same dtype as q.
+void decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool,
+                      torch::Tensor tables, torch::Tensor lengths, int64_t block_size,
+                      double scale, torch::Tensor out) {
+  TORCH_CHECK(q.device().is_cpu() && kpool.is_contiguous() && vpool.is_contiguous());
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && tables.is_contiguous() &&
+              lengths.is_contiguous());
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong);
+  TORCH_CHECK(q.scalar_type() == kpool.scalar_type() && out.scalar_type() == q.scalar_type());
+  const int64_t heads = q.size(1), kv_heads = kpool.size(1), dim = kpool.size(2);
+  TORCH_CHECK(dim % 8 == 0 && heads % kv_heads == 0 && q.size(2) == dim);
+  const int64_t rep = heads / kv_heads;
+  switch (q.scalar_type()) {
+    case at::kFloat: return dispatch_rep<float>(rep, q, kpool, vpool, tables, lengths, block_size, scale, out);
+    case at::kBFloat16: return dispatch_rep<at::BFloat16>(rep, q, kpool, vpool, tables, lengths, block_size, scale, out);
+    case at::kHalf: return dispatch_rep<at::Half>(rep, q, kpool, vpool, tables, lengths, block_size, scale, out);
+    default: TORCH_CHECK(false, "decode_attention: unsupported dtype ", q.scalar_type());
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention, pools read in place");
+}
