@@ -34,6 +34,8 @@ def load(verbose: bool = False):
 
         if platform.machine().lower() not in ("x86_64", "amd64"):
             raise RuntimeError(f"the kernel needs x86-64 AVX2, not {platform.machine()}")
+        if not _cpu_has("avx2", "fma", "f16c"):   # (its code would stop at an illegal instruction)
+            raise RuntimeError("the kernel needs a CPU with AVX2, FMA and F16C")
         from torch.utils.cpp_extension import load as build
 
         module = build(name="llmq_decode_attention", sources=[str(SOURCE)],
@@ -44,6 +46,17 @@ def load(verbose: bool = False):
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
     _loaded["module"] = module
     return module
+
+
+def _cpu_has(*flags: str) -> bool:
+    """Whether the CPU reports these flags (Linux's /proc/cpuinfo; elsewhere assumed)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    have = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                 if line.startswith("flags")), [])
+    return all(f in have for f in flags)
 
 
 def main(argv: list[str]) -> int:

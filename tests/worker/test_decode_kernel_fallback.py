@@ -18,3 +18,16 @@ def test_a_failed_build_logs_one_line_and_gives_none(monkeypatch, caplog):
         assert decode_kernel.load() is None
         assert decode_kernel.load() is None            # remembered: tried once per process
     assert len(caplog.records) == 1 and "no g++ found" in caplog.records[0].getMessage()
+
+
+def test_a_cpu_without_avx2_is_not_given_the_kernel(monkeypatch, caplog):
+    """Its code is built for AVX2 + FMA + F16C: elsewhere it would stop at an illegal
+    instruction, so the torch path serves and nothing is compiled."""
+    import torch.utils.cpp_extension as ext
+
+    monkeypatch.setattr(decode_kernel, "_loaded", {})
+    monkeypatch.setattr(decode_kernel, "_cpu_has", lambda *flags: False)
+    monkeypatch.setattr(ext, "load", lambda **_kw: (_ for _ in ()).throw(AssertionError("built")))
+    with caplog.at_level(logging.WARNING, logger=decode_kernel.__name__):
+        assert decode_kernel.load() is None
+    assert "AVX2" in caplog.records[0].getMessage()
