@@ -17,12 +17,11 @@ import torch
 
 from common import logs
 
-from . import messages
+from . import decode_kernel as decode_kernels, messages
 from .kv_cache import PagedKVCache
 from .messages import NewSequence, Ready, Shutdown, StepRequest, StepResult
 from .model_manager import ModelManager, pick_device, resolve_dtype
 from .packed_linear import pack_linears
-from . import decode_kernel as decode_kernels
 from .paged_attention import use_paged_attention
 from .sampler import Sampler, SamplingState, prompt_logprobs
 from .structured_output import Grammars

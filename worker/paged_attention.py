@@ -54,9 +54,8 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         # no gather to keep in L2 and no padding, and groups would only add calls.
         tables, lengths = plan.decode_tables()
         n = tables.shape[0]
-        kernel(q[:, :n].transpose(0, 1), kpool, vpool, tables, lengths,
-                                plan.cache.block_size,
-                                dim ** -0.5 if scaling is None else scaling, out[:n])
+        kernel(q[:, :n].transpose(0, 1), kpool, vpool, tables, lengths, plan.cache.block_size,
+               dim ** -0.5 if scaling is None else scaling, out[:n])
     for g in plan.decode_groups if kernel is None else ():
         n, width = g.blocks.shape
         k, v = _read(plan.cache, kpool, vpool, g.blocks.flatten(), g.first_slot)
