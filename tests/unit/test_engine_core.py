@@ -366,19 +366,17 @@ class GatedExecutor:
         self.gate.set()
 
 
-def test_an_interactive_request_is_interjected_and_published_while_a_batch_step_runs(store):
-    """Issue 16: an interactive request arriving while a step of batch lines is in flight gets
-    its first token published before that step ends, and decodes with the batch after it."""
+def chat_during_a_held_line_step(store, executor, line_tokens: int, chat_tokens: int):
+    """A batch line prefilled, its next step held at the executor's gate (in flight, on a
+    thread of its own), then a chat admitted: (engine, line, chat, the stepping thread)."""
+    from common.settings import Settings
     from worker.engine_core import EngineCore
 
     from .factories import WordTokenizer
 
-    backend = ScriptedBackend({"chat": [5, 6, 8]})
-    executor = GatedExecutor(backend)
-    engine = EngineCore("w1", __import__("common.settings").settings.Settings(),
-                        store, executor, WordTokenizer())
-    submit(store, "line", max_tokens=50)
-    submit(store, "chat", max_tokens=3)
+    engine = EngineCore("w1", Settings(), store, executor, WordTokenizer())
+    submit(store, "line", max_tokens=line_tokens)
+    submit(store, "chat", max_tokens=chat_tokens)
     line = engine.admit("line", priority=9)
     executor.gate.set()
     engine.step()                                   # the line is prefilled
@@ -388,6 +386,15 @@ def test_an_interactive_request_is_interjected_and_published_while_a_batch_step_
     stepping.start()
     assert executor.at_gate.wait(10)
     chat = engine.admit("chat", priority=0)         # rings the bell mid-step
+    return engine, line, chat, stepping
+
+
+def test_an_interactive_request_is_interjected_and_published_while_a_batch_step_runs(store):
+    """Issue 16: an interactive request arriving while a step of batch lines is in flight gets
+    its first token published before that step ends, and decodes with the batch after it."""
+    backend = ScriptedBackend({"chat": [5, 6, 8]})
+    executor = GatedExecutor(backend)
+    engine, line, chat, stepping = chat_during_a_held_line_step(store, executor, 50, 3)
     assert wait_until(lambda: [k for k, _d in events(store, "chat")] == ["token"], 10,
                       "chat's first token")
     assert stepping.is_alive() and line.num_output_tokens == 1   # the step is still running
@@ -403,29 +410,12 @@ def test_an_interactive_request_is_interjected_and_published_while_a_batch_step_
     assert decoding == [3, 4]
 
 
-
 def test_an_interjection_whose_send_finds_the_model_dead_is_run_after_the_restart(store):
     """Nothing accepted is lost: the interjected newcomer has left the waiting queue when its
     send fails, and goes back to it with the batch for the restarted model."""
-    from worker.engine_core import EngineCore
-
-    from .factories import WordTokenizer
-
     executor = GatedExecutor(ScriptedBackend())
     executor.fail_interject = True
-    engine = EngineCore("w1", __import__("common.settings").settings.Settings(),
-                        store, executor, WordTokenizer())
-    submit(store, "line", max_tokens=4)
-    submit(store, "chat", max_tokens=2)
-    line = engine.admit("line", priority=9)
-    executor.gate.set()
-    engine.step()
-    executor.gate.clear()
-    executor.at_gate.clear()
-    stepping = threading.Thread(target=engine.step)
-    stepping.start()
-    assert executor.at_gate.wait(10)
-    chat = engine.admit("chat", priority=0)
+    engine, line, chat, stepping = chat_during_a_held_line_step(store, executor, 4, 2)
     stepping.join(10)
     assert executor.num_starts == 2 and engine._interjected is None
     assert chat in engine.scheduler.waiting and line in engine.scheduler.waiting
