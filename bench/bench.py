@@ -36,11 +36,11 @@ from datetime import datetime
 from pathlib import Path
 
 from . import report
-from .efficiency import measure as measure_efficiency
+from .efficiency import measure as measure_efficiency, merge_probe
 from .baseline import baseline_phase
 from .batch import batch_phase
 from .loadgen import closed_loop, open_loop, payload
-from .peers import LLAMA_SERVER, PEER_NAMES, build_systems, peers_phase
+from .peers import LLAMA_SERVER, PEER_NAMES, build_systems, peers_phase, refresh_fractions
 from .lengths import lengths_phase
 from .prefix import prefix_phase
 from .quality import quality_phase
@@ -155,14 +155,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peers-level-time-limit", type=float, default=45.0,
                    help="per peers level: no new request after this many seconds, streams "
                         "closed after twice that (default 45)")
+    p.add_argument("--peers-rounds", type=int, default=1,
+                   help="rounds of the peers table, the systems in turn; each level's row is "
+                        "the best of its rounds (default 1)")
     p.add_argument("--llama-server", default=str(LLAMA_SERVER),
                    help="the llama-server binary (`make peers` builds it there)")
     args = p.parse_args(argv)
     _peers_args(p, args)
     if args.only == "baseline" and not args.baseline:
         p.error("--only baseline needs --baseline REF")
-    if args.baseline_rounds < 1:
-        p.error("--baseline-rounds: at least 1")
+    if args.baseline_rounds < 1 or args.peers_rounds < 1:
+        p.error("--baseline-rounds and --peers-rounds: at least 1")
     q = args.quick
     args.levels = _ints(args.concurrency) if args.concurrency else ([1, 8, 32] if q else [1, 8, 32, 64])
     # The levels the issues judge against the baseline, unless levels are asked for.
@@ -383,7 +386,7 @@ def _peers(args, workdir: Path, model_dir: str, dtype: str, eff: dict) -> dict:
     systems = build_systems(args, workdir, model_dir, _model_manager().gguf_file(), dtype)
     return peers_phase(systems, AutoTokenizer.from_pretrained(model_dir), args.peers_concurrency,
                        args.peers_requests, args.peers_tokens, args.peers_level_time_limit,
-                       eff=eff, progress=progress)
+                       eff=eff, progress=progress, rounds=args.peers_rounds)
 
 
 def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None:
@@ -518,6 +521,13 @@ def main(argv=None) -> int:
                 level_time_limit=args.level_time_limit, default_dtype=dtype,
                 backend=args.backend, device=args.device, max_num_seqs=args.max_num_seqs,
                 workdir=workdir, progress=progress)
+        if result.get("efficiency"):
+            progress("phase 5: the matmul rates again, the limit being the higher of the two "
+                     "probes")
+            result["efficiency"] = merge_probe(result["efficiency"],
+                                               measure_efficiency(model_dir, batches, progress))
+            if result.get("peers"):
+                refresh_fractions(result["peers"], result["efficiency"])
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - write what we have
         error = f"{type(exc).__name__}: {exc}"
         progress(f"ERROR: {error}")

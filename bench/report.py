@@ -368,6 +368,13 @@ def format_peers(peers: dict | None, eff: dict | None = None) -> list[str]:
     if any((lv.get("compute_fraction") or 0) > 1 for x in peers["systems"] for lv in x["levels"]):
         lines.append("  WARNING: a row is above 100% of the limit: the matmul rates were measured "
                      "while other processes held the CPU; the limit column is not to be trusted")
+    if peers.get("rounds", 1) > 1:
+        lines.append(f"  each row is the best of {peers['rounds']} rounds, the systems in turn; "
+                     "tok/s of every round:")
+        for sys_ in peers["systems"]:
+            for lv in sys_.get("levels", []):
+                lines.append(f"    {sys_['name']:<20} c={lv['concurrency']:<3} "
+                             + " ".join(_f(t) for t in lv.get("rounds_tokens_per_s", [])))
     lines.append("  (x best: tok/s over the best peer's at that concurrency; limit: tok/s x "
                  "FLOPs/token over this machine's matmul rate at that batch, in the row's dtype; "
                  "GGUF rows against float32's)")

@@ -4,7 +4,7 @@ import pytest
 
 from bench.efficiency import (cpu_info, flops_per_token, format_rates, format_served,
                               fraction_for, fraction_of_limit, linear_shapes, measure_rates,
-                              rate_for)
+                              merge_probe, rate_for)
 
 TINY = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 4, "num_hidden_layers": 2, "vocab_size": 10}
@@ -48,7 +48,7 @@ def test_the_rate_is_the_rows_dtype_at_its_batch_or_the_nearest_below():
 
 
 def test_measured_rates_cover_every_dtype_and_batch():
-    rates = measure_rates([(16, 32), (32, 16)], [4, 1], min_time_s=0.01)
+    rates = measure_rates([(16, 32), (32, 16)], [4, 1], min_time_s=0.01, warm_up_s=0.01)
     assert set(rates) == {"float32", "bfloat16"}
     assert set(rates["float32"]) == {"1", "4"} and all(r > 0 for r in rates["float32"].values())
 
@@ -70,3 +70,17 @@ def test_the_rates_and_the_served_fractions_are_printed():
     assert "400.0 tok/s of 800 (float32): 50.0%" in lines[1]
     assert lines[2].endswith(": -")
     assert format_served(None, served, "float32") == []
+
+
+def test_a_second_probe_raises_a_rate_it_beats_and_never_lowers_one():
+    slow_start = {"float32": {"1": 15.0, "64": 100.0}, "bfloat16": {"64": 300.0}}
+    merged = merge_probe(EFF, {"rates_gflops": slow_start})
+    assert merged["rates_gflops"]["float32"] == {"1": 20.0, "16": 100.0, "64": 160.0}
+    assert merged["rates_gflops"]["bfloat16"] == {"1": 30.0, "64": 400.0}
+    fast_end = {"float32": {"64": 320.0}}
+    merged = merge_probe(merged, {"rates_gflops": fast_end})
+    assert merged["rates_gflops"]["float32"]["64"] == 320.0
+    assert len(merged["probes"]) == 3 and merged["probes"][0] == EFF["rates_gflops"]
+    # 400 tok/s x 0.2 GFLOP is half of the higher rate, not all of the slower one.
+    assert fraction_for(merged, 800.0, "float32", 64) == pytest.approx(0.5)
+    assert "the higher of 3 probes" in format_rates(merged)[1]

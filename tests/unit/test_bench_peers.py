@@ -12,7 +12,8 @@ import pytest
 
 from bench import loadgen
 from bench.loadgen import Inflight, stream_completion
-from bench.peers import (ServerPeer, completion_payload, gguf_type, llama_server_peer, run_system,
+from bench.peers import (ServerPeer, best_of_rounds, completion_payload, gguf_type,
+                         llama_server_peer, peers_phase, refresh_fractions, run_system,
                          synthetic_prompts)
 from .factories import FakeStream
 
@@ -218,3 +219,69 @@ def test_vllm_serves_float32_on_cpu_under_auto_as_the_benchs_own_backend_too():
     assert served_dtype(args) == "float32"
     vllm_row = build_systems(args, Path("/tmp"), "/m", "/x/m.Q4_1.gguf", args.dtype)[0]
     assert vllm_row.dtype == "float32" and vllm_row.stack.dtype == "float32"
+
+
+def _level(c, tps, **kw):
+    return {"concurrency": c, "tokens_per_s_all": tps, "ttft_p50_s": 1.0 / tps, **kw}
+
+
+def test_each_level_of_a_system_is_its_best_round_whole_with_every_rounds_rate():
+    rounds = [{"name": "s", "role": "peer", "dtype": "Q4_1",
+               "levels": [_level(1, 60.0), _level(16, 90.0)]},
+              {"name": "s", "role": "peer", "dtype": "Q4_1",
+               "levels": [_level(1, 55.0), _level(16, 99.0)]}]
+    row = best_of_rounds(rounds)
+    assert [(lv["concurrency"], lv["tokens_per_s_all"]) for lv in row["levels"]] == [(1, 60.0),
+                                                                                     (16, 99.0)]
+    # The best round's latencies come with its rate, not another round's.
+    assert row["levels"][1]["ttft_p50_s"] == 1.0 / 99.0
+    assert row["levels"][1]["rounds_tokens_per_s"] == [90.0, 99.0]
+    assert "error" not in row
+
+
+def test_a_round_that_failed_leaves_the_others_and_says_so():
+    ok = {"name": "s", "role": "llmq", "dtype": "float32", "levels": [_level(1, 20.0)]}
+    failed = {"name": "s", "role": "llmq", "dtype": "float32", "levels": [], "error": "boom"}
+    row = best_of_rounds([failed, ok])
+    assert row["levels"][0]["tokens_per_s_all"] == 20.0 and "error" not in row
+    assert row["round_errors"] == ["boom"]
+    assert best_of_rounds([failed, dict(failed)])["error"] == "boom"
+
+
+class _Turns:
+    """A system that records when its turn came and answers each round a rate of its own."""
+
+    role = "peer"
+    skip = None
+    force: dict = {}
+
+    def __init__(self, name, rates, log):
+        self.name, self.dtype, self.rates, self.log = name, "float32", list(rates), log
+
+
+def test_rounds_take_the_systems_in_turn_and_keep_each_ones_best(monkeypatch):
+    log: list[str] = []
+
+    def fake_run(system, levels, *_args):
+        log.append(system.name)
+        return {"name": system.name, "role": system.role, "dtype": system.dtype,
+                "levels": [_level(c, system.rates.pop(0)) for c in levels]}
+
+    monkeypatch.setattr("bench.peers.run_system", fake_run)
+    tok = type("T", (), {"encode": lambda self, s, **k: [1, 2, 3], "decode": lambda self, i: "x"})()
+    a, b = _Turns("llmq[x]", [10.0, 30.0], log), _Turns("peer", [25.0, 20.0], log)
+    a.role = "llmq"
+    out = peers_phase([a, b], tok, [16], [4], 8, 10.0, rounds=2, progress=lambda m: None)
+    assert log == ["llmq[x]", "peer", "llmq[x]", "peer"]
+    ours, theirs = out["systems"]
+    assert ours["levels"][0]["tokens_per_s_all"] == 30.0
+    assert theirs["levels"][0]["tokens_per_s_all"] == 25.0
+    assert ours["levels"][0]["over_best_peer"] == pytest.approx(30.0 / 25.0, rel=1e-3)
+    assert out["rounds"] == 2
+
+
+def test_fractions_are_recomputed_against_merged_rates():
+    peers = {"systems": [{"name": "s", "dtype": "float32",
+                          "levels": [_level(64, 100.0, compute_fraction=0.9)]}]}
+    refresh_fractions(peers, {"flops_per_token": 1e9, "rates_gflops": {"float32": {"64": 400.0}}})
+    assert peers["systems"][0]["levels"][0]["compute_fraction"] == pytest.approx(0.25)
