@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .efficiency import format_served
+from .efficiency import DTYPES, format_served
 from .loadgen import RequestResult
 
 
@@ -369,7 +369,7 @@ def format_peers(peers: dict | None, eff: dict | None = None) -> list[str]:
     # where a step is bound by reading the weights, Q4 weights (a sixth of float32's bytes) go
     # past it honestly (293% for llama-server at c=1 on an AVX2-only EPYC).
     if any((lv.get("compute_fraction") or 0) > 1 for x in peers["systems"]
-           if x["dtype"] in ("float32", "bfloat16", "float16") for lv in x["levels"]):
+           if x["dtype"] in DTYPES for lv in x["levels"]):
         lines.append("  WARNING: a row is above 100% of the limit: the matmul rates were measured "
                      "while other processes held the CPU; the limit column is not to be trusted")
     if peers.get("rounds", 1) > 1:
