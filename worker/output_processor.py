@@ -146,22 +146,24 @@ class OutputProcessor:
     def publish(self) -> None:
         """Token events and final records to Redis, then cancels and deadlines back. Raises
         RedisError with what is not yet written still pending (in order, retried next time)."""
-        self._write()
-        self._poll_cancels_and_deadlines()
-        self._write()
+        self._write(self.scheduler.running + list(self.scheduler.waiting))
+        self._write()   # the ends the look for cancels and deadlines decided
 
-    def _write(self) -> None:
-        if not self.pending:
+    def _write(self, active: list[Sequence] | None = None) -> None:
+        """Writes what is pending; with `active`, looks for cancels among those sequences in
+        the same round trip and ends the cancelled and the late."""
+        if not self.pending and not active:
             return
         # One token event per generated token, the last one too when its text is empty (an
         # EOS): only entries without a token (text None) have none. A closed copy (its end
         # written, or dropped for a newer start of its record) writes no delta.
         deltas = [o for o in self.pending if o.text is not None and not o.seq.is_closed]
-        refused = self.store.publish_deltas(
-            TokenDelta(o.seq.seq_id, o.text, o.seq.text, o.num_tokens, o.seq.attempt,
-                       logprobs=self.logprobs.of_token(o.seq, o.num_tokens),
-                       prompt_logprobs=self.logprobs.of_prompt(o.seq, o.num_tokens))
-            for o in deltas)
+        refused, cancelled = self.store.publish_step(
+            (TokenDelta(o.seq.seq_id, o.text, o.seq.text, o.num_tokens, o.seq.attempt,
+                        logprobs=self.logprobs.of_token(o.seq, o.num_tokens),
+                        prompt_logprobs=self.logprobs.of_prompt(o.seq, o.num_tokens))
+             for o in deltas),
+            [s.seq_id for s in active or []])
         for i in refused:   # the record is no longer this start's: stop, write nothing
             self.drop(deltas[i].seq)
         # Deltas are written: from here on only the ends are still owed.
@@ -169,12 +171,10 @@ class OutputProcessor:
                         if o.seq.is_finished]
         self._finish_many([o.seq for o in self.pending])
         self.pending = []
-
-    def _poll_cancels_and_deadlines(self) -> None:
-        active = self.scheduler.running + list(self.scheduler.waiting)
-        cancelled = self.store.cancelled_among([s.seq_id for s in active])
         now = time.time()
-        for seq in active:
+        for seq in active or []:
+            if seq.is_finished:   # dropped just now
+                continue
             if seq.seq_id in cancelled:
                 self.abort(seq, FinishReason.CANCELLED)
             elif seq.deadline and now > seq.deadline:

@@ -118,6 +118,59 @@ def test_deadline_ends_a_running_sequence_with_timeout(store):
     assert store.get_job("s")["status"] == "cancelled"
 
 
+class RoundTrips:
+    """Counts the store's round trips to Redis: a command sent alone, or a pipeline."""
+
+    def __init__(self, store, monkeypatch):
+        self.n = 0
+        client = store.r
+        plain = client.execute_command
+
+        def command(*args, **kw):
+            self.n += 1
+            return plain(*args, **kw)
+
+        pipeline = client.pipeline
+
+        def piped(*args, **kw):
+            pipe = pipeline(*args, **kw)
+            execute = pipe.execute
+
+            def run(*a, **k):
+                self.n += 1
+                return execute(*a, **k)
+
+            pipe.execute = run
+            return pipe
+
+        monkeypatch.setattr(client, "execute_command", command)
+        monkeypatch.setattr(client, "pipeline", piped)
+
+
+@pytest.mark.parametrize("fenced", [True, False])
+def test_a_decode_step_writes_its_tokens_and_looks_for_cancels_in_one_round_trip(
+        store, monkeypatch, fenced):
+    """At one sequence the engine's Redis work is beside every token (on the cores the model
+    uses): the step's token event and the look for cancels go in one round trip."""
+    engine = make_engine(store)
+    submit(store, max_tokens=100)
+    seq = engine.admit("s")
+    if not fenced:
+        seq.attempt = None   # (an unfenced write: the plain pipeline path)
+    for _ in range(3):
+        engine.step()
+    trips = RoundTrips(store, monkeypatch)
+    for _ in range(4):
+        engine.step()
+    assert trips.n == 4
+    store.request_cancel("s")   # the folded look still sees a cancel at the next step
+    engine.step()
+    engine.step()
+    assert seq.finish_reason is FinishReason.CANCELLED
+    run(engine, [seq])
+    assert_ended_once(store, engine, seq, FinishReason.CANCELLED)
+
+
 def test_restart_of_a_record_on_the_same_worker_streams_only_the_new_copy(store):
     """Bug 1's seam: this worker was taken for dead and the record restarted here while the old
     copy still runs, its last token not yet published. The old copy stops, writes nothing;

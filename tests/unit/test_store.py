@@ -523,3 +523,29 @@ def test_hand_back_leaves_held_messages_to_their_tasks(store, r):
     assert r.smembers(held_key("w1")) == {"a", "b"}
     store.release("w1", "a")
     assert store.running_ids("w1") == {"b"}
+
+
+def test_publish_step_writes_fenced_tokens_and_reports_cancels_even_after_a_script_flush(
+        store, r):
+    """The engine's per-step write and cancel look share one pipeline (EVALSHA, not the
+    Script object); a Redis that lost its scripts (restarted) still gets the tokens written,
+    the stale attempt refused and the cancels reported."""
+    for sid in ("a", "b"):
+        new(store, sid)
+    _, attempt_a = store.start("a", "w1")
+    _, attempt_b = store.start("b", "w1")
+    store.request_cancel("b")
+    # never loaded, then loaded by the first call, then flushed
+    for n, flush in ((1, False), (2, False), (3, True)):
+        if flush:
+            r.script_flush()
+        refused, cancelled = store.publish_step(
+            [TokenDelta("a", "x", "x" * n, n, attempt_a),
+             TokenDelta("b", "y", "y" * n, n, attempt_b + 1)],   # not b's start: refused
+            ["a", "b"])
+        assert (refused, cancelled) == ([1], {"b"})
+        assert store.get_job("a")["text"] == "x" * n
+        assert kinds(store.read_events("a")) == [EVENT_TOKEN] * n
+        assert store.read_events("b") == []
+    assert store.publish_step([], []) == ([], set())
+    assert store.publish_step([], ["a"]) == ([], set())
