@@ -548,10 +548,9 @@ class SequenceStore:
             pipe.smismember(CANCELLED_KEY, watched)
         replies = pipe.execute(raise_on_error=False)
         if fenced and isinstance(replies[0], redis.exceptions.NoScriptError):
-            # Redis restarted (or never saw the script): the Script object loads it; the
-            # pipeline's other commands were the cancel look, asked again below.
-            refused = [int(p) - 1 for p in self._publish(keys=keys, args=args)]
-            return refused, self.cancelled_among(watched)
+            # Redis restarted (or never saw the script): the Script object loads it and runs
+            # it; the cancel look in the pipeline ran all the same.
+            replies[0] = self._publish(keys=keys, args=args)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
