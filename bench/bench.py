@@ -3,8 +3,9 @@
 Phases, all on the default model, greedy, with the output length forced:
   0. quality  bfloat16's greedy tokens against float32's (bench/quality.py; --only quality)
   0. peers    llmq and its peers (vLLM's own server, llama.cpp's llama-server) on the same load,
-              one at a time, with the fraction of this machine's compute limit each reached
-              (the first table; --only peers runs it alone, in about 10 minutes)
+              all kept up and taking turns at each level, two rounds, with the fraction of this
+              machine's compute limit each reached (the first table; --only peers runs it
+              alone, in about 20 minutes on 2 cores)
   1. raw      model.generate in this process (before the stack starts, then freed)
   2. served   own redis-server + one worker + gunicorn API; closed-loop SSE clients per level
   2c. prefix  chat requests sharing the template's system turn: TTFT without, then with reuse
@@ -156,9 +157,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peers-level-time-limit", type=float, default=45.0,
                    help="per peers level: no new request after this many seconds, streams "
                         "closed after twice that (default 45)")
-    p.add_argument("--peers-rounds", type=int, default=1,
+    p.add_argument("--peers-rounds", type=int, default=2,
                    help="rounds of the peers table, the systems in turn; each level's row is "
-                        "the best of its rounds (default 1)")
+                        "the best of its rounds, and each round pairs the systems (default 2)")
+    p.add_argument("--peers-order", choices=["interleaved", "sequential"],
+                   help="interleaved: every system kept up, taking turns at each level (the "
+                        "default on CPU); sequential: one system up at a time, all its levels "
+                        "(the default with --device cuda, where two engines contend for memory)")
     p.add_argument("--llama-server", default=str(LLAMA_SERVER),
                    help="the llama-server binary (`make peers` builds it there)")
     args = p.parse_args(argv)
@@ -210,6 +215,8 @@ def _peers_args(p: argparse.ArgumentParser, args) -> None:
     if len(requests) != len(args.peers_concurrency):
         p.error("--peers-requests: one number, or one per --peers-concurrency level")
     args.peers_requests = requests
+    args.peers_order = args.peers_order or ("interleaved" if args.device == "cpu"
+                                            else "sequential")
     args.run_peers = args.only == "peers" or not (args.only or args.skip_peers or args.quick)
 
 
@@ -387,7 +394,8 @@ def _peers(args, workdir: Path, model_dir: str, dtype: str, eff: dict) -> dict:
     systems = build_systems(args, workdir, model_dir, _model_manager().gguf_file(), dtype)
     return peers_phase(systems, AutoTokenizer.from_pretrained(model_dir), args.peers_concurrency,
                        args.peers_requests, args.peers_tokens, args.peers_level_time_limit,
-                       eff=eff, progress=progress, rounds=args.peers_rounds)
+                       eff=eff, progress=progress, rounds=args.peers_rounds,
+                       order=args.peers_order)
 
 
 def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None:

@@ -1,6 +1,8 @@
 """The bench's first table: llmq and its peers under the same load, in the same run (issue 17).
 
-One system at a time, each started here on a free loopback port and stopped before the next:
+Each system is started here on a free loopback port. By default (--peers-order interleaved) all
+are started once and kept up, and at each level they take turns back to back; on a GPU host,
+where two engines would contend for its memory, one is up at a time (sequential):
   llmq[<backend>]  the bench's Stack (redis-server, one worker, the API) for --backend and each
                    name in --llmq-backends (generic over the backend name)
   vLLM             vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on
@@ -238,41 +240,78 @@ def build_systems(args, workdir: Path, model_dir: str, gguf: str, dtype: str) ->
     return systems
 
 
-def run_system(system, levels: list[int], prompts: dict[int, list[str]], tokens: int,
-               level_time_limit: float, eff: dict | None, progress) -> dict:
-    """Starts one system, warms it up, runs every level, stops it. Never raises: a system
-    that fails is an error row, and the table goes on with the next."""
-    entry = {"name": system.name, "role": system.role, "dtype": system.dtype, "levels": []}
+def _entry(system) -> dict:
+    return {"name": system.name, "role": system.role, "dtype": system.dtype, "levels": []}
+
+
+def start_system(system, warm_prompts: list[str], progress) -> tuple[dict, str | None]:
+    """Starts one system and warms it up (connections, kernels, allocator; not measured).
+    Returns its entry and the model id it serves; no model when it was skipped or failed to
+    start (the entry says which, and a failed system is stopped again)."""
+    entry = _entry(system)
     if system.skip:
         entry["skipped"] = system.skip
         progress(f"peers: {system.name}: SKIPPED ({system.skip})")
-        return entry
+        return entry, None
     try:
         t = time.monotonic()
         url = system.start()
         entry["start_s"] = round(time.monotonic() - t, 1)
         model = served_model(url)
         progress(f"peers: {system.name} ready in {entry['start_s']} s ({url}, model {model!r})")
-        # Warm-up, not measured: connections, kernels, allocator.
-        warm = [completion_payload(model, p, 8, system.force) for p in prompts[0][:4]]
+        warm = [completion_payload(model, p, 8, system.force) for p in warm_prompts]
         closed_loop(url, len(warm), warm, hard_limit_s=120, send=stream_completion)
+        system.url = url
+        return entry, model
+    except Exception as exc:  # noqa: BLE001 - one system's failure is a row, not the run's end
+        entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        progress(f"peers: {system.name}: ERROR {entry['error']}")
+        system.stop()
+        return entry, None
+
+
+def measure_level(system, model: str, c: int, prompts: list[str], tokens: int,
+                  level_time_limit: float, eff: dict | None, progress,
+                  bystanders: tuple = ()) -> dict:
+    """One level of one running system: the closed loop, its summary, where the CPU went.
+    bystanders: the systems kept up meanwhile (interleaved order); the CPU they used during
+    the level is recorded, the check that an idle system does not slow the one measured."""
+    payloads = [completion_payload(model, p, tokens, system.force) for p in prompts]
+    cpu = system.cpu_seconds()
+    others = sum(sum(b.cpu_seconds().values()) for b in bystanders)
+    results, wall, cut = closed_loop(system.url, c, payloads, level_time_limit,
+                                     2 * level_time_limit, send=stream_completion)
+    s = summarize(results, wall)
+    s.update(concurrency=c, max_tokens=tokens, truncated=cut)
+    s["cpu_ms_per_token"] = cpu_ms_per_token(cpu, system.cpu_seconds(),
+                                             round((s["tokens_per_s_all"] or 0) * wall))
+    if bystanders:
+        # % of one core: a few tenths is Redis's and Celery's heartbeats; more would show.
+        used = sum(sum(b.cpu_seconds().values()) for b in bystanders) - others
+        s["bystanders_cpu_pct"] = round(100 * used / max(wall, 1e-9), 1)
+    s["compute_fraction"] = fraction_for(eff, s["tokens_per_s_all"], system.dtype, c)
+    fail = (f", {s['failures']} failed ({'; '.join(s['failure_examples'])})"
+            if s["failures"] else "")
+    idle = (f", others idle at {s['bystanders_cpu_pct']}% of a core"
+            if "bystanders_cpu_pct" in s else "")
+    progress(f"peers: {system.name} c={c}: {s['tokens_per_s_all']} tok/s, TTFT p50 "
+             f"{s['ttft_p50_s']} s, ITL p50 {s['itl_p50_s']} s, CPU ms/token "
+             f"{s['cpu_ms_per_token']}{fail}{idle}"
+             f"{' (cut by the time limit)' if cut else ''}")
+    return s
+
+
+def run_system(system, levels: list[int], prompts: dict[int, list[str]], tokens: int,
+               level_time_limit: float, eff: dict | None, progress) -> dict:
+    """Starts one system, warms it up, runs every level, stops it. Never raises: a system
+    that fails is an error row, and the table goes on with the next."""
+    entry, model = start_system(system, prompts[0][:4], progress)
+    if model is None:
+        return entry
+    try:
         for c in levels:
-            payloads = [completion_payload(model, p, tokens, system.force) for p in prompts[c]]
-            cpu = system.cpu_seconds()
-            results, wall, cut = closed_loop(url, c, payloads, level_time_limit,
-                                             2 * level_time_limit, send=stream_completion)
-            s = summarize(results, wall)
-            s.update(concurrency=c, max_tokens=tokens, truncated=cut)
-            s["cpu_ms_per_token"] = cpu_ms_per_token(cpu, system.cpu_seconds(),
-                                                     round((s["tokens_per_s_all"] or 0) * wall))
-            s["compute_fraction"] = fraction_for(eff, s["tokens_per_s_all"], system.dtype, c)
-            entry["levels"].append(s)
-            fail = (f", {s['failures']} failed ({'; '.join(s['failure_examples'])})"
-                    if s["failures"] else "")
-            progress(f"peers: {system.name} c={c}: {s['tokens_per_s_all']} tok/s, TTFT p50 "
-                     f"{s['ttft_p50_s']} s, ITL p50 {s['itl_p50_s']} s, CPU ms/token "
-                     f"{s['cpu_ms_per_token']}{fail}"
-                     f"{' (cut by the time limit)' if cut else ''}")
+            entry["levels"].append(measure_level(system, model, c, prompts[c], tokens,
+                                                 level_time_limit, eff, progress))
     except Exception as exc:  # noqa: BLE001 - one system's failure is a row, not the run's end
         entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
         progress(f"peers: {system.name}: ERROR {entry['error']}")
@@ -281,19 +320,10 @@ def run_system(system, levels: list[int], prompts: dict[int, list[str]], tokens:
     return entry
 
 
-def peers_phase(systems: list, tokenizer, levels: list[int], requests: list[int], tokens: int,
-                level_time_limit: float, eff: dict | None = None, progress=print,
-                rounds: int = 1) -> dict:
-    """Every system at every level, `rounds` times with the systems in turn (A B C, A B C), each
-    level's row the best of its rounds (see best_of_rounds)."""
-    # The same prompts for every system; each level has its own (no cache carries over).
-    prompts, offset = {0: synthetic_prompts(tokenizer, 4, offset=10**6)}, 0
-    for c, n in zip(levels, requests):
-        prompts[c] = synthetic_prompts(tokenizer, n, offset=offset)
-        offset += n
-    out = {"levels": levels, "requests": requests, "max_tokens": tokens,
-           "prompt_tokens": PROMPT_TOKENS, "level_time_limit_s": level_time_limit,
-           "rounds": rounds, "load_avg_start": list(os.getloadavg()), "systems": []}
+def sequential_rounds(systems: list, levels, prompts, tokens, level_time_limit, eff, progress,
+                      rounds: int) -> list[list[dict]]:
+    """One system up at a time, every level, then the next (A B C, A B C): what a machine that
+    cannot hold them all at once (one GPU) does. Each system's entry per round."""
     runs: list[list[dict]] = [[] for _ in systems]
     for r in range(rounds):
         if rounds > 1:
@@ -301,6 +331,58 @@ def peers_phase(systems: list, tokenizer, levels: list[int], requests: list[int]
         for i, system in enumerate(systems):
             runs[i].append(run_system(system, levels, prompts, tokens, level_time_limit, eff,
                                       progress))
+    return runs
+
+
+def interleaved_rounds(systems: list, levels, prompts, tokens, level_time_limit, eff, progress,
+                       rounds: int) -> list[list[dict]]:
+    """Every system started once and kept up; at each level of each round they take turns,
+    back to back, in the reverse order every other round (A B C, C B A). On a shared VM the
+    speed drifts by a fifth over minutes, more than the systems differ: systems a whole table
+    apart (sequential) see different machines, systems a level apart nearly the same one.
+    Each system's entry per round, as sequential_rounds gives them."""
+    started = [start_system(s, prompts[0][:4], progress) for s in systems]
+    runs = [[dict(entry, levels=[]) for _ in range(rounds)] for entry, _ in started]
+    live = [i for i, (_, model) in enumerate(started) if model is not None]
+    try:
+        for r in range(rounds):
+            if rounds > 1:
+                progress(f"peers: round {r + 1} of {rounds}")
+            for c in levels:
+                for i in (live if r % 2 == 0 else live[::-1]):
+                    system, model = systems[i], started[i][1]
+                    others = tuple(systems[j] for j in live if j != i)
+                    try:
+                        runs[i][r]["levels"].append(measure_level(
+                            system, model, c, prompts[c], tokens, level_time_limit, eff,
+                            progress, bystanders=others))
+                    except Exception as exc:  # noqa: BLE001 - this system's rows end here
+                        runs[i][r]["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                        progress(f"peers: {system.name}: ERROR {runs[i][r]['error']}")
+                        system.stop()
+                        live = [j for j in live if j != i]
+    finally:
+        for i in live:
+            systems[i].stop()
+    return runs
+
+
+def peers_phase(systems: list, tokenizer, levels: list[int], requests: list[int], tokens: int,
+                level_time_limit: float, eff: dict | None = None, progress=print,
+                rounds: int = 1, order: str = "interleaved") -> dict:
+    """Every system at every level, `rounds` times, in `order` (interleaved or sequential, see
+    their functions); each level's row the best of its rounds (see best_of_rounds)."""
+    # The same prompts for every system; each level has its own (no cache carries over).
+    prompts, offset = {0: synthetic_prompts(tokenizer, 4, offset=10**6)}, 0
+    for c, n in zip(levels, requests):
+        prompts[c] = synthetic_prompts(tokenizer, n, offset=offset)
+        offset += n
+    out = {"levels": levels, "requests": requests, "max_tokens": tokens,
+           "prompt_tokens": PROMPT_TOKENS, "level_time_limit_s": level_time_limit,
+           "rounds": rounds, "order": order, "load_avg_start": list(os.getloadavg()),
+           "systems": []}
+    run = {"interleaved": interleaved_rounds, "sequential": sequential_rounds}[order]
+    runs = run(systems, levels, prompts, tokens, level_time_limit, eff, progress, rounds)
     out["systems"] = [best_of_rounds(entries) for entries in runs]
     out["load_avg_end"] = list(os.getloadavg())
     best_peer_ratios(out["systems"])
@@ -316,14 +398,16 @@ def best_of_rounds(entries: list[dict]) -> dict:
     if len(entries) == 1:
         return entries[0]
     out = {k: v for k, v in entries[0].items() if k not in ("levels", "error", "skipped")}
-    by_level: dict[int, list[dict]] = {}
-    for e in entries:
+    # Per level, each round's run of it or None, in round order (round r of one system
+    # pairs with round r of another: under interleaved order they ran back to back).
+    by_level: dict[int, list[dict | None]] = {}
+    for r, e in enumerate(entries):
         for lv in e.get("levels", []):
-            by_level.setdefault(lv["concurrency"], []).append(lv)
+            by_level.setdefault(lv["concurrency"], [None] * len(entries))[r] = lv
     out["levels"] = []
     for c, lvs in by_level.items():
-        best = max(lvs, key=lambda lv: lv.get("tokens_per_s_all") or 0)
-        out["levels"].append({**best, "rounds_tokens_per_s": [lv.get("tokens_per_s_all")
+        best = max((lv for lv in lvs if lv), key=lambda lv: lv.get("tokens_per_s_all") or 0)
+        out["levels"].append({**best, "rounds_tokens_per_s": [lv and lv.get("tokens_per_s_all")
                                                               for lv in lvs]})
     errors = [e["error"] for e in entries if e.get("error")]
     if errors and not out["levels"]:

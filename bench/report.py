@@ -308,16 +308,32 @@ def _level(systems: list[dict], name: str, c: int) -> dict | None:
     return next((lv for lv in (sys_ or {}).get("levels", []) if lv["concurrency"] == c), None)
 
 
+def paired_rounds(ours: dict | None, theirs: dict | None) -> dict:
+    """Round by round, ours over theirs at one level: under interleaved order the two ran back
+    to back, so each ratio is one like-for-like comparison, and their spread shows how far the
+    best-of-rounds verdict can be trusted. {} with a single round."""
+    a, b = ((x or {}).get("rounds_tokens_per_s") or [] for x in (ours, theirs))
+    if len(a) < 2 or len(a) != len(b):
+        return {}
+    rounds = [ratio(x, y) for x, y in zip(a, b)]
+    return {"rounds": rounds, "note": "round by round " + " ".join(_f(r, "{:.2f}") for r in rounds)}
+
+
 def peer_targets(peers: dict, backend: str) -> list[dict]:
     """Issue 17's bars (llmq[backend] at or above the best peer at c=16 and 64, at least half
     the compute limit at c=64) and each same-engine pair's (issue 14 for vLLM, 17 for
     llama.cpp), for the systems that ran."""
     systems, out = peers["systems"], []
+    best = best_peer_ratios(systems)
     for c in (16, 64):
         lv = _level(systems, f"llmq[{backend}]", c)
         v = lv and lv.get("over_best_peer")
+        peer = best.get(c, {}).get("name")
+        pairs = paired_rounds(lv, peer and _level(systems, peer, c))
+        if peer:
+            pairs["note"] = "; ".join([f"best peer {peer}"] + ([pairs["note"]] if pairs else []))
         out.append({"name": f"peers: llmq[{backend}] >= best peer @{c}", "value": v,
-                    "met": None if v is None else v >= 1.0})
+                    "met": None if v is None else v >= 1.0, **pairs})
     lv = _level(systems, f"llmq[{backend}]", 64)
     v = lv and lv.get("compute_fraction")
     out.append({"name": f"peers: llmq[{backend}] >= 0.5 of the compute limit @64", "value": v,
@@ -330,7 +346,8 @@ def peer_targets(peers: dict, backend: str) -> list[dict]:
             ours, theirs = _level(systems, name, c), _level(systems, peer, c)
             v = ratio(ours and ours.get("tokens_per_s_all"), theirs and theirs.get("tokens_per_s_all"))
             out.append({"name": f"peers: {name} >= {bar} x {peer} @{c}", "value": v,
-                        "met": None if v is None else v >= bar})
+                        "met": None if v is None else v >= bar,
+                        **paired_rounds(ours, theirs)})
             if ttft_bar:
                 v = ratio(ours and ours.get("ttft_p50_s"), theirs and theirs.get("ttft_p50_s"))
                 out.append({"name": f"peers: {name} TTFT p50 <= {ttft_bar} x {peer} @{c}",
@@ -342,7 +359,9 @@ def format_peers(peers: dict | None, eff: dict | None = None) -> list[str]:
     """The bench's first table: every system at each level, same load, same client."""
     if not peers:
         return []
-    lines = [f"Peers: the same load for all, one system at a time (streaming /v1/completions, "
+    how = ("all kept up, taking turns at each level" if peers.get("order") == "interleaved"
+           else "one system at a time")
+    lines = [f"Peers: the same load for all, {how} (streaming /v1/completions, "
              f"{peers['prompt_tokens']}-token prompts, {peers['max_tokens']} tokens each, closed "
              f"loop; requests {'/'.join(map(str, peers['requests']))}; load avg "
              f"{peers['load_avg_start'][0]:.1f} -> {peers['load_avg_end'][0]:.1f}; times in ms)"]
@@ -374,11 +393,13 @@ def format_peers(peers: dict | None, eff: dict | None = None) -> list[str]:
                      "while other processes held the CPU; the limit column is not to be trusted")
     if peers.get("rounds", 1) > 1:
         lines.append(f"  each row is the best of {peers['rounds']} rounds, the systems in turn; "
-                     "tok/s of every round:")
+                     "tok/s of every round (others idle: their CPU meanwhile, % of a core):")
         for sys_ in peers["systems"]:
             for lv in sys_.get("levels", []):
+                idle = lv.get("bystanders_cpu_pct")
                 lines.append(f"    {sys_['name']:<20} c={lv['concurrency']:<3} "
-                             + " ".join(_f(t) for t in lv.get("rounds_tokens_per_s", [])))
+                             + " ".join(_f(t) for t in lv.get("rounds_tokens_per_s", []))
+                             + (f"  (others idle: {idle}%)" if idle is not None else ""))
     lines.append("  (x best: tok/s over the best peer's at that concurrency; limit: tok/s x "
                  "FLOPs/token over this machine's matmul rate at that batch, in the row's dtype; "
                  "GGUF rows against float32's)")

@@ -271,13 +271,14 @@ def test_rounds_take_the_systems_in_turn_and_keep_each_ones_best(monkeypatch):
     tok = type("T", (), {"encode": lambda self, s, **k: [1, 2, 3], "decode": lambda self, i: "x"})()
     a, b = _Turns("llmq[x]", [10.0, 30.0], log), _Turns("peer", [25.0, 20.0], log)
     a.role = "llmq"
-    out = peers_phase([a, b], tok, [16], [4], 8, 10.0, rounds=2, progress=lambda m: None)
+    out = peers_phase([a, b], tok, [16], [4], 8, 10.0, rounds=2, progress=lambda m: None,
+                      order="sequential")
     assert log == ["llmq[x]", "peer", "llmq[x]", "peer"]
     ours, theirs = out["systems"]
     assert ours["levels"][0]["tokens_per_s_all"] == 30.0
     assert theirs["levels"][0]["tokens_per_s_all"] == 25.0
     assert ours["levels"][0]["over_best_peer"] == pytest.approx(30.0 / 25.0, rel=1e-3)
-    assert out["rounds"] == 2
+    assert out["rounds"] == 2 and out["order"] == "sequential"
 
 
 def test_fractions_are_recomputed_against_merged_rates():
@@ -285,3 +286,130 @@ def test_fractions_are_recomputed_against_merged_rates():
                           "levels": [_level(64, 100.0, compute_fraction=0.9)]}]}
     refresh_fractions(peers, {"flops_per_token": 1e9, "rates_gflops": {"float32": {"64": 400.0}}})
     assert peers["systems"][0]["levels"][0]["compute_fraction"] == pytest.approx(0.25)
+
+
+def _fake_peer(tmp_path, name):
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    return ServerPeer(name, lambda port: [sys.executable, str(script), str(port)], {},
+                      "float32", {"ignore_eos": True}, tmp_path / f"{name}.log",
+                      ready_timeout_s=60)
+
+
+def test_interleaved_systems_stay_up_and_take_turns_at_each_level(tmp_path):
+    """Both servers are up through the whole table (one start each), at each level of each
+    round one runs right after the other, in the reverse order the next round, and each
+    measured level records what the one kept idle used meanwhile."""
+    a, b = _fake_peer(tmp_path, "A"), _fake_peer(tmp_path, "B")
+    starts, stops = [], []
+    for peer in (a, b):
+        start, stop = peer.start, peer.stop
+        peer.start = lambda start=start, p=peer: starts.append(p.name) or start()
+        peer.stop = lambda stop=stop, p=peer: (stops.append(p.name) if p.proc else None, stop())
+    msgs: list[str] = []
+    tok = type("T", (), {"encode": lambda self, s, **k: [1, 2, 3], "decode": lambda self, i: "x"})()
+    out = peers_phase([a, b], tok, [1, 2], [2, 4], 4, 60.0, rounds=2, progress=msgs.append)
+    turns = [m.split()[1] + " " + m.split()[2].rstrip(":") for m in msgs
+             if " tok/s" in m]
+    assert turns == ["A c=1", "B c=1", "A c=2", "B c=2",     # round 1
+                     "B c=1", "A c=1", "B c=2", "A c=2"]     # round 2, the other way round
+    assert starts == ["A", "B"] and sorted(stops) == ["A", "B"]
+    assert a.proc is None and b.proc is None
+    assert out["order"] == "interleaved"
+    for row in out["systems"]:
+        assert "error" not in row, row.get("error")
+        for lv in row["levels"]:
+            assert len(lv["rounds_tokens_per_s"]) == 2 and all(lv["rounds_tokens_per_s"])
+            assert lv["bystanders_cpu_pct"] >= 0
+            assert lv["ok"] == {1: 2, 2: 4}[lv["concurrency"]]
+
+
+def test_interleaved_a_system_that_fails_leaves_the_table_and_the_others_go_on(monkeypatch):
+    """A failure at one level stops that system and drops it from later turns; the rows of
+    the rest are whole, and the failed round says why."""
+    log, stopped = [], []
+
+    class Up(_Turns):
+        def start(self):
+            return f"http://{self.name}"
+
+        def stop(self):
+            stopped.append(self.name)
+
+        def cpu_seconds(self):
+            return {"server": 0.0}
+
+    def fake_measure(system, model, c, *args, **kw):
+        log.append((system.name, c, tuple(s.name for s in kw["bystanders"])))
+        if system.name == "bad" and c == 16:
+            raise RuntimeError("engine died")
+        return _level(c, system.rates.pop(0))
+
+    monkeypatch.setattr("bench.peers.measure_level", fake_measure)
+    monkeypatch.setattr("bench.peers.served_model", lambda url: "m")
+    monkeypatch.setattr("bench.peers.closed_loop", lambda *a, **k: ([], 0.0, False))
+    tok = type("T", (), {"encode": lambda self, s, **k: [1], "decode": lambda self, i: "x"})()
+    good, bad = Up("good", [1.0, 2.0, 3.0, 4.0], log), Up("bad", [5.0], log)
+    out = peers_phase([good, bad], tok, [1, 16], [1, 1], 8, 10.0, rounds=2,
+                      progress=lambda m: None)
+    assert log == [("good", 1, ("bad",)), ("bad", 1, ("good",)), ("good", 16, ("bad",)),
+                   ("bad", 16, ("good",)), ("good", 1, ()), ("good", 16, ())]
+    assert stopped == ["bad", "good"]   # the failed one at once, the other at the end
+    good_row, bad_row = out["systems"]
+    assert [lv["rounds_tokens_per_s"] for lv in good_row["levels"]] == [[1.0, 3.0], [2.0, 4.0]]
+    assert [lv["rounds_tokens_per_s"] for lv in bad_row["levels"]] == [[5.0, None]]
+    assert bad_row["round_errors"] == ["RuntimeError: engine died"]
+
+
+def test_a_system_that_cannot_start_is_an_error_row_and_the_table_goes_on(tmp_path):
+    class Broken(_Turns):
+        def start(self):
+            raise RuntimeError("no port")
+
+        def stop(self):
+            self.stopped = True
+
+    broken = Broken("broken", [], [])
+    ok = _fake_peer(tmp_path, "ok")
+    tok = type("T", (), {"encode": lambda self, s, **k: [1], "decode": lambda self, i: "x"})()
+    out = peers_phase([broken, ok], tok, [1], [2], 4, 60.0, rounds=2, progress=lambda m: None)
+    assert out["systems"][0]["error"] == "RuntimeError: no port" and broken.stopped
+    assert out["systems"][1]["levels"][0]["ok"] == 2 and ok.proc is None
+
+
+def test_best_of_rounds_keeps_each_rounds_rate_in_its_place():
+    """Round r of one system pairs with round r of another: a round without the level is a
+    gap, not a shift."""
+    rounds = [{"name": "s", "role": "peer", "dtype": "Q4_1", "levels": [], "error": "x"},
+              {"name": "s", "role": "peer", "dtype": "Q4_1", "levels": [_level(1, 7.0)]}]
+    assert best_of_rounds(rounds)["levels"][0]["rounds_tokens_per_s"] == [None, 7.0]
+
+
+def test_the_targets_show_each_rounds_pair_beside_the_best_of_rounds_verdict():
+    from bench.report import peer_targets
+
+    def row(name, role, rates):
+        return {"name": name, "role": role, "dtype": "float32",
+                "levels": [_level(c, max(rs), rounds_tokens_per_s=rs) for c, rs in rates.items()]}
+
+    peers = {"levels": [16, 64], "systems": [
+        row("llmq[transformers]", "llmq", {16: [100.0, 90.0], 64: [200.0, 150.0]}),
+        row("vLLM", "peer", {16: [80.0, 95.0], 64: [120.0, 100.0]}),
+        row("llama-server", "peer", {16: [110.0, 85.0], 64: [100.0, 100.0]}),
+        row("llmq[llama_cpp]", "llmq", {16: [99.0, 80.0], 64: [90.0, 110.0]})]}
+    targets = {t["name"]: t for t in peer_targets(peers, "transformers")}
+    at16 = targets["peers: llmq[transformers] >= best peer @16"]
+    assert at16["value"] == pytest.approx(100.0 / 110.0, abs=1e-3) and not at16["met"]
+    assert at16["rounds"] == [pytest.approx(100 / 110, abs=1e-3), pytest.approx(90 / 85, abs=1e-3)]
+    assert at16["note"].startswith("best peer llama-server; round by round 0.91 1.06")
+    same = targets["peers: llmq[llama_cpp] >= 0.95 x llama-server @64"]
+    assert same["value"] == 1.1 and same["rounds"] == [0.9, 1.1]
+
+
+def test_interleaved_is_the_cpu_default_and_a_gpu_host_runs_one_system_at_a_time():
+    from bench.bench import parse_args
+
+    assert parse_args([]).peers_order == "interleaved" and parse_args([]).peers_rounds == 2
+    assert parse_args(["--device", "cuda"]).peers_order == "sequential"
+    assert parse_args(["--device", "cuda", "--peers-order", "interleaved"]).peers_order == \
+        "interleaved"
