@@ -277,6 +277,7 @@ def measure_level(system, model: str, c: int, prompts: list[str], tokens: int,
     bystanders: the systems kept up meanwhile (interleaved order); the CPU they used during
     the level is recorded, the check that an idle system does not slow the one measured."""
     payloads = [completion_payload(model, p, tokens, system.force) for p in prompts]
+    settled = settle(bystanders)
     cpu = system.cpu_seconds()
     others = sum(sum(b.cpu_seconds().values()) for b in bystanders)
     results, wall, cut = closed_loop(system.url, c, payloads, level_time_limit,
@@ -289,6 +290,7 @@ def measure_level(system, model: str, c: int, prompts: list[str], tokens: int,
         # % of one core: a few tenths is Redis's and Celery's heartbeats; more would show.
         used = sum(sum(b.cpu_seconds().values()) for b in bystanders) - others
         s["bystanders_cpu_pct"] = round(100 * used / max(wall, 1e-9), 1)
+        s["settle_s"] = settled
     s["compute_fraction"] = fraction_for(eff, s["tokens_per_s_all"], system.dtype, c)
     fail = (f", {s['failures']} failed ({'; '.join(s['failure_examples'])})"
             if s["failures"] else "")
@@ -299,6 +301,28 @@ def measure_level(system, model: str, c: int, prompts: list[str], tokens: int,
              f"{s['cpu_ms_per_token']}{fail}{idle}"
              f"{' (cut by the time limit)' if cut else ''}")
     return s
+
+
+QUIET_PCT = 5.0   # % of one core: Redis's and Celery's heartbeats stay under it
+
+
+def settle(bystanders: tuple, quiet_pct: float = QUIET_PCT, window_s: float = 0.5,
+           max_s: float = 30.0) -> float | None:
+    """Waits until the systems kept up are quiet (their CPU over a window under quiet_pct of
+    a core): the one measured before may still be ending its streams (a level cut by its time
+    limit aborts dozens), or logging its stats. Returns the seconds it took; None after max_s
+    (the level is measured anyway, and its bystanders_cpu_pct says how loud they were)."""
+    if not bystanders:
+        return 0.0
+    t0 = time.monotonic()
+    last = sum(sum(b.cpu_seconds().values()) for b in bystanders)
+    while time.monotonic() - t0 < max_s:
+        time.sleep(window_s)   # a measuring window, not a wait for an event
+        now = sum(sum(b.cpu_seconds().values()) for b in bystanders)
+        if 100 * (now - last) / window_s < quiet_pct:
+            return round(time.monotonic() - t0, 1)
+        last = now
+    return None
 
 
 def run_system(system, levels: list[int], prompts: dict[int, list[str]], tokens: int,
@@ -323,14 +347,15 @@ def run_system(system, levels: list[int], prompts: dict[int, list[str]], tokens:
 def sequential_rounds(systems: list, levels, prompts, tokens, level_time_limit, eff, progress,
                       rounds: int) -> list[list[dict]]:
     """One system up at a time, every level, then the next (A B C, A B C): what a machine that
-    cannot hold them all at once (one GPU) does. Each system's entry per round."""
+    cannot hold them all at once (one GPU) does. prompts: per round, {0: the warm-up's, level:
+    its}. Each system's entry per round."""
     runs: list[list[dict]] = [[] for _ in systems]
     for r in range(rounds):
         if rounds > 1:
             progress(f"peers: round {r + 1} of {rounds}")
         for i, system in enumerate(systems):
-            runs[i].append(run_system(system, levels, prompts, tokens, level_time_limit, eff,
-                                      progress))
+            runs[i].append(run_system(system, levels, prompts[r], tokens, level_time_limit,
+                                      eff, progress))
     return runs
 
 
@@ -341,7 +366,7 @@ def interleaved_rounds(systems: list, levels, prompts, tokens, level_time_limit,
     speed drifts by a fifth over minutes, more than the systems differ: systems a whole table
     apart (sequential) see different machines, systems a level apart nearly the same one.
     Each system's entry per round, as sequential_rounds gives them."""
-    started = [start_system(s, prompts[0][:4], progress) for s in systems]
+    started = [start_system(s, prompts[0][0], progress) for s in systems]
     runs = [[dict(entry, levels=[]) for _ in range(rounds)] for entry, _ in started]
     live = [i for i, (_, model) in enumerate(started) if model is not None]
     try:
@@ -354,7 +379,7 @@ def interleaved_rounds(systems: list, levels, prompts, tokens, level_time_limit,
                     others = tuple(systems[j] for j in live if j != i)
                     try:
                         runs[i][r]["levels"].append(measure_level(
-                            system, model, c, prompts[c], tokens, level_time_limit, eff,
+                            system, model, c, prompts[r][c], tokens, level_time_limit, eff,
                             progress, bystanders=others))
                     except Exception as exc:  # noqa: BLE001 - this system's rows end here
                         runs[i][r]["error"] = f"{type(exc).__name__}: {exc}"[:500]
@@ -373,10 +398,16 @@ def peers_phase(systems: list, tokenizer, levels: list[int], requests: list[int]
     """Every system at every level, `rounds` times, in `order` (interleaved or sequential, see
     their functions); each level's row the best of its rounds (see best_of_rounds)."""
     # The same prompts for every system; each level has its own (no cache carries over).
-    prompts, offset = {0: synthetic_prompts(tokenizer, 4, offset=10**6)}, 0
-    for c, n in zip(levels, requests):
-        prompts[c] = synthetic_prompts(tokenizer, n, offset=offset)
-        offset += n
+    # The same prompts for every system in a round; each level and each round has its own,
+    # so that no cache carries over (a system kept up between rounds would otherwise see its
+    # prompts again: llama-server's slots and vLLM's prefix cache skip their prefill).
+    warm, offset = synthetic_prompts(tokenizer, 4, offset=10**6), 0
+    prompts: list[dict[int, list[str]]] = []
+    for _ in range(rounds):
+        prompts.append({0: warm})
+        for c, n in zip(levels, requests):
+            prompts[-1][c] = synthetic_prompts(tokenizer, n, offset=offset)
+            offset += n
     out = {"levels": levels, "requests": requests, "max_tokens": tokens,
            "prompt_tokens": PROMPT_TOKENS, "level_time_limit_s": level_time_limit,
            "rounds": rounds, "order": order, "load_avg_start": list(os.getloadavg()),

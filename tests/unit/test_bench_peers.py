@@ -321,6 +321,7 @@ def test_interleaved_systems_stay_up_and_take_turns_at_each_level(tmp_path):
         for lv in row["levels"]:
             assert len(lv["rounds_tokens_per_s"]) == 2 and all(lv["rounds_tokens_per_s"])
             assert lv["bystanders_cpu_pct"] >= 0
+            assert lv["settle_s"] is not None   # the idle fake server is quiet at once
             assert lv["ok"] == {1: 2, 2: 4}[lv["concurrency"]]
 
 
@@ -413,3 +414,61 @@ def test_interleaved_is_the_cpu_default_and_a_gpu_host_runs_one_system_at_a_time
     assert parse_args(["--device", "cuda"]).peers_order == "sequential"
     assert parse_args(["--device", "cuda", "--peers-order", "interleaved"]).peers_order == \
         "interleaved"
+
+
+class _Cpu:
+    """A bystander whose CPU seconds grow by `steps`, one per reading, then stay."""
+
+    def __init__(self, steps):
+        self.total, self.steps = 0.0, list(steps)
+
+    def cpu_seconds(self):
+        self.total += self.steps.pop(0) if self.steps else 0.0
+        return {"server": self.total}
+
+
+def test_a_level_starts_once_the_systems_kept_up_are_quiet():
+    from bench.peers import settle
+
+    # Busy for three windows (a whole core: 0.01 s per 0.01 s window), then idle.
+    loud = _Cpu([0.0, 0.01, 0.01, 0.01])
+    assert settle((loud,), window_s=0.01, max_s=5.0) is not None
+    assert loud.steps == []            # it waited through the busy windows
+    assert settle(()) == 0.0
+    # Never quiet: gives up after max_s and says so.
+    assert settle((_Cpu([0.01] * 1000),), window_s=0.01, max_s=0.05) is None
+
+
+def test_every_round_brings_new_prompts_the_same_for_every_system(monkeypatch):
+    """Kept up between rounds, a system would see a round's prompts again and its cache
+    (llama-server's slots, vLLM's and llmq's prefix caches) would skip their prefill."""
+    seen: dict[tuple, tuple] = {}
+
+    class Up(_Turns):
+        def start(self):
+            return "http://x"
+
+        def stop(self):
+            pass
+
+        def cpu_seconds(self):
+            return {"server": 0.0}
+
+    def fake_measure(system, model, c, prompts, *args, **kw):
+        r = sum(1 for k in seen if k[0] == system.name and k[1] == c)
+        seen[(system.name, c, r)] = tuple(prompts)
+        return _level(c, 1.0)
+
+    monkeypatch.setattr("bench.peers.measure_level", fake_measure)
+    monkeypatch.setattr("bench.peers.served_model", lambda url: "m")
+    monkeypatch.setattr("bench.peers.closed_loop", lambda *a, **k: ([], 0.0, False))
+    tok = type("T", (), {"encode": lambda self, s, **k: s.split(),
+                         "decode": lambda self, ids: " ".join(ids)})()
+    peers_phase([Up("a", [], []), Up("b", [], [])], tok, [1, 4], [2, 3], 8, 10.0, rounds=2,
+                progress=lambda m: None)
+    for c, n in ((1, 2), (4, 3)):
+        assert seen[("a", c, 0)] == seen[("b", c, 0)] and seen[("a", c, 1)] == seen[("b", c, 1)]
+        assert len(seen[("a", c, 0)]) == n
+        assert not set(seen[("a", c, 0)]) & set(seen[("a", c, 1)])
+    everything = [p for k, ps in seen.items() if k[0] == "a" for p in ps]
+    assert len(set(everything)) == len(everything)   # no prompt twice, level or round
