@@ -1,8 +1,10 @@
 """This machine's own compute limit, and the fraction of it a served rate reaches (issue 17).
 
-At start-up the bench times torch matmuls at the model's decode shapes (batch x hidden x out of
-each layer's q, k, v, o, gate, up and down, and the lm_head), in fp32 and bf16, with as many
-distinct weights as the model has, so that a batch-1 step reads all of them as decode does. One
+At start-up the bench times matmuls at the model's decode shapes (batch x hidden x out of
+each layer's q, k, v, o, gate, up and down, and the lm_head), in fp32 and bf16, with torch's
+F.linear and with the oneDNN prepacked linear the model worker uses (the faster is the rate),
+with as many distinct weights as the model has, so that a batch-1 step reads all of them as
+decode does. One
 token costs 2 FLOPs per weight of those matmuls (about 0.27 GFLOP for SmolLM2-135M; attention
 over a ~100-token context adds ~3% and is left out). Served tok/s x FLOPs per token / the rate
 measured at the level's batch is then the fraction of the compute limit reached: a figure that
@@ -60,11 +62,18 @@ def fraction_of_limit(tokens_per_s: float | None, flops_token: float,
 
 
 def measure_rates(shapes: list[tuple[int, int]], batches: list[int], dtypes=DTYPES,
-                  min_time_s: float = 1.0, warm_up_s: float = 0.5) -> dict[str, dict[str, float]]:
+                  min_time_s: float = 1.0, warm_up_s: float = 0.5,
+                  kernels: dict | None = None) -> dict[str, dict[str, float]]:
     """GFLOP/s of one decode step's matmuls (its fastest of at least 3, and of min_time_s,
     after warm_up_s of untimed steps), {dtype: {str(batch): rate}}. On a VM a probe of a few
     tenths of a second read 220 GFLOP/s where the same probe alone read 316-478: the clock and
-    the caches need a moment, so each shape is warmed before it is timed."""
+    the caches need a moment, so each shape is warmed before it is timed.
+
+    Two kernels are timed and the faster is the rate: torch's F.linear, and the oneDNN
+    prepacked linear llmq's model worker uses (worker/packed_linear.py), which on an AVX2 EPYC
+    ran batch 64 at 94-105 GFLOP/s where F.linear ran 68: a limit read off the slower kernel
+    would credit a server for beating it. `kernels`, when given, receives each rate's
+    {dtype: {batch: {kernel: rate}}}."""
     import torch
     import torch.nn.functional as F
 
@@ -74,32 +83,66 @@ def measure_rates(shapes: list[tuple[int, int]], batches: list[int], dtypes=DTYP
     for name in dtypes:
         dt = getattr(torch, name)
         weights = [w.to(dt) for w in weights]   # the previous dtype's copies are freed
+        candidates = {"torch": lambda x, w: F.linear(x, w)}
+        packed = _packed(weights)
+        if packed is not None:
+            candidates["prepacked"] = lambda x, w: packed[id(w)](x)
         rates[name] = {}
         for batch in sorted(set(batches)):
             xs = {i: torch.randn(batch, i, dtype=dt) for i in {i for i, _ in shapes}}
-
-            def step():
-                for w in weights:
-                    F.linear(xs[w.shape[1]], w)
-
-            with torch.inference_mode():
-                # Warm-up: kernel selection, first touch of the weights, the clock's ramp.
-                t0 = time.perf_counter()
-                step()
-                while time.perf_counter() - t0 < warm_up_s:
-                    step()
-                # The fastest of a few steps: the limit is what the machine can do, and a step
-                # that other processes slowed says less about that than the quickest one.
-                times, t0 = [], time.perf_counter()
-                while len(times) < 3 or time.perf_counter() - t0 < min_time_s:
-                    t = time.perf_counter()
-                    step()
-                    times.append(time.perf_counter() - t)
-            # 4 significant figures, not 3 decimals: a tiny shape (the tests') reads well under
-            # 0.001 GFLOP/s, which rounding to decimals made 0.
-            rates[name][str(batch)] = float(f"{flops_step * batch / min(times) / 1e9:.4g}")
+            found = {}
+            for kernel, linear in candidates.items():
+                best = _fastest(lambda: [linear(xs[w.shape[1]], w) for w in weights],
+                                min_time_s, warm_up_s)
+                # 4 significant figures, not 3 decimals: a tiny shape (the tests') reads well
+                # under 0.001 GFLOP/s, which rounding to decimals made 0.
+                found[kernel] = float(f"{flops_step * batch / best / 1e9:.4g}")
+            rates[name][str(batch)] = max(found.values())
+            if kernels is not None:
+                kernels.setdefault(name, {})[str(batch)] = found
+        del packed
     del weights
     return rates
+
+
+def _packed(weights) -> dict | None:
+    """{id(weight): a PackedLinear of it}, or None where this torch cannot pack (no oneDNN, a
+    dtype it does not take, a result that differs: pack_linears checks)."""
+    from torch import nn
+
+    from worker.packed_linear import pack_linears
+
+    holder = nn.ModuleList()
+    for w in weights:
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta", dtype=w.dtype)
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        holder.append(lin)
+    try:
+        if pack_linears(holder) != len(weights):
+            return None
+    except Exception:  # noqa: BLE001 - the probe goes on with F.linear alone
+        return None
+    return {id(w): m for w, m in zip(weights, holder)}
+
+
+def _fastest(step, min_time_s: float, warm_up_s: float) -> float:
+    """The fastest of at least 3 timed steps and min_time_s, after warm_up_s of untimed ones:
+    the limit is what the machine can do, and a step that other processes slowed says less
+    about that than the quickest one."""
+    import torch
+
+    with torch.inference_mode():
+        # Warm-up: kernel selection, first touch of the weights, the clock's ramp.
+        t0 = time.perf_counter()
+        step()
+        while time.perf_counter() - t0 < warm_up_s:
+            step()
+        times, t0 = [], time.perf_counter()
+        while len(times) < 3 or time.perf_counter() - t0 < min_time_s:
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+    return min(times)
 
 
 def measure(model_dir: str, batches: list[int], progress=print) -> dict:
@@ -109,9 +152,10 @@ def measure(model_dir: str, batches: list[int], progress=print) -> dict:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     shapes = linear_shapes(config)
     t = time.perf_counter()
-    rates = measure_rates(shapes, batches)
+    kernels: dict = {}
+    rates = measure_rates(shapes, batches, kernels=kernels)
     out = {"flops_per_token": flops_per_token(shapes), "threads": torch.get_num_threads(),
-           "cpu": cpu_info(), "rates_gflops": rates,
+           "cpu": cpu_info(), "rates_gflops": rates, "kernels": kernels,
            "measure_s": round(time.perf_counter() - t, 1)}
     for line in format_rates(out):
         progress(line)
@@ -152,14 +196,18 @@ def format_rates(eff: dict) -> list[str]:
     cpu = eff["cpu"]
     probes = len(eff.get("probes") or [None])
     lines = [f"CPU: {cpu['model']}; flags: {' '.join(cpu['flags']) or 'none of ' + ', '.join(CPU_FLAGS)}",
-             f"compute limit: {eff['flops_per_token'] / 1e9:.3f} GFLOP/token; torch matmul at the "
-             f"model's decode shapes, {eff['threads']} threads"
+             f"compute limit: {eff['flops_per_token'] / 1e9:.3f} GFLOP/token; the faster of torch's "
+             f"F.linear and oneDNN prepacked at the model's decode shapes, {eff['threads']} threads"
              + (f", the higher of {probes} probes (start and end of the run):" if probes > 1
                 else ":")]
     for name, by_batch in eff["rates_gflops"].items():
         parts = [f"batch {b}: {r:.4g} GFLOP/s = {r * 1e9 / eff['flops_per_token']:.4g} tok/s"
                  for b, r in sorted(by_batch.items(), key=lambda kv: int(kv[0]))]
         lines.append(f"  {name:>8}: " + "; ".join(parts))
+    for name, by_batch in (eff.get("kernels") or {}).items():
+        lines.append(f"  {name:>8} by kernel (GFLOP/s): " + "; ".join(
+            f"batch {b}: " + ", ".join(f"{k} {r:.4g}" for k, r in found.items())
+            for b, found in sorted(by_batch.items(), key=lambda kv: int(kv[0]))))
     return lines
 
 

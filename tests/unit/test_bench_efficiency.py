@@ -53,6 +53,29 @@ def test_measured_rates_cover_every_dtype_and_batch():
     assert set(rates["float32"]) == {"1", "4"} and all(r > 0 for r in rates["float32"].values())
 
 
+def test_the_rate_is_the_faster_of_torchs_linear_and_the_prepacked_one_llmq_runs():
+    """A limit read off the slower kernel would credit a server for beating it."""
+    import torch
+
+    kernels: dict = {}
+    rates = measure_rates([(64, 96), (96, 64)], [8], dtypes=("float32",), min_time_s=0.01,
+                          warm_up_s=0.01, kernels=kernels)
+    found = kernels["float32"]["8"]
+    want = {"torch", "prepacked"} if torch.backends.mkldnn.is_available() else {"torch"}
+    assert set(found) == want and all(r > 0 for r in found.values())
+    assert rates["float32"]["8"] == max(found.values())
+    eff = {**EFF, "kernels": kernels}
+    assert "float32 by kernel (GFLOP/s): batch 8: torch" in "\n".join(format_rates(eff))
+
+
+def test_a_torch_that_cannot_pack_leaves_torchs_linear_alone(monkeypatch):
+    monkeypatch.setattr("worker.packed_linear.pack_linears", lambda model: 0)
+    kernels: dict = {}
+    measure_rates([(16, 32)], [2], dtypes=("float32",), min_time_s=0.01, warm_up_s=0.01,
+                  kernels=kernels)
+    assert set(kernels["float32"]["2"]) == {"torch"}
+
+
 def test_cpu_info_reads_the_model_and_the_kernel_flags(tmp_path):
     f = tmp_path / "cpuinfo"
     f.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse avx2 fma amx_bf16\n\n"
