@@ -289,7 +289,8 @@ def measure_level(system, model: str, c: int, prompts: list[str], tokens: int,
     if bystanders:
         # % of one core: a few tenths is Redis's and Celery's heartbeats; more would show.
         used = sum(sum(b.cpu_seconds().values()) for b in bystanders) - others
-        s["bystanders_cpu_pct"] = round(100 * used / max(wall, 1e-9), 1)
+        # max 0: a bystander's child that exits mid-level takes its CPU seconds with it.
+        s["bystanders_cpu_pct"] = max(0.0, round(100 * used / max(wall, 1e-9), 1))
         s["settle_s"] = settled
     s["compute_fraction"] = fraction_for(eff, s["tokens_per_s_all"], system.dtype, c)
     fail = (f", {s['failures']} failed ({'; '.join(s['failure_examples'])})"
@@ -366,10 +367,17 @@ def interleaved_rounds(systems: list, levels, prompts, tokens, level_time_limit,
     speed drifts by a fifth over minutes, more than the systems differ: systems a whole table
     apart (sequential) see different machines, systems a level apart nearly the same one.
     Each system's entry per round, as sequential_rounds gives them."""
-    started = [start_system(s, prompts[0][0], progress) for s in systems]
-    runs = [[dict(entry, levels=[]) for _ in range(rounds)] for entry, _ in started]
-    live = [i for i, (_, model) in enumerate(started) if model is not None]
+    started: list[tuple[dict, str | None]] = []
+    live: list[int] = []
+    stopped: set[int] = set()
     try:
+        # Inside the try: an interrupt during vLLM's ~2.5-minute start stops the ones up,
+        # and the one starting.
+        for i, system in enumerate(systems):
+            started.append(start_system(system, prompts[0][0], progress))
+            if started[-1][1] is not None:
+                live.append(i)
+        runs = [[dict(entry, levels=[]) for _ in range(rounds)] for entry, _ in started]
         for r in range(rounds):
             if rounds > 1:
                 progress(f"peers: round {r + 1} of {rounds}")
@@ -384,12 +392,22 @@ def interleaved_rounds(systems: list, levels, prompts, tokens, level_time_limit,
                     except Exception as exc:  # noqa: BLE001 - this system's rows end here
                         runs[i][r]["error"] = f"{type(exc).__name__}: {exc}"[:500]
                         progress(f"peers: {system.name}: ERROR {runs[i][r]['error']}")
-                        system.stop()
                         live = [j for j in live if j != i]
+                        stopped.add(i)
+                        _stop(system)
     finally:
-        for i in live:
-            systems[i].stop()
+        # Every system that was or may be up (a start interrupted midway included), once.
+        for i in range(min(len(started) + 1, len(systems))):
+            if i not in stopped:
+                _stop(systems[i])
     return runs
+
+
+def _stop(system) -> None:
+    try:
+        system.stop()
+    except Exception:  # noqa: BLE001 - stop the others whatever happens
+        pass
 
 
 def peers_phase(systems: list, tokenizer, levels: list[int], requests: list[int], tokens: int,
@@ -397,7 +415,6 @@ def peers_phase(systems: list, tokenizer, levels: list[int], requests: list[int]
                 rounds: int = 1, order: str = "interleaved") -> dict:
     """Every system at every level, `rounds` times, in `order` (interleaved or sequential, see
     their functions); each level's row the best of its rounds (see best_of_rounds)."""
-    # The same prompts for every system; each level has its own (no cache carries over).
     # The same prompts for every system in a round; each level and each round has its own,
     # so that no cache carries over (a system kept up between rounds would otherwise see its
     # prompts again: llama-server's slots and vLLM's prefix cache skip their prefill).

@@ -76,6 +76,15 @@ def test_a_torch_that_cannot_pack_leaves_torchs_linear_alone(monkeypatch):
     assert set(kernels["float32"]["2"]) == {"torch"}
 
 
+def test_the_second_probe_keeps_each_kernels_higher_rate():
+    start = {**EFF, "kernels": {"float32": {"64": {"torch": 60.0, "prepacked": 90.0}}}}
+    end = {"rates_gflops": {"float32": {"64": 108.0}},
+           "kernels": {"float32": {"64": {"torch": 70.0, "prepacked": 85.0}}}}
+    merged = merge_probe(start, end)
+    assert merged["kernels"]["float32"]["64"] == {"torch": 70.0, "prepacked": 90.0}
+    assert merged["rates_gflops"]["float32"]["64"] == 160.0   # EFF's own, the higher
+
+
 def test_cpu_info_reads_the_model_and_the_kernel_flags(tmp_path):
     f = tmp_path / "cpuinfo"
     f.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse avx2 fma amx_bf16\n\n"

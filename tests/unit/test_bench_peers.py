@@ -305,7 +305,7 @@ def test_interleaved_systems_stay_up_and_take_turns_at_each_level(tmp_path):
     for peer in (a, b):
         start, stop = peer.start, peer.stop
         peer.start = lambda start=start, p=peer: starts.append(p.name) or start()
-        peer.stop = lambda stop=stop, p=peer: (stops.append(p.name) if p.proc else None, stop())
+        peer.stop = lambda stop=stop, p=peer: (stops.append(p.name), stop())
     msgs: list[str] = []
     tok = type("T", (), {"encode": lambda self, s, **k: [1, 2, 3], "decode": lambda self, i: "x"})()
     out = peers_phase([a, b], tok, [1, 2], [2, 4], 4, 60.0, rounds=2, progress=msgs.append)
@@ -313,7 +313,7 @@ def test_interleaved_systems_stay_up_and_take_turns_at_each_level(tmp_path):
              if " tok/s" in m]
     assert turns == ["A c=1", "B c=1", "A c=2", "B c=2",     # round 1
                      "B c=1", "A c=1", "B c=2", "A c=2"]     # round 2, the other way round
-    assert starts == ["A", "B"] and sorted(stops) == ["A", "B"]
+    assert starts == ["A", "B"] and sorted(stops) == ["A", "B"]   # once each, at the end
     assert a.proc is None and b.proc is None
     assert out["order"] == "interleaved"
     for row in out["systems"]:
@@ -472,3 +472,28 @@ def test_every_round_brings_new_prompts_the_same_for_every_system(monkeypatch):
         assert not set(seen[("a", c, 0)]) & set(seen[("a", c, 1)])
     everything = [p for k, ps in seen.items() if k[0] == "a" for p in ps]
     assert len(set(everything)) == len(everything)   # no prompt twice, level or round
+
+
+def test_an_interrupt_while_starting_stops_the_systems_already_up(monkeypatch):
+    """vLLM takes minutes to start: a Ctrl-C then must not leave the ones up running."""
+    stopped = []
+
+    class Up(_Turns):
+        def start(self):
+            if self.name == "slow":
+                raise KeyboardInterrupt
+            return "http://x"
+
+        def stop(self):
+            stopped.append(self.name)
+
+        def cpu_seconds(self):
+            return {"server": 0.0}
+
+    monkeypatch.setattr("bench.peers.served_model", lambda url: "m")
+    monkeypatch.setattr("bench.peers.closed_loop", lambda *a, **k: ([], 0.0, False))
+    tok = type("T", (), {"encode": lambda self, s, **k: [1], "decode": lambda self, i: "x"})()
+    with pytest.raises(KeyboardInterrupt):
+        peers_phase([Up("up", [], []), Up("slow", [], [])], tok, [1], [1], 8, 10.0,
+                    progress=lambda m: None)
+    assert stopped == ["up", "slow"]   # and the one interrupted while it started
