@@ -4,9 +4,8 @@ At start-up the bench times matmuls at the model's decode shapes (batch x hidden
 each layer's q, k, v, o, gate, up and down, and the lm_head), in fp32 and bf16, with torch's
 F.linear and with the oneDNN prepacked linear the model worker uses (the faster is the rate),
 with as many distinct weights as the model has, so that a batch-1 step reads all of them as
-decode does. One
-token costs 2 FLOPs per weight of those matmuls (about 0.27 GFLOP for SmolLM2-135M; attention
-over a ~100-token context adds ~3% and is left out). Served tok/s x FLOPs per token / the rate
+decode does. One token costs 2 FLOPs per weight of those matmuls (about 0.27 GFLOP for
+SmolLM2-135M; attention over a ~100-token context adds ~3% and is left out). Served tok/s x FLOPs per token / the rate
 measured at the level's batch is then the fraction of the compute limit reached: a figure that
 compares across machines, where an absolute tok/s moves by 3x between CPUs.
 """

@@ -279,7 +279,7 @@ def measure_level(system, model: str, c: int, prompts: list[str], tokens: int,
     payloads = [completion_payload(model, p, tokens, system.force) for p in prompts]
     settled = settle(bystanders)
     cpu = system.cpu_seconds()
-    others = sum(sum(b.cpu_seconds().values()) for b in bystanders)
+    others = cpu_total(bystanders)
     results, wall, cut = closed_loop(system.url, c, payloads, level_time_limit,
                                      2 * level_time_limit, send=stream_completion)
     s = summarize(results, wall)
@@ -288,7 +288,7 @@ def measure_level(system, model: str, c: int, prompts: list[str], tokens: int,
                                              round((s["tokens_per_s_all"] or 0) * wall))
     if bystanders:
         # % of one core: a few tenths is Redis's and Celery's heartbeats; more would show.
-        used = sum(sum(b.cpu_seconds().values()) for b in bystanders) - others
+        used = cpu_total(bystanders) - others
         # max 0: a bystander's child that exits mid-level takes its CPU seconds with it.
         s["bystanders_cpu_pct"] = max(0.0, round(100 * used / max(wall, 1e-9), 1))
         s["settle_s"] = settled
@@ -304,6 +304,11 @@ def measure_level(system, model: str, c: int, prompts: list[str], tokens: int,
     return s
 
 
+def cpu_total(systems) -> float:
+    """The CPU seconds so far of every part of these systems, together."""
+    return sum(sum(x.cpu_seconds().values()) for x in systems)
+
+
 QUIET_PCT = 5.0   # % of one core: Redis's and Celery's heartbeats stay under it
 
 
@@ -316,10 +321,10 @@ def settle(bystanders: tuple, quiet_pct: float = QUIET_PCT, window_s: float = 0.
     if not bystanders:
         return 0.0
     t0 = time.monotonic()
-    last = sum(sum(b.cpu_seconds().values()) for b in bystanders)
+    last = cpu_total(bystanders)
     while time.monotonic() - t0 < max_s:
         time.sleep(window_s)   # a measuring window, not a wait for an event
-        now = sum(sum(b.cpu_seconds().values()) for b in bystanders)
+        now = cpu_total(bystanders)
         if 100 * (now - last) / window_s < quiet_pct:
             return round(time.monotonic() - t0, 1)
         last = now
