@@ -45,6 +45,7 @@ _NON_NEGATIVE = (
     ("prefill_attention_context", "LLMQ_PREFILL_ATTENTION_CONTEXT"),
     ("priority_hold_steps", "LLMQ_PRIORITY_HOLD_STEPS"),
     ("priority_window_s", "LLMQ_PRIORITY_WINDOW"),
+    ("multi_step_window_s", "LLMQ_MULTI_STEP_WINDOW"),
     ("prefix_cache_mb", "LLMQ_PREFIX_CACHE_MB"), ("kv_cache_mb", "LLMQ_KV_CACHE_MB"),
     ("max_stop", "LLMQ_MAX_STOP"), ("rate_limit_rpm", "LLMQ_RATE_LIMIT_RPM"),
     ("rate_limit_tpm", "LLMQ_RATE_LIMIT_TPM"), ("key_max_streams", "LLMQ_KEY_MAX_STREAMS"),
@@ -115,6 +116,9 @@ class Settings:
     batch_policy: str = "continuous"   # continuous | static
     # llama_cpp: decode a lone sequence's next token ahead (auto: when a core is left over)
     run_ahead: str = "auto"
+    # A backend that can (llama_cpp) runs a decode-only step's passes back to back for up to
+    # this long while nobody waits (vLLM's multi-step scheduling; 0 = one pass a step).
+    multi_step_window_s: float = 0.03
     # Redis record keeping.
     result_ttl_s: int = 24 * 3600
     pending_ttl_s: int = 7 * 24 * 3600
@@ -240,6 +244,7 @@ class Settings:
                                            d.prefill_attention_context),
             batch_policy=_env("LLMQ_BATCH_POLICY", d.batch_policy),
             run_ahead=_env("LLMQ_RUN_AHEAD", d.run_ahead),
+            multi_step_window_s=_float("LLMQ_MULTI_STEP_WINDOW", d.multi_step_window_s),
             result_ttl_s=_int("LLMQ_RESULT_TTL", d.result_ttl_s),
             stream_maxlen=_int("LLMQ_STREAM_MAXLEN", d.stream_maxlen),
             queue=_env("LLMQ_QUEUE", d.queue),

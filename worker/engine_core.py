@@ -110,7 +110,8 @@ class EngineCore:
             attention_context=settings.prefill_attention_context,
             priority_hold_steps=settings.priority_hold_steps,
             priority_window_s=settings.priority_window_s,
-            interjection=settings.priority_interject)
+            interjection=settings.priority_interject,
+            multi_step_window_s=settings.multi_step_window_s)
         self.requeue = requeue or (lambda seq_id, priority=None: None)
         self._stop = threading.Event()
         self.inputs = InputProcessor(name, settings, store, executor, tokenizer)
@@ -134,7 +135,7 @@ class EngineCore:
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         self.executor.start()   # loads the model in its own process (blocks until ready)
-        self.scheduler.set_kv_budget(*self.executor.kv_capacity)
+        self.fit_to_model()
         self.liveness.take_back_own()
         if self.settings.test_step_delay_s:
             log.warning("LLMQ_TEST_STEP_DELAY=%g: every step waits that long (a test setting)",
@@ -143,6 +144,12 @@ class EngineCore:
         self._thread.start()
         self.liveness.progress()
         self.liveness.start()
+
+    def fit_to_model(self) -> None:
+        """Sizes the scheduler to the model process its executor started: the KV cache it
+        admits against, and whether a step may run several decode passes."""
+        self.scheduler.set_kv_budget(*self.executor.kv_capacity)
+        self.scheduler.set_multi_step(self.executor.multi_step)
 
     def stop(self) -> None:
         self._stop.set()
@@ -303,6 +310,8 @@ class EngineCore:
             return
         t_done, self.last_step_time = time.monotonic(), time.time()
         self.output.update(out, result)                          # 3. update
+        if not out.prefill and result.decode_s:
+            self.scheduler.observe_pass(result.decode_s / result.num_passes, len(out.decode))
         self.timing.record(t_sched, t_submit, t_published, t_done, time.monotonic(), result)
         # 4. publish: at the next step's execute, overlapped with the model
 
@@ -365,7 +374,8 @@ class EngineCore:
     def _request(self, out: SchedulerOutput) -> StepRequest:
         return StepRequest(prefill=self._new_sequences(out),
                            decode_seq_ids=[s.seq_id for s in out.decode],
-                           free_seq_ids=out.freed_seq_ids, chunks=out.prompt_chunks)
+                           free_seq_ids=out.freed_seq_ids, chunks=out.prompt_chunks,
+                           num_steps=out.num_steps)
 
     @staticmethod
     def _new_sequences(out: SchedulerOutput) -> list[NewSequence]:

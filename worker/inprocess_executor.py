@@ -44,6 +44,7 @@ class InProcessExecutor(ModelExecutor):
         self.backend = backend
         self.info = backend.info
         self.kv_capacity = getattr(backend, "kv_capacity", (0, 0))
+        self.multi_step = getattr(backend, "multi_step", False)
         self.num_starts += 1
         self._results.clear()
 

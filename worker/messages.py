@@ -35,6 +35,11 @@ class StepRequest:
     # Sent while another step is in flight: newcomers only, prefilled between two layers of
     # that step's passes (or after it, by a backend that cannot); answered `interjected`.
     interject: bool = False
+    # Decode passes to run back to back over the running batch (vLLM's multi-step scheduling;
+    # decode-only steps, to a backend that announced `multi_step`): the first pass's tokens in
+    # `token_ids`, the rest in `more_token_ids`. A sequence stops early at a stop token or
+    # max_tokens, the whole step when none is left.
+    num_steps: int = 1
 
 
 @dataclass(slots=True)
@@ -62,10 +67,17 @@ class StepResult:
     # token's after the first
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # a multi-step request's tokens after each sequence's first, in order
+    more_token_ids: dict[str, list[int]] = field(default_factory=dict)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     partial: bool = False          # more of this step's result follows
     interjected: bool = False      # the answer to an `interject` request, not to the step
+
+    @property
+    def num_passes(self) -> int:
+        """Decode passes the step ran (more than one for a multi-step request)."""
+        return 1 + max(map(len, self.more_token_ids.values()), default=0)
 
 
 @dataclass(slots=True)
@@ -77,6 +89,7 @@ class Ready:
     kv_num_blocks: int = 0
     kv_block_size: int = 0
     interjects: bool = False   # runs an `interject` request inside the step in flight
+    multi_step: bool = False   # runs a request's `num_steps` decode passes back to back
 
 
 @dataclass(slots=True)

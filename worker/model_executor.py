@@ -25,6 +25,7 @@ class ModelExecutor:
         self.info = None
         self.kv_capacity = (0, 0)   # the model process's KV cache: (blocks, tokens per block)
         self.interjects = False     # runs an interjection inside the step in flight
+        self.multi_step = False     # runs several decode passes per request (num_steps)
         self.num_starts = 0
         self._ctx = mp.get_context("spawn")
         self._proc = None
@@ -62,6 +63,7 @@ class ModelExecutor:
         self.info = msg.info
         self.kv_capacity = (msg.kv_num_blocks, msg.kv_block_size)
         self.interjects = msg.interjects
+        self.multi_step = msg.multi_step
         self.num_starts += 1
         log.info("model worker %s ready: %s on %s", self._proc.pid, self.info.name, self.info.device)
 

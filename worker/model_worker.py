@@ -421,7 +421,8 @@ def main(conn, settings) -> None:
         return
     blocks, block_size = getattr(worker, "kv_capacity", (0, 0))
     interjects = getattr(worker, "interjects", False)
-    conn.send_bytes(messages.encode(Ready(worker.info, blocks, block_size, interjects)))
+    conn.send_bytes(messages.encode(Ready(worker.info, blocks, block_size, interjects,
+                                          getattr(worker, "multi_step", False))))
     # A backend that can decode ahead does so while the engine takes its turn (llama_cpp).
     run_ahead = getattr(worker, "run_ahead", None)
     deferred: list = []   # read between layers, not an interjection: served after the step

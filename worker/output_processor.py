@@ -88,6 +88,15 @@ class OutputProcessor:
                 self.logprobs.record(seq, result)
         for seq in got:
             self.pending.append(self._on_token(seq))
+        # A multi-step result: the running batch's later passes, one round at a time, so that
+        # each token is judged (stop string, stop token, length) with those before it; a
+        # sequence ended by one round takes none of its later tokens (they were decoded past
+        # its end, and are dropped with its slot).
+        more = result.more_token_ids
+        for i in range(result.num_passes - 1):
+            tokens = {sid: toks[i] for sid, toks in more.items() if i < len(toks)}
+            for seq in self.scheduler.update(SchedulerOutput(decode=out.decode), tokens):
+                self.pending.append(self._on_token(seq))
 
     def _on_token(self, seq: Sequence) -> Output:
         """A sequence's new token: its text delta and, when the token ends it, its end. A stop

@@ -50,6 +50,7 @@ POLICIES: dict[str, type] = {p.name: p for p in (ContinuousBatching, StaticBatch
 # rest of the model (measured in one process, bf16, one thread: a 2-8 token chunk's attention
 # over 3,000 keys takes 0.4-0.7 ms a layer, against ~10 us a layer per token of linears).
 CHUNK_READ_COST = 16
+MAX_DECODE_PASSES = 16   # a multi-step step's passes at most, however short they are
 
 
 @dataclass
@@ -64,6 +65,7 @@ class SchedulerOutput:
     chunks: dict[str, int] = field(default_factory=dict)
     # Newcomers whose prompt is longer than this step's chunk of it: that chunk's tokens.
     first_chunks: dict[str, int] = field(default_factory=dict)
+    num_steps: int = 1   # decode passes back to back (multi-step: see WorkloadManager)
 
     @property
     def is_empty(self) -> bool:
@@ -148,7 +150,8 @@ class WorkloadManager:
                  key_share: float = 1.0, long_prefill_tokens: int = 0,
                  long_prefill_chunk: int = 0, attention_context: int = 0,
                  priority_hold_steps: int = 1, priority_window_s: float = 0.0,
-                 interjection: bool = False, clock=time.monotonic):
+                 interjection: bool = False, multi_step_window_s: float = 0.0,
+                 clock=time.monotonic):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_tokens = long_prefill_tokens   # longer prompts are long; 0: no cap
@@ -167,6 +170,11 @@ class WorkloadManager:
         # Newcomers of a better priority than a whole step in flight are prefilled inside it
         # (interject); off: they wait for the step to end.
         self.interjection = interjection
+        # Decode-only steps with nobody waiting run several passes, as many as fit in this
+        # window at the recent passes' pace, once the backend says it can (set_multi_step).
+        self.multi_step_window_s = multi_step_window_s
+        self.multi_step = False
+        self._pace: tuple[int, float] | None = None   # (batch size, seconds a decode pass)
         self._clock = clock
         self._seen: dict[int, float] = {}   # priority -> when a sequence of it last ran or waited
         self._held = 0                      # steps in a row that held worse-priority newcomers
@@ -200,6 +208,35 @@ class WorkloadManager:
     def set_kv_budget(self, num_blocks: int, block_size: int) -> None:
         """The model process's KV cache size (0 blocks: the backend counts for itself)."""
         self.kv_budget = KVBudget(num_blocks, block_size) if num_blocks and block_size else None
+
+    def set_multi_step(self, able: bool) -> None:
+        """Whether the model process runs several decode passes per step (Ready.multi_step)."""
+        self.multi_step = able
+
+    def observe_pass(self, seconds: float, num_seqs: int) -> None:
+        """A decode-only step's model time per pass over num_seqs sequences: the pace
+        multi-step counts passes by (smoothed while the batch keeps its size)."""
+        if seconds <= 0:
+            return
+        if self._pace is not None and self._pace[0] == num_seqs:
+            seconds = 0.7 * self._pace[1] + 0.3 * seconds
+        self._pace = (num_seqs, seconds)
+
+    def _num_steps(self, out: SchedulerOutput) -> int:
+        """Decode passes for this step (vLLM's multi-step scheduling). Each step costs a turn
+        of the engine (the result through the pipe, update, publish, schedule, the request
+        back); at one sequence a pass is a few milliseconds and that turn a sixth of it. So
+        while only the running batch decodes (no newcomer, no prompt chunk) and nobody
+        waits, the model process runs as many passes back to back as fit in the window; a
+        newcomer that arrives meanwhile waits at most that long. A big batch's pass is longer
+        than the window and goes one a step, as before. Not with a KV budget counted here: the
+        blocks of the passes after the first would have to be reserved up front."""
+        pace = self._pace
+        if not (self.multi_step and self.multi_step_window_s > 0 and pace is not None
+                and pace[0] == len(out.decode) and not out.prefill and not out.chunks
+                and not self.waiting and self.kv_budget is None):
+            return 1   # (a batch of a new size goes one pass first: its pace is not known)
+        return max(1, min(MAX_DECODE_PASSES, int(self.multi_step_window_s / pace[1])))
 
     def schedule(self) -> SchedulerOutput:
         self._preempt()
@@ -244,6 +281,7 @@ class WorkloadManager:
                 used += kv.blocks(seq) if kv else 0
         self._count_held(guard, out)
         out.freed_seq_ids, self._freed = self._freed, []
+        out.num_steps = self._num_steps(out)
         self.stats.num_steps += 1
         self.stats.num_prefilled += len(out.prefill)
         if out.decode:

@@ -87,12 +87,16 @@ class WordTokenizer:
 class ScriptedBackend:
     """A model backend that samples hand-made tokens: sequence s's output token number n is
     `script[s][n]`, FILLER past its script. It can fail one sequence (`errors`) or the whole
-    step (`crash_at`, 1-based step numbers), and records every StepRequest it was sent."""
+    step (`crash_at`, 1-based step numbers), and records every StepRequest it was sent. With
+    `pass_s`, each decode pass reports that much model time; with `multi_step`, it runs a
+    request's num_steps passes as the llama_cpp backend does (a sequence stops at a stop token
+    once min_tokens are out, or at max_tokens)."""
 
     FILLER = 7
 
     def __init__(self, script: dict[str, list[int]] | None = None, max_model_len: int = 512,
-                 crash_at: tuple[int, ...] = (), errors: dict[str, str] | None = None):
+                 crash_at: tuple[int, ...] = (), errors: dict[str, str] | None = None,
+                 multi_step: bool = False, pass_s: float = 0.0):
         from worker.model_manager import ModelInfo
 
         self.info = ModelInfo(name="scripted", path="", eos_token_ids=(EOS,),
@@ -103,7 +107,10 @@ class ScriptedBackend:
         self.errors = dict(errors or {})
         self.requests = []
         self.num_steps = 0
+        self.multi_step = multi_step
+        self.pass_s = pass_s
         self._made: dict[str, int] = {}   # output tokens each running sequence has
+        self._seqs: dict = {}             # each running sequence's NewSequence
 
     def warm_up(self) -> None:
         pass
@@ -117,17 +124,26 @@ class ScriptedBackend:
             raise RuntimeError(f"scripted crash at step {self.num_steps}")
         for seq_id in req.free_seq_ids:
             self._made.pop(seq_id, None)
+            self._seqs.pop(seq_id, None)
         res = StepResult()
         for new in req.prefill:
             self._made[new.seq_id] = new.num_output_tokens
+            self._seqs[new.seq_id] = new
         for seq_id in [s.seq_id for s in req.prefill] + req.decode_seq_ids:
             if seq_id in self.errors:
                 res.errors[seq_id] = self.errors[seq_id]
                 continue
-            n = self._made[seq_id]
-            script = self.script.get(seq_id, [])
-            res.token_ids[seq_id] = script[n] if n < len(script) else self.FILLER
-            self._made[seq_id] = n + 1
+            res.token_ids[seq_id] = self._next(seq_id)
+        res.decode_s = self.pass_s if req.decode_seq_ids else 0.0
+        if self.multi_step and req.num_steps > 1 and not req.prefill:
+            live = list(res.token_ids)
+            for _ in range(req.num_steps - 1):
+                live = [s for s in live if not self._ended(s)]
+                if not live:
+                    break
+                for seq_id in live:
+                    res.more_token_ids.setdefault(seq_id, []).append(self._next(seq_id))
+                res.decode_s += self.pass_s
         if early is not None and req.prefill and req.decode_seq_ids:
             # the newcomers' first tokens go ahead of the decode, as the model worker sends them
             new = {s.seq_id for s in req.prefill}
@@ -137,6 +153,20 @@ class ScriptedBackend:
             res.token_ids = {k: v for k, v in res.token_ids.items() if k not in new}
             res.errors = {k: v for k, v in res.errors.items() if k not in new}
         return res
+
+    def _next(self, seq_id: str) -> int:
+        n = self._made[seq_id]
+        script = self.script.get(seq_id, [])
+        self._made[seq_id] = n + 1
+        return script[n] if n < len(script) else self.FILLER
+
+    def _ended(self, seq_id: str) -> bool:
+        """The last token ends the sequence (the engine's rule, as the llama_cpp backend has it)."""
+        seq, n = self._seqs[seq_id], self._made[seq_id]
+        script = self.script.get(seq_id, [])
+        last = script[n - 1] if 0 < n <= len(script) else self.FILLER
+        return n >= seq.params.max_tokens or (n >= seq.params.min_tokens
+                                               and last in seq.stop_token_ids)
 
 
 def make_engine(store, backend=None, requeue=None, **settings):
@@ -148,8 +178,10 @@ def make_engine(store, backend=None, requeue=None, **settings):
     backend = backend or ScriptedBackend()
     executor = InProcessExecutor(backend_factory=lambda: backend)
     executor.start()
-    return EngineCore("w1", Settings(**settings), store, executor, WordTokenizer(),
-                      requeue=requeue)
+    engine = EngineCore("w1", Settings(**settings), store, executor, WordTokenizer(),
+                        requeue=requeue)
+    engine.fit_to_model()   # as start() does
+    return engine
 
 
 class FakeStream:

@@ -118,6 +118,41 @@ def test_deadline_ends_a_running_sequence_with_timeout(store):
     assert store.get_job("s")["status"] == "cancelled"
 
 
+def _multi_step_run(params: dict, script: list[int], multi: bool):
+    """One sequence run to its end by an engine whose backend runs multi-step (5 ms passes,
+    20 ms window: 4 passes a step) or not. Returns its token events' texts, its record and the
+    backend's requests."""
+    store = SequenceStore(fakeredis.FakeRedis(decode_responses=True))
+    backend = ScriptedBackend({"s": script}, multi_step=multi, pass_s=0.005)
+    engine = make_engine(store, backend, multi_step_window_s=0.02)
+    submit(store, **params)
+    seq = engine.admit("s")
+    run(engine, [seq])
+    assert_ended_once(store, engine, seq, seq.finish_reason)
+    return [d["text"] for k, d in events(store) if k == "token"], store.get_job("s"), \
+        backend.requests
+
+
+@pytest.mark.parametrize("params, script", [
+    ({"max_tokens": 11}, []),                                            # the length
+    ({"max_tokens": 30}, [5, 6, 8, 9, 10, 11, 12, EOS]),                 # EOS mid-burst
+    ({"max_tokens": 30, "stop": [" w11"]}, [5, 6, 8, 9, 10, 11, 12, 13]),   # a stop string
+    ({"max_tokens": 30, "min_tokens": 6, "stop_token_ids": [9]}, [9] * 8),   # a stop token, at
+                                                                        # min_tokens
+])
+def test_multi_step_streams_every_token_and_ends_where_one_pass_a_step_does(params, script):
+    """Passes run back to back in the model process (multi-step) stream the same token events,
+    one per token, and end the sequence on the same token as one pass a step, whether the end
+    falls inside a step's passes or at their edge; tokens decoded past the end are dropped."""
+    one_texts, one_job, one_reqs = _multi_step_run(params, script, multi=False)
+    texts, job, reqs = _multi_step_run(params, script, multi=True)
+    assert texts == one_texts
+    for key in ("text", "finish_reason", "usage", "status"):
+        assert job[key] == one_job[key]
+    assert max(r.num_steps for r in reqs) == 4 and len(reqs) < len(one_reqs)
+    assert max(r.num_steps for r in one_reqs) == 1   # a backend that cannot is asked for one
+
+
 class RoundTrips:
     """Counts the store's round trips to Redis: a command sent alone, or a pipeline."""
 

@@ -9,8 +9,9 @@ import pytest
 from common.protocol import FinishReason
 from worker.output_processor import end_on_token
 from worker.sequence import SequenceState
-from worker.workload_manager import (CHUNK_READ_COST, POLICIES, ContinuousBatching,
-                                     SchedulerOutput, StaticBatching, WorkloadManager)
+from worker.workload_manager import (CHUNK_READ_COST, MAX_DECODE_PASSES, POLICIES,
+                                     ContinuousBatching, SchedulerOutput, StaticBatching,
+                                     WorkloadManager)
 
 from .factories import EOS, ids, make_manager, make_seq, tokens_for
 
@@ -885,3 +886,64 @@ def test_equal_priorities_never_preempt_each_other():
     out, _ = step(wm)
     assert out.prefill == [] and out.freed_seq_ids == [] and wm.stats.num_preempted == 0
     assert ids(wm.waiting) == ids(later)
+
+
+# --- multi-step: several decode passes a step -------------------------------------------------
+def multi_step_manager(window_s: float = 0.03, **kw) -> WorkloadManager:
+    wm = make_manager(**kw)
+    wm.multi_step_window_s = window_s
+    wm.set_multi_step(True)
+    return wm
+
+
+def test_a_decode_only_step_runs_as_many_passes_as_fit_in_the_window():
+    wm = multi_step_manager(0.03)
+    a = make_seq(4, max_tokens=100)
+    wm.add(a)
+    out, _ = step(wm)
+    assert out.num_steps == 1                     # a prefill: one pass
+    out, _ = step(wm)
+    assert out.num_steps == 1                     # its pace is not known yet
+    wm.observe_pass(0.008, 1)
+    assert wm.schedule().num_steps == 3           # 30 ms at 8 ms a pass
+    wm.observe_pass(0.0001, 1)
+    assert wm.schedule().num_steps == 5           # smoothed: 5.6 ms
+    for _ in range(30):
+        wm.observe_pass(0.0001, 1)
+    assert wm.schedule().num_steps == MAX_DECODE_PASSES   # capped, however fast
+
+
+def test_multi_step_gives_way_to_newcomers_a_new_batch_size_and_the_kv_budget():
+    wm = multi_step_manager(0.03)
+    a, b = make_seq(4, max_tokens=100), make_seq(4, max_tokens=100)
+    wm.add(a)
+    step(wm)
+    wm.observe_pass(0.005, 1)
+    wm.add(b)
+    out, _ = step(wm)
+    assert ids(out.prefill) == ids([b]) and out.num_steps == 1   # b joins: one pass
+    out = wm.schedule()
+    assert ids(out.decode) == ids([a, b]) and out.num_steps == 1  # pace known for 1 row, not 2
+    wm.observe_pass(0.006, 2)
+    assert wm.schedule().num_steps == 5
+    wm.max_num_seqs = 2
+    wm.add(make_seq(4))                  # waits for a slot: a burst would make it wait longer
+    assert wm.schedule().num_steps == 1
+    wm.waiting.clear()
+    wm.observe_pass(0.2, 2)
+    assert wm.schedule().num_steps == 1  # a pass longer than the window: one a step
+    for _ in range(30):
+        wm.observe_pass(0.001, 2)
+    wm.set_kv_budget(100, 16)            # blocks counted here: the passes' are not reserved
+    assert wm.schedule().num_steps == 1
+
+
+def test_no_multi_step_unless_the_backend_runs_it_and_the_window_is_set():
+    for able, window in ((False, 0.03), (True, 0.0)):
+        wm = make_manager()
+        wm.multi_step_window_s = window
+        wm.set_multi_step(able)
+        wm.add(make_seq(4))
+        step(wm)
+        wm.observe_pass(0.001, 1)
+        assert wm.schedule().num_steps == 1

@@ -75,7 +75,7 @@ def test_sequences_that_come_and_go_leave_nothing_behind_in_the_model(tiny_model
     store = SequenceStore(fakeredis.FakeRedis(decode_responses=True))
     engine = EngineCore("w1", settings, store, executor,
                         ModelManager(tiny_model_dir).load_tokenizer())
-    engine.scheduler.set_kv_budget(*executor.kv_capacity)   # as start() does
+    engine.fit_to_model()   # as start() does
     worker, cache = executor.backend, executor.backend.cache
     rng = random.Random(0)
 

@@ -329,3 +329,70 @@ def test_running_ahead_waits_for_a_core_left_to_the_serving_stack(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     assert _runs_ahead("auto", 1) and not _runs_ahead("auto", 2)
     assert _runs_ahead("on", 2) and not _runs_ahead("off", 1)
+
+
+# --- multi-step: several decode passes in one request --------------------------------------------
+def _multi_step(backend, prompts: dict[str, list[int]], params: dict, num_steps: int,
+                stops: dict | None = None) -> tuple[dict[str, list[int]], list[int]]:
+    """Prefills the prompts, then sends decode steps of `num_steps` passes until none of them
+    makes a token. Returns each sequence's tokens and the passes each step ran."""
+    stops = stops or {}
+    res = backend.step(StepRequest(prefill=[NewSequence(sid, ids, params[sid],
+                                                        stop_token_ids=stops.get(sid, ()))
+                                            for sid, ids in prompts.items()]))
+    out = {sid: [t] for sid, t in res.token_ids.items()}
+    passes = []
+    while True:
+        live = [sid for sid in prompts if not backend._ended(sid)]
+        if not live:
+            break
+        res = backend.step(StepRequest(decode_seq_ids=live, num_steps=num_steps))
+        assert not res.errors, res.errors
+        passes.append(res.num_passes)
+        for sid in live:
+            out[sid] += [res.token_ids[sid], *res.more_token_ids.get(sid, [])]
+    backend.step(StepRequest(free_seq_ids=list(prompts)))
+    return out, passes
+
+
+@pytest.mark.parametrize("params", [
+    GREEDY, SamplingParams(temperature=1.0, top_p=0.9, seed=3)], ids=["greedy", "seeded"])
+def test_multi_step_passes_make_the_tokens_of_one_pass_a_step(backend, tok, decodes, params):
+    """A request of 4 passes decodes its running batch 4 times in one step, one llama_decode a
+    pass, and each sequence gets the tokens one pass a step gives it; a sequence that reaches
+    max_tokens stops there while the others go on."""
+    prompts = {"a": tok("The capital of France is")["input_ids"],
+               "b": tok("My favourite colour is")["input_ids"]}
+    per = {"a": with_(params, max_tokens=7), "b": with_(params, max_tokens=11)}
+    single, _ = _multi_step(backend, prompts, per, 1)
+    made = len(decodes)
+    multi, passes = _multi_step(backend, prompts, per, 4)
+    assert multi == single
+    assert [len(multi[s]) for s in "ab"] == [7, 11]
+    assert passes == [4, 4, 2]   # b alone in the last two passes of the second step, then 2
+    assert len(decodes) - made == 1 + sum(passes)   # the prefill, then one call a pass
+    assert decodes[made + 5:made + 9] == [2, 2, 1, 1]
+
+
+def test_multi_step_stops_a_sequence_at_a_stop_token_once_min_tokens_are_out(backend, tok):
+    ids = tok("The capital of France is")["input_ids"]
+    first = run(backend, {"a": ids}, 12)["a"]
+    k = next(i for i in range(2, 12) if first[i] not in first[:i])   # a token new at k
+    stop = (first[k],)
+    out, _ = _multi_step(backend, {"a": ids}, {"a": with_(GREEDY, max_tokens=50)}, 8,
+                         stops={"a": stop})
+    assert out["a"] == first[:k + 1]   # ends on it, inside a step's passes
+    out, _ = _multi_step(backend, {"a": ids}, {"a": with_(GREEDY, max_tokens=k + 3,
+                                                          min_tokens=k + 2)}, 8,
+                         stops={"a": stop})
+    a = out["a"]   # the stop token masked for its first k + 2 tokens: it runs to the length
+    assert a[:k] == first[:k] and stop[0] not in a[:k + 2] and len(a) == k + 3
+
+
+def test_multi_step_runs_one_pass_for_a_sequence_sampled_by_llmq(backend, tok):
+    """logprobs need llmq's Sampler, whose state the passes after the first would bypass."""
+    ids = tok("Hello")["input_ids"]
+    out, passes = _multi_step(backend, {"a": ids, "b": ids},
+                              {"a": with_(GREEDY, max_tokens=4),
+                               "b": with_(GREEDY, max_tokens=4, logprobs=1)}, 4)
+    assert passes == [1, 1, 1] and out["a"] == out["b"]
