@@ -12,7 +12,9 @@ llmq's own `Sampler`, as on the transformers backend.
 A lone running sequence is decoded one token ahead (`run_ahead`, called by the model process
 once a step's result is sent): its next token is ready when the engine asks for it, so the
 engine's turn (pipe, update, schedule) overlaps the model instead of following it
-(LLMQ_RUN_AHEAD).
+(LLMQ_RUN_AHEAD). A multi-step request (`num_steps`, LLMQ_MULTI_STEP_WINDOW) decodes the running
+batch several times in one step, each sequence sampled by its chain, so the engine's turn is paid
+once for them all (docs/architecture.md, "Multi-step decode").
 """
 from __future__ import annotations
 
