@@ -310,7 +310,7 @@ class EngineCore:
             return
         t_done, self.last_step_time = time.monotonic(), time.time()
         self.output.update(out, result)                          # 3. update
-        if not out.prefill and result.decode_s:
+        if out.decode and not out.prefill and result.decode_s and result.is_full(out.decode):
             self.scheduler.observe_pass(result.decode_s / result.num_passes, len(out.decode))
         self.timing.record(t_sched, t_submit, t_published, t_done, time.monotonic(), result)
         # 4. publish: at the next step's execute, overlapped with the model

@@ -79,6 +79,13 @@ class StepResult:
         """Decode passes the step ran (more than one for a multi-step request)."""
         return 1 + max(map(len, self.more_token_ids.values()), default=0)
 
+    def is_full(self, seqs) -> bool:
+        """Every pass decoded every one of these sequences (none ended inside the burst, nor
+        failed): its time per pass is a pass's over all of them."""
+        n = self.num_passes - 1
+        return all(s.seq_id in self.token_ids and len(self.more_token_ids.get(s.seq_id, ())) == n
+                   for s in seqs)
+
 
 @dataclass(slots=True)
 class Ready:

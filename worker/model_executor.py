@@ -106,6 +106,7 @@ class ModelExecutor:
             rest.cached_tokens = {**res.cached_tokens, **rest.cached_tokens}
             rest.logprobs = {**res.logprobs, **rest.logprobs}
             rest.prompt_logprobs = {**res.prompt_logprobs, **rest.prompt_logprobs}
+            rest.more_token_ids = {**res.more_token_ids, **rest.more_token_ids}
             res = rest
         return res
 

@@ -511,3 +511,24 @@ def test_an_interjection_whose_send_finds_the_model_dead_is_run_after_the_restar
     run(engine, [chat, line])
     assert store.get_job("chat")["status"] == "succeeded"
     assert store.get_job("line")["status"] == "succeeded"
+
+
+def test_the_pace_of_a_pass_is_read_only_off_bursts_that_decoded_the_whole_batch(store):
+    """A burst in which one sequence ended early ran its later passes with fewer rows: their
+    time is not a pass's over the whole batch, and must not set the pace multi-step counts by
+    (it would ask the next full batch for more passes than fit in the window)."""
+    backend = ScriptedBackend({"a": [5, 6, 8, 9, EOS]}, multi_step=True, pass_s=0.005)
+    engine = make_engine(store, backend, multi_step_window_s=0.02)
+    submit(store, "a", max_tokens=50)
+    submit(store, "b", max_tokens=50)
+    a, b = engine.admit("a"), engine.admit("b")
+    engine.step()   # both prefill
+    engine.step()   # one pass: the pace of two rows, 5 ms
+    assert engine.scheduler._pace == (2, 0.005)
+    backend.pass_s = 0.001   # faster passes from here, but a ends inside this burst
+    engine.step()
+    assert backend.requests[-1].num_steps == 4 and a.is_finished and not b.is_finished
+    assert engine.scheduler._pace == (2, 0.005)
+    engine.step()   # b alone: a new size, one pass; then its own pace
+    assert backend.requests[-1].num_steps == 1 and engine.scheduler._pace[0] == 1
+    run(engine, [a, b])

@@ -225,7 +225,8 @@ class LlamaCppBackend:
         a stop token once min_tokens are out, or max_tokens reached)."""
         st = self.states[sid]
         n, p = st.num_output_tokens, st.params
-        return n >= p.max_tokens or (n >= p.min_tokens and st.last_token_id in st.stop_token_ids)
+        return n >= p.max_tokens or (n > 0 and n >= p.min_tokens
+                                     and st.last_token_id in st.stop_token_ids)
 
     # --- running ahead ------------------------------------------------------------------------
     def run_ahead(self) -> None:
