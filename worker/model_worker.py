@@ -19,6 +19,7 @@ from common import logs
 
 from . import decode_kernel as decode_kernels, messages
 from .kv_cache import PagedKVCache
+from .llama_forward import LlamaForward
 from .messages import NewSequence, Ready, Shutdown, StepRequest, StepResult
 from .model_manager import ModelManager, pick_device, resolve_dtype
 from .packed_linear import pack_linears
@@ -73,6 +74,9 @@ class ModelWorker:
         for layer in layers:
             layer.register_forward_pre_hook(self._before_layer)
         self.interjects = bool(layers)
+        # Llama-architecture models run our own written-out forward (same ops, same logits,
+        # without transformers' per-call plumbing); others transformers' forward.
+        self.llama = LlamaForward.for_model(model, lambda: self._before_layer(None, None))
 
     @classmethod
     def load(cls, settings) -> "ModelWorker":
@@ -269,17 +273,20 @@ class ModelWorker:
                 spans.append((r.seq_id, start, len(ids)))
         extra = [i for _sid, a, b in spans for i in range(a, b)]
         dev = self.device
-        out = self.model(input_ids=torch.tensor([ids], device=dev),
-                         position_ids=torch.tensor([pos], device=dev),
-                         attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev),
-                         kv_plan=plan, use_cache=False,
-                         logits_to_keep=torch.tensor((keep or [len(ids) - 1]) + extra,
-                                                     device=dev))
+        ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
+        kept = torch.tensor((keep or [len(ids) - 1]) + extra, device=dev)
+        if self.llama is not None:
+            logits = self.llama(ids_t, pos_t, plan, kept)
+        else:
+            logits = self.model(input_ids=ids_t[None], position_ids=pos_t[None],
+                                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool,
+                                                          device=dev),
+                                kv_plan=plan, use_cache=False, logits_to_keep=kept).logits[0]
         rows, at = {}, max(1, len(keep))
         for sid, a, b in spans:
-            rows[sid] = out.logits[0, at:at + b - a]
+            rows[sid] = logits[at:at + b - a]
             at += b - a
-        return out.logits[0, :len(order)], order, rows
+        return logits[:len(order)], order, rows
 
     def _drop(self, seq_id: str) -> None:
         self.cache.remove([seq_id])
