@@ -373,12 +373,9 @@ def test_a_running_prompts_chunk_rides_in_the_decodes_forward_pass(sharp_model):
     worker.step(StepRequest(prefill=[new_seq("run", run)]))
     worker.step(StepRequest(prefill=[new_seq("long", long)], decode_seq_ids=["run"]))
     passes = []
-    forward = worker.model.forward
-    worker.model.forward = lambda *a, **kw: passes.append(kw["input_ids"].shape[1]) or forward(*a, **kw)
-    try:
-        res = worker.step(StepRequest(decode_seq_ids=["run", "long"], chunks={"long": 8}))
-    finally:
-        del worker.model.forward
+    forward = worker.llama   # (the model's forward pass: tokens in, kept logits out)
+    worker.llama = lambda ids, *rest: passes.append(len(ids)) or forward(ids, *rest)
+    res = worker.step(StepRequest(decode_seq_ids=["run", "long"], chunks={"long": 8}))
     assert passes == [1 + 8] and set(res.token_ids) == {"run"}   # one pass: a decode + 8
     assert worker.cache.lengths["long"] == 16 + 8
 

@@ -74,18 +74,11 @@ def test_a_scored_prompt_keeps_every_position_and_the_others_only_their_last(tin
     prompts = make_prompts(3, lengths=[12, 12, 12], seed=6)
     worker = ModelWorker(model, info, 4)
     kept = []
-    forward = model.forward
-
-    def spy(*args, **kw):
-        kept.append(len(kw.get("logits_to_keep")))
-        return forward(*args, **kw)
-
-    model.forward = spy
-    try:
-        res = worker.step(StepRequest(prefill=[
-            new_seq("a", prompts[0]), new_seq("b", prompts[1]),
-            new_seq("s", prompts[2], SamplingParams(temperature=0.0, prompt_logprobs=0))]))
-    finally:
-        del model.forward
+    forward = worker.llama   # (the model's forward pass: tokens in, kept logits out)
+    worker.llama = lambda ids, pos, plan, keep: kept.append(len(keep)) or forward(ids, pos,
+                                                                                 plan, keep)
+    res = worker.step(StepRequest(prefill=[
+        new_seq("a", prompts[0]), new_seq("b", prompts[1]),
+        new_seq("s", prompts[2], SamplingParams(temperature=0.0, prompt_logprobs=0))]))
     assert kept == [3 + 12]
     assert len(res.prompt_logprobs["s"]) == 11 and set(res.token_ids) == {"a", "b", "s"}
