@@ -2,7 +2,8 @@
 
 64 prompts of 40 tokens, 64 greedy tokens each, stepped through a ModelWorker as the scheduler
 splits them under the default token budget (51 prompts, then 13 beside 51 decodes, then decode
-steps until all are done), on the default model, fp32, packed linears, this machine's threads.
+steps until all are done), on the model worker the worker process builds (`ModelWorker.load`:
+LLMQ_* settings, packed linears), on the CPU in fp32, with this machine's threads.
 Prints each wave's time, its parts and its output tok/s as a fraction of the compute limit
 (bench/efficiency.py's probe at batch 64): the ceiling the served figure is measured against.
 Figures and conclusions: docs/architecture.md (issue 17's c=64 paragraphs).
@@ -21,7 +22,6 @@ from common.settings import Settings
 from worker.messages import NewSequence, StepRequest
 from worker.model_manager import ModelManager
 from worker.model_worker import ModelWorker
-from worker.packed_linear import pack_linears
 
 
 def wave(worker: ModelWorker, prompts: list[list[int]], tokens: int, first: int) -> dict:
@@ -59,21 +59,21 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=40)
     p.add_argument("--tokens", type=int, default=64)
     args = p.parse_args()
-    settings = Settings.from_env()
+    settings = Settings.from_env(device="cpu", dtype="float32", max_num_seqs=args.prompts)
     model_dir = ModelManager.from_settings(settings).resolve()
     eff = efficiency.measure(model_dir, [args.prompts], progress=lambda *_: None)
     _, rate = efficiency.rate_for(eff, "float32", args.prompts)
     info = efficiency.cpu_info()
     print(f"CPU: {info.get('model')}; flags: {' '.join(info.get('flags', []))}; "
           f"{torch.get_num_threads()} threads; float32 at batch {args.prompts}: {rate} GFLOP/s")
-    model, minfo = ModelManager(model_dir).load_model("cpu", "float32")
-    pack_linears(model)
+    worker = ModelWorker.load(settings)   # every wave frees all it ran: one worker serves all
+    vocab = worker.model.config.vocab_size
     first = min(args.prompts, settings.max_num_batched_tokens // args.prompt_tokens)
     for n in range(args.waves):
         rng = random.Random(n)
-        prompts = [[rng.randrange(100, 49152) for _ in range(args.prompt_tokens)]
+        prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_tokens)]
                    for _ in range(args.prompts)]
-        w = wave(ModelWorker(model, minfo, args.prompts), prompts, args.tokens, first)
+        w = wave(worker, prompts, args.tokens, first)
         tps = w["tokens"] / w["s"]
         frac = tps * eff["flops_per_token"] / (rate * 1e9) if rate else float("nan")
         print(f"wave {n}: {w['s']:.2f} s (prefill {first}: {w['prefill_s']:.2f} s, the rest "
