@@ -381,13 +381,13 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
             text, entries = shaper.echoed(i, prompt_entries)
             yield chunk(i, text, entries)
 
+    sub = eng.streams.subscribe({c.seq_id: c.after for c in choices})
     try:
         if chat and not continuous:   # the role goes out at once (continuous: with usage)
             for i in range(len(choices)):
                 yield from start(i, None)
         while not all(c.done for c in choices):
-            events = eng.store.read_events_many(
-                {c.seq_id: c.after for c in choices if not c.done}, block_ms=1000)
+            events = sub.read(1.0)
             if not events:
                 if client_gone() or any(eng.store.get_record(c.seq_id) is None
                                         for c in choices if not c.done):
@@ -423,6 +423,7 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
                     yield chunk(i, "", rest_lp, finish_reason(data))
                     c.done = True
                     c.final = data
+                    sub.drop(seq_id)
         if include_usage:
             yield _data({"id": jobs[0]["id"], "object": obj, "created": created, "model": model,
                          "choices": [], "usage": usage([c.final for c in choices], req.n)})
@@ -435,6 +436,7 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
     finally:
         # The client went away, the server is stopping, or a sequence failed or diverged:
         # stop the request's other sequences.
+        sub.close()
         cancel_all(eng, [c.seq_id for c in choices if not c.done], owner)
 
 

@@ -19,6 +19,7 @@ from celery import Celery
 from common.protocol import (EVENT_DONE, GENERATE_TASK, FinishReason, SamplingParams,
                              SequenceRequest, SequenceStatus)
 from common.store import SequenceStore
+from common.stream_hub import StreamHub
 
 from .prompt_counter import LazyPromptCounter
 
@@ -54,6 +55,9 @@ class LLMEngine:
         self.settings = settings
         self.store = store
         self.celery = celery
+        # The API process's one reader of the event streams it follows (its thread starts at
+        # the first subscription: a process that never follows one has none)
+        self.streams = StreamHub(store)
         self.prompt_counter = LazyPromptCounter(settings.model, settings.model_cache_dir)
         self._context_len: int | None = None
         self._context_checked_at = -CONTEXT_RECHECK_S
@@ -169,20 +173,20 @@ class LLMEngine:
         """Yields (entry_id, kind, data) after `after` until the done event; None while idle
         for keepalive_s (so a server can write a keep-alive). Ends at once when the sequence
         has finished and nothing follows `after` (resumed with the done event's id)."""
-        block_ms = int((keepalive_s or self.settings.sse_keepalive_s) * 1000)
-        while True:
-            events = self.store.read_events(seq_id, after, block_ms=block_ms)
-            if not events:
-                rec = self.store.get_record(seq_id)
-                if rec is None or self._has_ended(rec, seq_id, after):
-                    return   # expired underneath us, or the reader has had the done event
-                yield None
-                continue
-            for entry_id, kind, data in events:
-                after = entry_id
-                yield entry_id, kind, data
-                if kind == EVENT_DONE:
-                    return
+        idle_s = keepalive_s or self.settings.sse_keepalive_s
+        with self.streams.subscribe({seq_id: after}) as sub:
+            while True:
+                events = sub.read(idle_s)
+                if not events:
+                    rec = self.store.get_record(seq_id)
+                    if rec is None or self._has_ended(rec, seq_id, sub.positions[seq_id]):
+                        return   # expired underneath us, or the reader has had the done event
+                    yield None
+                    continue
+                for _seq_id, entry_id, kind, data in events:
+                    yield entry_id, kind, data
+                    if kind == EVENT_DONE:
+                        return
 
     def is_over(self, seq_id: str, after: str) -> bool:
         """True when a reader resumed after `after` has had everything, done event included."""

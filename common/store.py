@@ -447,6 +447,22 @@ class SequenceStore:
                 out.append((seq_id, entry_id, kind, data))
         return out
 
+    def dedicated(self) -> "SequenceStore":
+        """This store over a connection of its own, held (not returned to the pool between
+        commands): a blocking reader that others must be able to name (CLIENT UNBLOCK)."""
+        client = type(self.r)(connection_pool=self.r.connection_pool,
+                              single_connection_client=True)
+        return SequenceStore(client, result_ttl_s=self.result_ttl_s,
+                             pending_ttl_s=self.pending_ttl_s, stream_maxlen=self.stream_maxlen)
+
+    def client_id(self) -> int:
+        return int(self.r.client_id())
+
+    def unblock_client(self, client_id: int) -> bool:
+        """Ends another connection's blocking command (as if it timed out); False when it was
+        not blocked."""
+        return bool(self.r.client_unblock(client_id))
+
     # --- worker side -------------------------------------------------------------------------
     def load_request(self, seq_id: str) -> SequenceRequest | None:
         rec = self.get_record(seq_id)

@@ -75,20 +75,24 @@ class ModelWorker:
             layer.register_forward_pre_hook(self._before_layer)
         self.interjects = bool(layers)
         # Llama-architecture models run our own written-out forward (same ops, same logits,
-        # without transformers' per-call plumbing); others transformers' forward.
+        # without transformers' per-call plumbing; it fuses q/k/v and gate/up in the model);
+        # others transformers' forward.
         self.llama = LlamaForward.for_model(model, lambda: self._before_layer(None, None))
 
     @classmethod
     def load(cls, settings) -> "ModelWorker":
         model, info = ModelManager.from_settings(settings).load_model(settings.device, settings.dtype)
-        if settings.packed_linears and info.device == "cpu":
-            log.info("packed %d linear layers for oneDNN", pack_linears(model))
         if settings.max_model_len:
             info = dataclasses.replace(info, max_model_len=min(info.max_model_len,
                                                                settings.max_model_len))
-        return cls(model, info, settings.max_num_seqs, settings.prefix_cache_mb << 20,
-                   settings.kv_cache_mb << 20, settings.max_num_batched_tokens,
-                   decode_kernel=settings.decode_kernel)
+        worker = cls(model, info, settings.max_num_seqs, settings.prefix_cache_mb << 20,
+                     settings.kv_cache_mb << 20, settings.max_num_batched_tokens,
+                     decode_kernel=settings.decode_kernel)
+        # After the worker is built: its LlamaForward fuses q/k/v and gate/up first, and the
+        # fused linears are packed as one.
+        if settings.packed_linears and info.device == "cpu":
+            log.info("packed %d linear layers for oneDNN", pack_linears(model))
+        return worker
 
     @property
     def kv_capacity(self) -> tuple[int, int]:

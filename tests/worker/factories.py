@@ -48,8 +48,10 @@ def sharpened(model, scale: float = 8.0):
     m = copy.deepcopy(model)
     with torch.no_grad():
         for name, p in m.named_parameters():
+            # (a model a ModelWorker has run has q/k/v and gate/up fused: LlamaForward)
             if name.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj",
-                                           "gate_proj", "up_proj", "down_proj"):
+                                           "gate_proj", "up_proj", "down_proj",
+                                           "qkv_proj", "gate_up_proj"):
                 p.mul_(scale)
     return m
 

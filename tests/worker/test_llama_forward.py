@@ -7,23 +7,27 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 from common.protocol import SamplingParams
 from worker.messages import StepRequest
 from worker.model_worker import ModelWorker
+from worker.packed_linear import PackedLinear, pack_linears
+from worker.paged_attention import use_paged_attention
 
 from factories import GREEDY, Driver, load_model, make_prompts, new_seq, sharpened
 
 
-def compared(worker: ModelWorker) -> list[int]:
-    """Makes each of the worker's passes run twice on the same plan, transformers' forward
-    first, and asserts equal logits (and prompt-logprob rows); returns the passes' sizes."""
-    forward, ours, sizes = worker._forward, worker.llama, []
+def compared(worker: ModelWorker, reference) -> list[int]:
+    """Makes each of the worker's passes run twice on the same plan, transformers' forward of
+    `reference` (the model as loaded: no fused projections) first, and asserts equal logits
+    (and prompt-logprob rows); returns the passes' sizes."""
+    forward, ours, model, sizes = worker._forward, worker.llama, worker.model, []
 
     def both(plan, tokens_of, want, full=frozenset()):
-        worker.llama = None
+        worker.llama, worker.model = None, reference
         ref_logits, ref_order, ref_rows = forward(plan, tokens_of, want, full)
-        worker.llama = ours
+        worker.llama, worker.model = ours, model
         logits, order, rows = forward(plan, tokens_of, want, full)   # (writes the same KV)
         assert order == ref_order and rows.keys() == ref_rows.keys()
         assert torch.equal(logits, ref_logits)
@@ -35,13 +39,26 @@ def compared(worker: ModelWorker) -> list[int]:
     return sizes
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_written_out_forward_gives_transformers_logits_bit_for_bit(tiny_model_dir, dtype):
+@pytest.mark.parametrize("dtype,packed", [(torch.float32, False), (torch.bfloat16, False),
+                                          (torch.float32, True)])
+def test_the_written_out_forward_gives_transformers_logits_bit_for_bit(tiny_model_dir, dtype,
+                                                                      packed):
     model, info = load_model(tiny_model_dir)
-    model = sharpened(model).to(dtype)   # tokens that depend on the whole context
+    reference = sharpened(model).to(dtype)   # tokens that depend on the whole context
+    use_paged_attention(reference)
+    model = copy.deepcopy(reference)
     worker = ModelWorker(model, info, max_num_seqs=8, prefill_chunk=16)
     assert worker.llama is not None
-    sizes = compared(worker)
+    # q/k/v and gate/up run as one matmul each (the weights moved into them, not copied)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert isinstance(attn.qkv_proj, nn.Linear) and isinstance(mlp.gate_up_proj, nn.Linear)
+    assert not any(n.endswith(("q_proj.weight", "gate_proj.weight"))
+                   for n, _ in model.named_parameters())
+    if packed:   # as ModelWorker.load packs them: the reference's separate linears, ours fused
+        if pack_linears(reference) == 0:
+            pytest.skip("this torch cannot pack linears for oneDNN")
+        assert pack_linears(model) > 0 and type(attn.qkv_proj) is PackedLinear
+    sizes = compared(worker, reference)
     prompts = make_prompts(5, lengths=[3, 40, 7, 70, 12], vocab=info.vocab_size)
     scored = SamplingParams(temperature=0.0, prompt_logprobs=2)
     joins = {0: [new_seq("a", prompts[0]), new_seq("b", prompts[1], scored)],

@@ -1,0 +1,208 @@
+"""StreamHub: one reader per API process that tails every open stream's events in one XREAD.
+
+An SSE response (OpenAI streaming, /v1/jobs/<id>/events, a waiting /v1/generate) follows its
+sequences' Redis event streams. Each doing its own blocking XREAD cost one round trip per token
+per stream: at 64 streams that was 64 XREADs per engine step, ~130 us of the API's CPU per
+token, on machines where the model shares the cores with the API (docs/architecture.md,
+issue 17: CPU the API takes is taken from the model's step, about twice over). The hub's one
+thread reads all of them with one XREAD (~5-30 us per token) and hands each subscription its
+entries.
+
+A new subscription wakes the reader out of its blocking XREAD with CLIENT UNBLOCK, so that its
+first token waits for nothing. Where the server cannot unblock (fakeredis), the reader's block
+is short instead.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from common.store import SequenceStore
+
+log = logging.getLogger("llmq.api.streams")
+
+Event = tuple[str, str, str, dict[str, Any]]   # (seq_id, entry_id, kind, data)
+
+
+def _after(a: str, b: str) -> bool:
+    """Whether stream id a comes after b ("ms-seq")."""
+    am, _, asq = a.partition("-")
+    bm, _, bsq = b.partition("-")
+    return (int(am), int(asq or 0)) > (int(bm), int(bsq or 0))
+
+
+class Subscription:
+    """One response's view of the hub: the entries after its positions, as they arrive."""
+
+    def __init__(self, hub: "StreamHub", positions: dict[str, str]):
+        self._hub = hub
+        self.positions = dict(positions)   # seq_id -> the last entry handed out (or given)
+        self._ready: list[Event] = []
+        self._error: Exception | None = None
+        self._cond = threading.Condition(hub._lock)   # its own: a delivery wakes its reader only
+
+    def read(self, timeout_s: float) -> list[Event]:
+        """The entries that arrived since the last read, waiting up to timeout_s for one; []
+        when none came. Raises the reader's Redis error, as a direct XREAD would."""
+        return self._hub._take(self, timeout_s)
+
+    def drop(self, seq_id: str) -> None:
+        """Stops following one sequence (its done event came)."""
+        with self._hub._lock:
+            self.positions.pop(seq_id, None)
+
+    def close(self) -> None:
+        self._hub._unsubscribe(self)
+
+    def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class StreamHub:
+    """Reads the event streams of every open subscription of this process with one XREAD."""
+
+    BLOCK_MS = 1000          # the reader's XREAD block (a new subscription unblocks it)
+    FALLBACK_BLOCK_MS = 50   # where CLIENT UNBLOCK does not work
+    COUNT = 512              # entries per stream per read
+
+    def __init__(self, store: SequenceStore):
+        self.store = store
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)        # the reader waits for subscriptions
+        self._seen_cond = threading.Condition(self._lock)   # a subscriber for the reader to see it
+        self._subs: set[Subscription] = set()
+        self._pid: int | None = None     # the process the reader thread runs in (gunicorn forks)
+        self._gen = 0                    # bumped by each new subscription
+        self._seen = 0                   # the generation the reader's next XREAD includes
+        self._reader_id: int | None = None
+        self._unblocks = True
+
+    def subscribe(self, positions: dict[str, str]) -> Subscription:
+        """A subscription to these sequences' entries after these ids (close it when done)."""
+        sub = Subscription(self, positions)
+        with self._cond:
+            self._ensure_reader()
+            self._subs.add(sub)
+            self._gen += 1
+            gen = self._gen
+            self._cond.notify_all()
+        self._wake(gen)
+        return sub
+
+    # --- the subscriptions' side --------------------------------------------------------------
+    def _take(self, sub: Subscription, timeout_s: float) -> list[Event]:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while not sub._ready and sub._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                sub._cond.wait(left)
+            if sub._error is not None:
+                err, sub._error = sub._error, None
+                raise err
+            ready, sub._ready = sub._ready, []
+            return ready
+
+    def _unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            self._subs.discard(sub)
+
+    def _wake(self, gen: int) -> None:
+        """Gets the reader to include generation `gen` in its XREAD: unblocks it until it has
+        taken it in (a CLIENT UNBLOCK sent just before it blocks would be lost)."""
+        deadline = time.monotonic() + 1.0
+        while self._unblocks:
+            with self._lock:
+                if self._seen >= gen or self._pid != os.getpid():
+                    return
+                reader = self._reader_id
+            if reader is not None:
+                try:
+                    self.store.unblock_client(reader)
+                except RedisError:
+                    return   # the reader sees the error too, and retries
+            with self._lock:
+                if self._seen < gen:
+                    self._seen_cond.wait(0.002)
+            if time.monotonic() > deadline:   # it never unblocks: fall back to short blocks
+                log.warning("CLIENT UNBLOCK does not wake the stream reader; it polls instead")
+                self._unblocks = False
+
+    # --- the reader ---------------------------------------------------------------------------
+    def _ensure_reader(self) -> None:
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()   # a fork's copy has no thread: start one in this process
+        self._subs, self._reader_id, self._seen = set(), None, self._gen
+        threading.Thread(target=self._run, name="llmq-stream-hub", daemon=True).start()
+
+    def _run(self) -> None:
+        conn = None
+        while True:
+            with self._cond:
+                while True:   # (a subscription whose sequences are all done follows nothing)
+                    self._seen = self._gen
+                    self._seen_cond.notify_all()
+                    positions = self._positions()
+                    if positions:
+                        break
+                    self._cond.wait()
+            try:
+                if conn is None:
+                    conn = self.store.dedicated()
+                    reader_id = conn.client_id()
+                    with self._lock:
+                        self._reader_id = reader_id
+                block = self.BLOCK_MS if self._unblocks else self.FALLBACK_BLOCK_MS
+                events = conn.read_events_many(positions, block_ms=block, count=self.COUNT)
+            except (RedisError, OSError, ValueError) as err:
+                self._fail(err)
+                conn = None
+                time.sleep(0.5)   # a restarting server: try again, the subscribers see it
+                continue
+            if events:
+                self._deliver(events)
+
+    def _positions(self) -> dict[str, str]:
+        """Each followed sequence's earliest position over the subscriptions."""
+        out: dict[str, str] = {}
+        for sub in self._subs:
+            for seq_id, after in sub.positions.items():
+                if seq_id not in out or _after(out[seq_id], after):
+                    out[seq_id] = after
+        return out
+
+    def _deliver(self, events: list[Event]) -> None:
+        by_seq: dict[str, list[Event]] = {}
+        for ev in events:
+            by_seq.setdefault(ev[0], []).append(ev)
+        with self._lock:
+            for sub in self._subs:
+                got = False
+                for seq_id in by_seq.keys() & sub.positions.keys():
+                    evs, at = by_seq[seq_id], sub.positions[seq_id]
+                    # (in order: skip what this one had, when another read from further back)
+                    first = next((i for i, ev in enumerate(evs) if _after(ev[1], at)), None)
+                    if first is not None:
+                        sub._ready.extend(evs[first:])
+                        sub.positions[seq_id] = evs[-1][1]
+                        got = True
+                if got:
+                    sub._cond.notify()
+
+    def _fail(self, err: Exception) -> None:
+        log.warning("stream reader: %s: %s", type(err).__name__, err)
+        with self._lock:
+            for sub in self._subs:
+                sub._error = err
+                sub._cond.notify()
+            self._reader_id = None

@@ -1,0 +1,96 @@
+"""StreamHub: one XREAD for every stream an API process follows, each subscription handed its
+own entries in order, a newcomer's first entry not held up by the reader's block, Redis errors
+passed on. Against a real redis-server (CLIENT UNBLOCK is what wakes the reader)."""
+from __future__ import annotations
+
+import pytest
+import redis
+
+from common.keys import Keys
+from common.protocol import EVENT_TOKEN, encode_event
+from common.store import SequenceStore
+from common.stream_hub import StreamHub
+
+WAIT_S = 10.0   # a bound for a broken hub to fail by, not a timing
+
+
+@pytest.fixture
+def hub(redis_client):
+    return StreamHub(SequenceStore(redis_client))
+
+
+def add(client, seq_id: str, text: str) -> str:
+    return client.xadd(Keys.events(seq_id), encode_event(EVENT_TOKEN, {"text": text}))
+
+
+def texts(events) -> list[tuple[str, str]]:
+    return [(seq_id, data["text"]) for seq_id, _entry, _kind, data in events]
+
+
+def read_all(sub, n: int) -> list:
+    """Reads until n entries came (or a read came back empty)."""
+    out = []
+    while len(out) < n:
+        got = sub.read(WAIT_S)
+        if not got:
+            break
+        out += got
+    return out
+
+
+def test_each_subscription_gets_its_own_streams_entries_in_order(hub, redis_client):
+    with hub.subscribe({"a": "0-0", "b": "0-0"}) as ab, hub.subscribe({"c": "0-0"}) as c:
+        for i in range(3):
+            for seq in "abc":
+                add(redis_client, seq, f"{seq}{i}")
+        got = read_all(ab, 6)
+        assert sorted(texts(got)) == sorted((s, f"{s}{i}") for s in "ab" for i in range(3))
+        assert [t for s, t in texts(got) if s == "a"] == ["a0", "a1", "a2"]
+        assert texts(read_all(c, 3)) == [("c", "c0"), ("c", "c1"), ("c", "c2")]
+        assert ab.positions["a"] == got[-1][1] or ab.positions["b"] == got[-1][1]
+
+
+def test_a_newcomer_is_not_held_up_by_the_readers_block(hub, redis_client):
+    hub.BLOCK_MS = 600_000   # the reader would sit in XREAD on the first stream for 10 minutes
+    with hub.subscribe({"idle": "0-0"}) as idle:
+        assert idle.read(0.2) == []   # the reader is blocked on "idle" alone by now
+        with hub.subscribe({"new": "0-0"}) as new:
+            add(redis_client, "new", "hello")
+            assert texts(new.read(WAIT_S)) == [("new", "hello")]
+        add(redis_client, "idle", "later")
+        assert texts(idle.read(WAIT_S)) == [("idle", "later")]
+
+
+def test_a_resumed_subscription_gets_only_what_follows_its_position(hub, redis_client):
+    first = add(redis_client, "s", "one")
+    second = add(redis_client, "s", "two")
+    with hub.subscribe({"s": "0-0"}) as whole, hub.subscribe({"s": first}) as resumed:
+        assert texts(read_all(whole, 2)) == [("s", "one"), ("s", "two")]
+        got = resumed.read(WAIT_S)
+        assert texts(got) == [("s", "two")] and got[0][1] == second
+        add(redis_client, "s", "three")
+        assert texts(whole.read(WAIT_S)) == [("s", "three")]
+        assert texts(resumed.read(WAIT_S)) == [("s", "three")]
+
+
+def test_a_dropped_sequence_is_no_longer_followed(hub, redis_client):
+    with hub.subscribe({"x": "0-0", "y": "0-0"}) as sub:
+        sub.drop("x")
+        add(redis_client, "x", "unwanted")
+        add(redis_client, "y", "wanted")
+        assert texts(read_all(sub, 1)) == [("y", "wanted")]
+        assert sub.read(0.2) == []
+
+
+def test_a_redis_error_reaches_the_reader_of_a_subscription():
+    # A port nothing listens on: the hub's reader cannot connect.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = redis.Redis(port=port, socket_connect_timeout=1, decode_responses=True)
+    hub = StreamHub(SequenceStore(client))
+    with hub.subscribe({"a": "0-0"}) as sub:
+        with pytest.raises(redis.ConnectionError):
+            sub.read(WAIT_S)
