@@ -22,7 +22,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from common.store import SequenceStore
+from common.store import SequenceStore, valid_stream_id
 
 log = logging.getLogger("llmq.api.streams")
 
@@ -86,7 +86,11 @@ class StreamHub:
         self._unblocks = True
 
     def subscribe(self, positions: dict[str, str]) -> Subscription:
-        """A subscription to these sequences' entries after these ids (close it when done)."""
+        """A subscription to these sequences' entries after these ids (close it when done).
+        ValueError for a position that is not a stream id: one would fail the XREAD that
+        every other subscription shares."""
+        if bad := [p for p in positions.values() if not valid_stream_id(p)]:
+            raise ValueError(f"not a stream id: {bad[0]!r}")
         sub = Subscription(self, positions)
         with self._cond:
             self._ensure_reader()
@@ -164,7 +168,7 @@ class StreamHub:
                         self._reader_id = reader_id
                 block = self.BLOCK_MS if self._unblocks else self.FALLBACK_BLOCK_MS
                 events = conn.read_events_many(positions, block_ms=block, count=self.COUNT)
-            except (RedisError, OSError, ValueError) as err:
+            except Exception as err:   # noqa: BLE001 - Redis down, or a bug: tell them, go on
                 self._fail(err)
                 conn = None
                 time.sleep(0.5)   # a restarting server: try again, the subscribers see it
@@ -200,7 +204,10 @@ class StreamHub:
                     sub._cond.notify()
 
     def _fail(self, err: Exception) -> None:
-        log.warning("stream reader: %s: %s", type(err).__name__, err)
+        if isinstance(err, (RedisError, OSError)):
+            log.warning("stream reader: %s: %s", type(err).__name__, err)
+        else:
+            log.exception("stream reader failed")
         with self._lock:
             for sub in self._subs:
                 sub._error = err

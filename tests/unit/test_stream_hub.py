@@ -94,3 +94,12 @@ def test_a_redis_error_reaches_the_reader_of_a_subscription():
     with hub.subscribe({"a": "0-0"}) as sub:
         with pytest.raises(redis.ConnectionError):
             sub.read(WAIT_S)
+
+
+def test_a_position_that_is_not_a_stream_id_is_refused_before_it_reaches_the_shared_read(
+        hub, redis_client):
+    with hub.subscribe({"ok": "0-0"}) as ok:
+        with pytest.raises(ValueError):
+            hub.subscribe({"bad": "not-an-id"})
+        add(redis_client, "ok", "still flowing")
+        assert texts(ok.read(WAIT_S)) == [("ok", "still flowing")]
