@@ -179,11 +179,13 @@ class LLMEngine:
                 events = sub.read(idle_s)
                 if not events:
                     rec = self.store.get_record(seq_id)
-                    if rec is None or self._has_ended(rec, seq_id, sub.positions[seq_id]):
+                    # (from what this reader has had: entries may be on their way to it)
+                    if rec is None or self._has_ended(rec, seq_id, after):
                         return   # expired underneath us, or the reader has had the done event
                     yield None
                     continue
                 for _seq_id, entry_id, kind, data in events:
+                    after = entry_id
                     yield entry_id, kind, data
                     if kind == EVENT_DONE:
                         return

@@ -9,8 +9,9 @@ thread reads all of them with one XREAD (~5-30 us per token) and hands each subs
 entries.
 
 A new subscription wakes the reader out of its blocking XREAD with CLIENT UNBLOCK, so that its
-first token waits for nothing. Where the server cannot unblock (fakeredis), the reader's block
-is short instead.
+first token waits for nothing (where that fails, for at most the reader's one-second block).
+A subscriber that stops reading has its entries kept here, as many as its sequences have (what
+Redis keeps of them anyway).
 """
 from __future__ import annotations
 
@@ -69,9 +70,9 @@ class Subscription:
 class StreamHub:
     """Reads the event streams of every open subscription of this process with one XREAD."""
 
-    BLOCK_MS = 1000          # the reader's XREAD block (a new subscription unblocks it)
-    FALLBACK_BLOCK_MS = 50   # where CLIENT UNBLOCK does not work
-    COUNT = 512              # entries per stream per read
+    BLOCK_MS = 1000   # the reader's XREAD block: a new subscription unblocks it, else at most this
+    WAKE_S = 1.0      # how long a new subscription tries to unblock the reader
+    COUNT = 512       # entries per stream per read
 
     def __init__(self, store: SequenceStore):
         self.store = store
@@ -80,10 +81,10 @@ class StreamHub:
         self._seen_cond = threading.Condition(self._lock)   # a subscriber for the reader to see it
         self._subs: set[Subscription] = set()
         self._pid: int | None = None     # the process the reader thread runs in (gunicorn forks)
+        self._thread: threading.Thread | None = None
         self._gen = 0                    # bumped by each new subscription
         self._seen = 0                   # the generation the reader's next XREAD includes
         self._reader_id: int | None = None
-        self._unblocks = True
 
     def subscribe(self, positions: dict[str, str]) -> Subscription:
         """A subscription to these sequences' entries after these ids (close it when done).
@@ -92,7 +93,7 @@ class StreamHub:
         if bad := [p for p in positions.values() if not valid_stream_id(p)]:
             raise ValueError(f"not a stream id: {bad[0]!r}")
         sub = Subscription(self, positions)
-        with self._cond:
+        with self._lock:
             self._ensure_reader()
             self._subs.add(sub)
             self._gen += 1
@@ -110,11 +111,17 @@ class StreamHub:
                 if left <= 0:
                     return []
                 sub._cond.wait(left)
-            if sub._error is not None:
-                err, sub._error = sub._error, None
-                raise err
-            ready, sub._ready = sub._ready, []
-            return ready
+            if sub._ready:   # (entries read after an error: the reader recovered, go on)
+                ready, sub._ready, sub._error = sub._ready, [], None
+                return ready
+            err, sub._error = sub._error, None
+        # A copy per subscriber, the reader's as its cause: one exception object raised in
+        # many threads would chain all their frames onto one traceback.
+        try:
+            copy = type(err)(*err.args)
+        except Exception:   # noqa: BLE001 - a constructor that wants other arguments
+            copy = RedisError(f"{type(err).__name__}: {err}")
+        raise copy from err
 
     def _unsubscribe(self, sub: Subscription) -> None:
         with self._lock:
@@ -122,9 +129,10 @@ class StreamHub:
 
     def _wake(self, gen: int) -> None:
         """Gets the reader to include generation `gen` in its XREAD: unblocks it until it has
-        taken it in (a CLIENT UNBLOCK sent just before it blocks would be lost)."""
-        deadline = time.monotonic() + 1.0
-        while self._unblocks:
+        taken it in (a CLIENT UNBLOCK sent just before it blocks would be lost). Gives up
+        after WAKE_S (a reconnecting reader): its block ends within BLOCK_MS anyway."""
+        deadline = time.monotonic() + self.WAKE_S
+        while time.monotonic() < deadline:
             with self._lock:
                 if self._seen >= gen or self._pid != os.getpid():
                     return
@@ -137,22 +145,23 @@ class StreamHub:
             with self._lock:
                 if self._seen < gen:
                     self._seen_cond.wait(0.002)
-            if time.monotonic() > deadline:   # it never unblocks: fall back to short blocks
-                log.warning("CLIENT UNBLOCK does not wake the stream reader; it polls instead")
-                self._unblocks = False
 
     # --- the reader ---------------------------------------------------------------------------
     def _ensure_reader(self) -> None:
-        if self._pid == os.getpid():
+        """Starts the reader thread in this process if it has none running (a fork's copy of the
+        hub has no thread; a reader that died is replaced)."""
+        if self._pid == os.getpid() and self._thread is not None and self._thread.is_alive():
             return
-        self._pid = os.getpid()   # a fork's copy has no thread: start one in this process
-        self._subs, self._reader_id, self._seen = set(), None, self._gen
-        threading.Thread(target=self._run, name="llmq-stream-hub", daemon=True).start()
+        if self._pid != os.getpid():
+            self._subs = set()
+        self._pid, self._reader_id, self._seen = os.getpid(), None, self._gen
+        self._thread = threading.Thread(target=self._run, name="llmq-stream-hub", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         conn = None
         while True:
-            with self._cond:
+            with self._lock:
                 while True:   # (a subscription whose sequences are all done follows nothing)
                     self._seen = self._gen
                     self._seen_cond.notify_all()
@@ -163,18 +172,21 @@ class StreamHub:
             try:
                 if conn is None:
                     conn = self.store.dedicated()
-                    reader_id = conn.client_id()
-                    with self._lock:
-                        self._reader_id = reader_id
-                block = self.BLOCK_MS if self._unblocks else self.FALLBACK_BLOCK_MS
-                events = conn.read_events_many(positions, block_ms=block, count=self.COUNT)
+                # Asked every time: redis-py reconnects a dropped connection by itself (a new
+                # id), and a stale one would make every CLIENT UNBLOCK miss.
+                reader_id = conn.client_id()
+                with self._lock:
+                    self._reader_id = reader_id
+                events = conn.read_events_many(positions, block_ms=self.BLOCK_MS,
+                                               count=self.COUNT)
+                if events:
+                    self._deliver(events, positions)
             except Exception as err:   # noqa: BLE001 - Redis down, or a bug: tell them, go on
                 self._fail(err)
+                if conn is not None:
+                    conn.close()
                 conn = None
                 time.sleep(0.5)   # a restarting server: try again, the subscribers see it
-                continue
-            if events:
-                self._deliver(events)
 
     def _positions(self) -> dict[str, str]:
         """Each followed sequence's earliest position over the subscriptions."""
@@ -185,7 +197,11 @@ class StreamHub:
                     out[seq_id] = after
         return out
 
-    def _deliver(self, events: list[Event]) -> None:
+    def _deliver(self, events: list[Event], read_from: dict[str, str]) -> None:
+        """Hands each subscription the entries after its position. A subscription that is
+        behind the position this XREAD read from (it came with an earlier one while the read
+        was under way) gets nothing of that sequence now: the next XREAD reads from its
+        position, so it misses none."""
         by_seq: dict[str, list[Event]] = {}
         for ev in events:
             by_seq.setdefault(ev[0], []).append(ev)
@@ -194,6 +210,8 @@ class StreamHub:
                 got = False
                 for seq_id in by_seq.keys() & sub.positions.keys():
                     evs, at = by_seq[seq_id], sub.positions[seq_id]
+                    if _after(read_from[seq_id], at):
+                        continue
                     # (in order: skip what this one had, when another read from further back)
                     first = next((i for i, ev in enumerate(evs) if _after(ev[1], at)), None)
                     if first is not None:

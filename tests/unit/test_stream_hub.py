@@ -103,3 +103,27 @@ def test_a_position_that_is_not_a_stream_id_is_refused_before_it_reaches_the_sha
             hub.subscribe({"bad": "not-an-id"})
         add(redis_client, "ok", "still flowing")
         assert texts(ok.read(WAIT_S)) == [("ok", "still flowing")]
+
+
+def test_a_subscriber_behind_a_read_under_way_gets_its_history_from_the_next_read(hub):
+    # The reader's XREAD went out from "7-0" (the only subscriber then); a second subscriber
+    # came from the start while it was under way, and the read returns entry 8.
+    from common.stream_hub import Subscription
+
+    ahead, behind = Subscription(hub, {"x": "7-0"}), Subscription(hub, {"x": "0-0"})
+    hub._subs |= {ahead, behind}
+    hub._deliver([("x", "8-0", EVENT_TOKEN, {"text": "8"})], read_from={"x": "7-0"})
+    assert texts(ahead.read(0)) == [("x", "8")]
+    assert behind.read(0) == [] and behind.positions == {"x": "0-0"}
+    assert hub._positions() == {"x": "0-0"}   # the next XREAD reads from the start
+
+
+def test_a_second_subscriber_joining_a_flowing_stream_gets_all_of_it(hub, redis_client):
+    with hub.subscribe({"f": "0-0"}) as first:
+        for i in range(20):
+            add(redis_client, "f", str(i))
+            if i == 10:
+                late = hub.subscribe({"f": "0-0"})
+        assert [t for _, t in texts(read_all(first, 20))] == [str(i) for i in range(20)]
+        with late:
+            assert [t for _, t in texts(read_all(late, 20))] == [str(i) for i in range(20)]
