@@ -367,7 +367,23 @@ def _lengths(stack: Stack, args, progress) -> dict:
     model_dir = _model_manager().resolve()
     return lengths_phase(stack, AutoTokenizer.from_pretrained(model_dir), model_dir,
                          tokens=args.tokens, long_lengths=args.lengths, progress=progress,
-                         dtype=stack.dtype)
+                         dtype=stack.dtype, kv_dtype=served_kv_dtype(stack))
+
+
+def served_kv_dtype(stack) -> str:
+    """The KV cache dtype the stack's worker resolves (LLMQ_KV_CACHE_DTYPE, auto: float16 under
+    float32 on a CPU with the decode kernel), as the worker does it."""
+    import torch
+
+    from common.settings import Settings
+    from worker import decode_kernel
+    from worker.model_worker import resolve_kv_dtype
+
+    dtype = getattr(torch, stack.dtype)
+    kernel = stack.device == "cpu" and Settings.from_env().decode_kernel \
+        and decode_kernel.load() is not None
+    name = os.environ.get("LLMQ_KV_CACHE_DTYPE", "auto")
+    return str(resolve_kv_dtype(name, dtype, torch.device(stack.device), kernel)).split(".")[-1]
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -504,7 +520,8 @@ def main(argv=None) -> int:
         model_dir = _model_manager().resolve()
         if args.only == "quality" or not (args.only or args.skip_quality
                                           or args.backend != "transformers"):
-            progress("phase 0: quality guard, greedy tokens of bfloat16 against float32")
+            progress("phase 0: quality guard, greedy tokens of bfloat16 and of a float16 KV cache "
+                     "against float32")
             result["quality"] = quality_phase(progress=progress)
         batches = args.peers_concurrency if args.run_peers else []
         batches = batches + (args.levels if args.only is None else [])

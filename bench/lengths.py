@@ -81,14 +81,14 @@ class PeakRSS:
 
 def lengths_phase(stack, tokenizer, model_dir: str, num_short: int = 32, tokens: int = 64,
                   long_lengths=(3000, 8000), progress=print, hard_limit_s: float = 300.0,
-                  dtype: str = "float32") -> dict:
-    kv_token = kv_bytes_per_token(model_dir, dtype)
+                  dtype: str = "float32", kv_dtype: str | None = None) -> dict:
+    kv_token = kv_bytes_per_token(model_dir, kv_dtype or dtype)   # the cache's own bytes
     shorts = [{"prompt": p, "stream": True, "max_tokens": tokens, "min_tokens": tokens,
                "ignore_eos": True, "temperature": 0} for p in short_prompts(num_short, 3000)]
     short_tokens = sum(len(tokenizer(p["prompt"])["input_ids"]) for p in shorts)
     rss = PeakRSS(stack.worker.proc.pid)
     out = {"short_requests": num_short, "max_tokens": tokens, "kv_bytes_per_token": kv_token,
-           "dtype": dtype,
+           "dtype": dtype, "kv_dtype": kv_dtype or dtype,
            "rss_start_mb": round(rss.now() / 2**20, 1), "runs": []}
 
     def run(name: str, long_tokens: int = 0) -> dict:

@@ -1,5 +1,8 @@
 """The quality guard of a lower-precision dtype: the same greedy tokens as float32.
 
+Judged: bfloat16, and float32 over a float16 KV cache (what LLMQ_KV_CACHE_DTYPE=auto gives a
+float32 model on a CPU), each against float32 with its own float32 cache.
+
 Sixteen short chat prompts (the README's Paris question first) run greedy through the model
 worker in this process, once per dtype, all prompts as one batch, exactly `tokens` new tokens
 each. Against float32, per prompt, over the positions up to float32's end of answer (its first
@@ -40,13 +43,24 @@ PROMPTS = [
 TARGET = 0.95
 
 
-def quality_phase(tokens: int = 64, dtypes=("float32", "bfloat16"), progress=print) -> dict:
-    """Greedy tokens per dtype; the first dtype is the reference for the others."""
+# (model dtype, KV cache dtype): float32 with its own float32 cache is the reference; the
+# float16 cache that `auto` gives a float32 model on a CPU, and bfloat16, are judged against it.
+VARIANTS = (("float32", "model"), ("float32", "float16"), ("bfloat16", "model"))
+
+
+def label(dtype: str, kv: str) -> str:
+    return dtype if kv == "model" else f"{dtype}, {kv} KV cache"
+
+
+def quality_phase(tokens: int = 64, variants=VARIANTS, progress=print) -> dict:
+    """Greedy tokens per (dtype, KV cache dtype); the first is the reference for the others."""
+    names = {label(*v): v for v in variants}
+    dtypes = list(names)
     ref_name = dtypes[0]
-    runs = {ref_name: _greedy(ref_name, tokens, progress)}
+    runs = {ref_name: _greedy(*names[ref_name], tokens, progress)}
     ref = runs[ref_name]
     for d in dtypes[1:]:
-        runs[d] = _greedy(d, tokens, progress, score=ref)
+        runs[d] = _greedy(*names[d], tokens, progress, score=ref)
     out = {"prompts": len(PROMPTS), "tokens": tokens, "reference": ref_name, "target": TARGET,
            "answers": {ref_name: ref["answers"][0]}, "decode_tokens_per_s":
            {d: r["decode_tokens_per_s"] for d, r in runs.items()}}
@@ -82,9 +96,10 @@ def compare(ref: list[list[int]], other: list[list[int]], eos: set[int]) -> dict
             "prefix_match": round(prefix / max(1, positions), 4)}
 
 
-def _greedy(dtype: str, tokens: int, progress, score: dict | None = None) -> dict:
-    """All prompts as one batch through a fresh model worker in `dtype`; with `score` (the
-    reference run), also how often this dtype's argmax agrees with the reference's tokens."""
+def _greedy(dtype: str, kv: str, tokens: int, progress, score: dict | None = None) -> dict:
+    """All prompts as one batch through a fresh model worker in `dtype` with a `kv` KV cache;
+    with `score` (the reference run), also how often this one's argmax agrees with the
+    reference's tokens."""
     from common.protocol import SamplingParams
     from common.settings import Settings
     from worker.messages import NewSequence, StepRequest
@@ -92,7 +107,8 @@ def _greedy(dtype: str, tokens: int, progress, score: dict | None = None) -> dic
     from worker.model_worker import ModelWorker
 
     settings = Settings.from_env().replace(device="cpu", dtype=dtype, max_num_seqs=len(PROMPTS),
-                                           kv_cache_mb=256, prefix_cache_mb=0)
+                                           kv_cache_mb=256, prefix_cache_mb=0,
+                                           kv_cache_dtype=kv)
     if settings.torch_threads > 0:   # as the model process does (model_worker.main)
         import torch
 
@@ -119,7 +135,7 @@ def _greedy(dtype: str, tokens: int, progress, score: dict | None = None) -> dic
     got = [out[s.seq_id] for s in seqs]
     answers = [tok.decode(g[:next((i for i, x in enumerate(g) if x in eos), len(g))],
                           skip_special_tokens=True).strip() for g in got]
-    progress(f"quality: {dtype}: {len(seqs)} prompts x {tokens} tokens in "
+    progress(f"quality: {label(dtype, kv)}: {len(seqs)} prompts x {tokens} tokens in "
              f"{time.perf_counter() - t:.1f} s (load included), decode {rate:.0f} tok/s")
     result = {"tokens": got, "answers": answers, "eos": eos,
               "decode_tokens_per_s": round(rate, 1)}

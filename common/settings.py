@@ -34,6 +34,7 @@ _CHOICES = (
     ("batch_policy", "LLMQ_BATCH_POLICY", ("continuous", "static")),
     ("backend", "LLMQ_BACKEND", ("transformers", "llama_cpp", "vllm")),
     ("dtype", "LLMQ_DTYPE", ("auto", "float32", "bfloat16", "float16")),
+    ("kv_cache_dtype", "LLMQ_KV_CACHE_DTYPE", ("auto", "model", "float32", "bfloat16", "float16")),
     ("run_ahead", "LLMQ_RUN_AHEAD", ("auto", "on", "off")),
     ("test_stall_at", "LLMQ_TEST_STALL_AT", ("", "received", "handback")),
 )
@@ -90,6 +91,9 @@ class Settings:
     kv_cache_mb: int = 0             # model process: KV cache budget (0 = 40 % of free memory)
     packed_linears: bool = True      # CPU fp32, bf16: oneDNN-prepacked Linear weights (faster)
     decode_kernel: bool = True       # CPU: decode attention by worker/decode_attention.cpp
+    # auto: the model's dtype, but float16 under a float32 model on a CPU with the decode
+    # kernel (worker.model_worker.resolve_kv_dtype) | model | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"
     # Limits on input.
     max_prompts: int = 64
     max_tokens_limit: int = 4096
@@ -217,6 +221,7 @@ class Settings:
             kv_cache_mb=_int("LLMQ_KV_CACHE_MB", d.kv_cache_mb),
             packed_linears=_int("LLMQ_PACKED_LINEARS", int(d.packed_linears)) != 0,
             decode_kernel=_int("LLMQ_DECODE_KERNEL", int(d.decode_kernel)) != 0,
+            kv_cache_dtype=_env("LLMQ_KV_CACHE_DTYPE", d.kv_cache_dtype),
             max_prompts=_int("LLMQ_MAX_PROMPTS", d.max_prompts),
             max_tokens_limit=_int("LLMQ_MAX_TOKENS_LIMIT", d.max_tokens_limit),
             default_max_tokens=_int("LLMQ_DEFAULT_MAX_TOKENS", d.default_max_tokens),

@@ -69,9 +69,11 @@ inline void store_out(float* o, float v) { *o = v; }
 inline void store_out(at::BFloat16* o, float v) { *o = at::BFloat16(v); }
 inline void store_out(at::Half* o, float v) { *o = at::Half(v); }
 
-// One (row, kv head): REP query heads, DIM a multiple of 8 (checked by the caller).
-template <typename T, int REP>
-void attend(const T* q, int64_t q_head_stride, const T* kpool, const T* vpool,
+// One (row, kv head): REP query heads, DIM a multiple of 8 (checked by the caller). T is the
+// queries' and output's type, K the pools' (a float16 cache under a float32 model halves the
+// bytes read, and reading them is this kernel's cost).
+template <typename T, typename K, int REP>
+void attend(const T* q, int64_t q_head_stride, const K* kpool, const K* vpool,
             int64_t token_stride, const int64_t* blocks, int64_t length, int64_t block_size,
             int64_t dim, float scale, T* out, int64_t out_head_stride,
             std::vector<float>& scores, std::vector<float>& qf) {
@@ -87,7 +89,7 @@ void attend(const T* q, int64_t q_head_stride, const T* kpool, const T* vpool,
   for (int r = 0; r < REP; ++r) best[r] = -INFINITY;
   for (int64_t t0 = 0, b = 0; t0 < length; t0 += block_size, ++b) {
     const int64_t n = std::min(block_size, length - t0);
-    const T* k = kpool + blocks[b] * block_size * token_stride;
+    const K* k = kpool + blocks[b] * block_size * token_stride;
     // The blocks are scattered over the pool, so the hardware prefetcher cannot guess the next
     // one: fetch the next block's keys, and this block's values for the second pass, ahead.
     if (t0 + block_size < length)
@@ -154,7 +156,7 @@ void attend(const T* q, int64_t q_head_stride, const T* kpool, const T* vpool,
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
     for (int64_t t0 = 0, b = 0; t0 < length; t0 += block_size, ++b) {
       const int64_t n = std::min(block_size, length - t0);
-      const T* v = vpool + blocks[b] * block_size * token_stride + c0 * 8;
+      const K* v = vpool + blocks[b] * block_size * token_stride + c0 * 8;
       for (int64_t i = 0; i < n; ++i, v += token_stride) {
         __m256 p[REP];
         for (int r = 0; r < REP; ++r) p[r] = _mm256_set1_ps(scores[r * padded + t0 + i]);
@@ -175,15 +177,15 @@ void attend(const T* q, int64_t q_head_stride, const T* kpool, const T* vpool,
   }
 }
 
-template <typename T, int REP>
+template <typename T, typename K, int REP>
 void run(const torch::Tensor& q, const torch::Tensor& kpool, const torch::Tensor& vpool,
          const torch::Tensor& tables, const torch::Tensor& lengths, int64_t block_size,
          double scale, torch::Tensor& out) {
   const int64_t rows = tables.size(0), width = tables.size(1);
   const int64_t kv_heads = kpool.size(1), dim = kpool.size(2);
   const T* qp = q.data_ptr<T>();
-  const T* kp = kpool.data_ptr<T>();
-  const T* vp = vpool.data_ptr<T>();
+  const K* kp = kpool.data_ptr<K>();
+  const K* vp = vpool.data_ptr<K>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
@@ -193,7 +195,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kpool, const torch::Tensor
     std::vector<float> scores, qf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / kv_heads, h = task % kv_heads;
-      attend<T, REP>(qp + row * qs0 + h * REP * qs1, qs1, kp + h * dim, vp + h * dim,
+      attend<T, K, REP>(qp + row * qs0 + h * REP * qs1, qs1, kp + h * dim, vp + h * dim,
                      token_stride, tp + row * width, lp[row], block_size, dim,
                      static_cast<float>(scale), op + row * os0 + h * REP * os1, os1,
                      scores, qf);
@@ -201,19 +203,19 @@ void run(const torch::Tensor& q, const torch::Tensor& kpool, const torch::Tensor
   });
 }
 
-template <typename T>
+template <typename T, typename K>
 void dispatch_rep(int64_t rep, const torch::Tensor& q, const torch::Tensor& k,
                   const torch::Tensor& v, const torch::Tensor& t, const torch::Tensor& l,
                   int64_t bs, double scale, torch::Tensor& out) {
   switch (rep) {
-    case 1: return run<T, 1>(q, k, v, t, l, bs, scale, out);
-    case 2: return run<T, 2>(q, k, v, t, l, bs, scale, out);
-    case 3: return run<T, 3>(q, k, v, t, l, bs, scale, out);
-    case 4: return run<T, 4>(q, k, v, t, l, bs, scale, out);
-    case 5: return run<T, 5>(q, k, v, t, l, bs, scale, out);
-    case 6: return run<T, 6>(q, k, v, t, l, bs, scale, out);
-    case 7: return run<T, 7>(q, k, v, t, l, bs, scale, out);
-    case 8: return run<T, 8>(q, k, v, t, l, bs, scale, out);
+    case 1: return run<T, K, 1>(q, k, v, t, l, bs, scale, out);
+    case 2: return run<T, K, 2>(q, k, v, t, l, bs, scale, out);
+    case 3: return run<T, K, 3>(q, k, v, t, l, bs, scale, out);
+    case 4: return run<T, K, 4>(q, k, v, t, l, bs, scale, out);
+    case 5: return run<T, K, 5>(q, k, v, t, l, bs, scale, out);
+    case 6: return run<T, K, 6>(q, k, v, t, l, bs, scale, out);
+    case 7: return run<T, K, 7>(q, k, v, t, l, bs, scale, out);
+    case 8: return run<T, K, 8>(q, k, v, t, l, bs, scale, out);
     default: TORCH_CHECK(false, "decode_attention: unsupported query heads per kv head ", rep);
   }
 }
@@ -222,7 +224,8 @@ void dispatch_rep(int64_t rep, const torch::Tensor& q, const torch::Tensor& k,
 
 // q [rows, heads, dim] (last dim contiguous), pools [slots, kv heads, dim] contiguous, tables
 // [rows, blocks] int64 (entries past a row's length unread), lengths [rows] int64; writes
-// out [rows, heads, dim] (last dim contiguous), same dtype as q.
+// out [rows, heads, dim] (last dim contiguous), same dtype as q. The pools are q's dtype, or
+// float16 / bfloat16 under a float32 q.
 void decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool,
                       torch::Tensor tables, torch::Tensor lengths, int64_t block_size,
                       double scale, torch::Tensor out) {
@@ -230,16 +233,19 @@ void decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool,
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && tables.is_contiguous() &&
               lengths.is_contiguous());
   TORCH_CHECK(tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong);
-  TORCH_CHECK(q.scalar_type() == kpool.scalar_type() && out.scalar_type() == q.scalar_type());
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && vpool.scalar_type() == kpool.scalar_type());
   const int64_t heads = q.size(1), kv_heads = kpool.size(1), dim = kpool.size(2);
   TORCH_CHECK(dim % 8 == 0 && heads % kv_heads == 0 && q.size(2) == dim);
   const int64_t rep = heads / kv_heads;
-  switch (q.scalar_type()) {
-    case at::kFloat: return dispatch_rep<float>(rep, q, kpool, vpool, tables, lengths, block_size, scale, out);
-    case at::kBFloat16: return dispatch_rep<at::BFloat16>(rep, q, kpool, vpool, tables, lengths, block_size, scale, out);
-    case at::kHalf: return dispatch_rep<at::Half>(rep, q, kpool, vpool, tables, lengths, block_size, scale, out);
-    default: TORCH_CHECK(false, "decode_attention: unsupported dtype ", q.scalar_type());
-  }
+  const auto qt = q.scalar_type(), kt = kpool.scalar_type();
+#define LLMQ_RUN(T, K) return dispatch_rep<T, K>(rep, q, kpool, vpool, tables, lengths, block_size, scale, out)
+  if (qt == at::kFloat && kt == at::kFloat) LLMQ_RUN(float, float);
+  if (qt == at::kFloat && kt == at::kHalf) LLMQ_RUN(float, at::Half);
+  if (qt == at::kFloat && kt == at::kBFloat16) LLMQ_RUN(float, at::BFloat16);
+  if (qt == at::kBFloat16 && kt == at::kBFloat16) LLMQ_RUN(at::BFloat16, at::BFloat16);
+  if (qt == at::kHalf && kt == at::kHalf) LLMQ_RUN(at::Half, at::Half);
+#undef LLMQ_RUN
+  TORCH_CHECK(false, "decode_attention: unsupported dtypes: queries ", qt, ", cache ", kt);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

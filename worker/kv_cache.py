@@ -165,9 +165,13 @@ class PagedKVCache:
 
     def __init__(self, num_blocks: int, block_size: int = 8, max_rows: int = 64,
                  prefix_blocks: int = 0, max_group_padding: float = 0.25,
-                 max_group_slots: int | None = None, device: str | torch.device = "cpu"):
+                 max_group_slots: int | None = None, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None):
         self.block_size = block_size
         self.device = torch.device(device)
+        # The pools' dtype: None keeps the model's (the first keys'); float16 under a float32
+        # model halves what decode attention reads (llama.cpp's default cache type).
+        self.dtype = dtype
         self.max_rows = max_rows
         self.max_group_padding = max_group_padding
         self.max_group_slots = max_group_slots or float("inf")
@@ -322,14 +326,16 @@ class PagedKVCache:
     # --- the pool tensors -------------------------------------------------------------------
     def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer idx's (keys, values) pools, [slots, kv heads, head dim], created at first use
-        after `like` ([1, kv heads, tokens, head dim]: the layer's new keys)."""
+        after `like` ([1, kv heads, tokens, head dim]: the layer's new keys), in the cache's
+        dtype if it has one."""
         while len(self.k) <= idx:
             self.k.append(None)
             self.v.append(None)
         if self.k[idx] is None:
             shape = (self.num_blocks * self.block_size, like.shape[1], like.shape[3])
-            self.k[idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
-            self.v[idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
+            dtype = self.dtype or like.dtype
+            self.k[idx] = torch.empty(shape, dtype=dtype, device=like.device)
+            self.v[idx] = torch.empty(shape, dtype=dtype, device=like.device)
         return self.k[idx], self.v[idx]
 
     def scratch(self, num_slots: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

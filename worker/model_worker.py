@@ -35,25 +35,29 @@ class ModelWorker:
 
     def __init__(self, model, info, max_num_seqs: int, prefix_cache_bytes: int = 0,
                  kv_cache_bytes: int = 0, prefill_chunk: int = 2048, block_size: int = 8,
-                 decode_kernel: bool = True):
+                 decode_kernel: bool = True, kv_cache_dtype: str = "auto"):
         self.model = model
         self.info = info
         self.device = torch.device(info.device)
         use_paged_attention(model)
-        block_bytes = kv_bytes_per_token(model) * block_size
+        kernel = None
+        if decode_kernel and self.device.type == "cpu" and kernel_fits(model):
+            module = decode_kernels.load()
+            kernel = module and module.decode_attention
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.dtype, self.device,
+                                         kernel is not None)
+        block_bytes = kv_bytes_per_token(model, self.kv_dtype) * block_size
         budget = kv_cache_bytes or auto_kv_budget(self.device, block_bytes // block_size
                                                   * max_num_seqs * info.max_model_len)
         self.cache = PagedKVCache(max(1, budget // block_bytes), block_size, max_num_seqs,
                                   prefix_blocks=prefix_cache_bytes // block_bytes,
                                   max_group_slots=decode_group_slots(model, self.device),
-                                  device=self.device)
-        if decode_kernel and self.device.type == "cpu" and kernel_fits(model):
-            module = decode_kernels.load()
-            self.cache.decode_kernel = module and module.decode_attention
-        log.info("KV cache: %d blocks of %d tokens (%d MiB), decode attention: %s",
+                                  device=self.device, dtype=self.kv_dtype)
+        self.cache.decode_kernel = kernel
+        log.info("KV cache: %d blocks of %d tokens (%d MiB, %s), decode attention: %s",
                  self.cache.num_blocks, block_size,
-                 self.cache.num_blocks * block_bytes >> 20,
-                 "gather + SDPA" if self.cache.decode_kernel is None else "C++ kernel")
+                 self.cache.num_blocks * block_bytes >> 20, str(self.kv_dtype).split(".")[-1],
+                 "gather + SDPA" if kernel is None else "C++ kernel")
         # A sequence is never longer than the cache (the engine caps max_tokens by this), so
         # preempting the others always leaves room for the oldest one.
         capacity = self.cache.num_blocks * block_size
@@ -87,7 +91,8 @@ class ModelWorker:
                                                                settings.max_model_len))
         worker = cls(model, info, settings.max_num_seqs, settings.prefix_cache_mb << 20,
                      settings.kv_cache_mb << 20, settings.max_num_batched_tokens,
-                     decode_kernel=settings.decode_kernel)
+                     decode_kernel=settings.decode_kernel,
+                     kv_cache_dtype=settings.kv_cache_dtype)
         # After the worker is built: its LlamaForward fuses q/k/v and gate/up first, and the
         # fused linears are packed as one.
         if settings.packed_linears and info.device == "cpu":
@@ -344,13 +349,14 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return []
 
 
-def kv_bytes_per_token(model) -> int:
-    """Keys and values of one token over all layers, after the model's config."""
+def kv_bytes_per_token(model, dtype: torch.dtype | None = None) -> int:
+    """Keys and values of one token over all layers, after the model's config, stored in
+    `dtype` (None: the model's)."""
     cfg = model.config.get_text_config()
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    itemsize = next(model.parameters()).element_size()
+    itemsize = (dtype or next(model.parameters()).dtype).itemsize
     return cfg.num_hidden_layers * 2 * kv_heads * head_dim * itemsize
 
 
@@ -370,6 +376,29 @@ def kernel_fits(model) -> bool:
     rep, odd = divmod(cfg.num_attention_heads, kv_heads)
     return (not odd and 1 <= rep <= 8 and dim % 8 == 0
             and model.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device,
+                     kernel: bool) -> torch.dtype:
+    """The KV cache's dtype for LLMQ_KV_CACHE_DTYPE. `model` is the model's dtype (vLLM's
+    "auto"). `auto` is that too, except float16 for a float32 model on a CPU whose decode rows
+    the kernel attends: the kernel's time is reading the cache (it is memory-bound), float16
+    halves the bytes, and llama.cpp keeps its cache in float16 by default; without the kernel
+    every read would be a conversion back to float32, so the model's dtype stays. float16 keeps
+    11 significant bits of each key and value (bfloat16, which bf16 models run, keeps 8);
+    bench.quality's guard compares the served greedy tokens with a float32 cache's."""
+    if name == "model" or (name == "auto" and not (
+            device.type == "cpu" and kernel and model_dtype == torch.float32)):
+        return model_dtype
+    if name == "auto":
+        return torch.float16
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {name!r}")
+    return KV_CACHE_DTYPES[name]
 
 
 def decode_group_slots(model, device: torch.device) -> int | None:

@@ -41,8 +41,9 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     if plan.new_blocks is not None:
         for pool in (kpool, vpool):
             pool.view(plan.cache.num_blocks, -1).index_fill_(0, plan.new_blocks, 0)
-    kpool.index_copy_(0, plan.write_slots, key[0].transpose(0, 1))
-    vpool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1))
+    # (into the pool's dtype: a float16 cache under a float32 model)
+    kpool.index_copy_(0, plan.write_slots, key[0].transpose(0, 1).to(kpool.dtype))
+    vpool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(vpool.dtype))
     heads, tokens, dim = query.shape[1:]
     kv_heads = key.shape[1]
     rep = heads // kv_heads
@@ -58,7 +59,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                dim ** -0.5 if scaling is None else scaling, out[:n])
     for g in plan.decode_groups if kernel is None else ():
         n, width = g.blocks.shape
-        k, v = _read(plan.cache, kpool, vpool, g.blocks.flatten(), g.first_slot)
+        k, v = _read(plan.cache, kpool, vpool, g.blocks.flatten(), g.first_slot, q.dtype)
         # Each row's whole blocks, the slots past its length masked (new blocks are zeroed,
         # so an unwritten slot is never NaN).
         k = k.view(n, width * g.block_size, kv_heads, dim).transpose(1, 2)
@@ -68,7 +69,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                                            scale=scaling)
         out[g.start:g.start + n] = o.reshape(n, heads, dim)
     for start, r in plan.prefill_rows:
-        k, v = _read(plan.cache, kpool, vpool, r.block_ids(), r.first_slot)
+        k, v = _read(plan.cache, kpool, vpool, r.block_ids(), r.first_slot, q.dtype)
         k, v = k[:r.length].transpose(0, 1)[None], v[:r.length].transpose(0, 1)[None]
         qr = q[None, :, start:start + r.num_new]
         # enable_gqa, not repeat_interleave: copying a long row's keys `rep` times per layer
@@ -108,20 +109,23 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row,
     return o.view(1, heads, n, dim)
 
 
-def _read(cache, kpool, vpool, blocks: torch.Tensor, first_slot: int | None):
-    """The keys and values of `blocks`, [blocks x block size, kv heads, dim]: a view of the pool
-    when they are consecutive from first_slot, else gathered block by block into the cache's
-    scratch buffers (reused: a fresh multi-MB tensor per layer would be fresh pages for the
-    kernel to fault in, every step)."""
+def _read(cache, kpool, vpool, blocks: torch.Tensor, first_slot: int | None,
+          dtype: torch.dtype):
+    """The keys and values of `blocks`, [blocks x block size, kv heads, dim], in `dtype` (the
+    queries'): a view of the pool when they are consecutive from first_slot, else gathered
+    block by block into the cache's scratch buffers (reused: a fresh multi-MB tensor per layer
+    would be fresh pages for the kernel to fault in, every step). A cache of another dtype
+    (float16 under a float32 model) is read into a copy: SDPA takes one dtype."""
     n = blocks.numel() * cache.block_size
     if first_slot is not None:
-        return kpool.narrow(0, first_slot, n), vpool.narrow(0, first_slot, n)
-    kbuf, vbuf = cache.scratch(n, kpool)
-    by_block = (blocks.numel(), -1)
-    for pool, buf in ((kpool, kbuf), (vpool, vbuf)):
-        torch.index_select(pool.view(-1, buf[0].numel() * cache.block_size), 0, blocks,
-                           out=buf.view(by_block))
-    return kbuf, vbuf
+        k, v = kpool.narrow(0, first_slot, n), vpool.narrow(0, first_slot, n)
+    else:
+        k, v = cache.scratch(n, kpool)
+        by_block = (blocks.numel(), -1)
+        for pool, buf in ((kpool, k), (vpool, v)):
+            torch.index_select(pool.view(-1, buf[0].numel() * cache.block_size), 0, blocks,
+                               out=buf.view(by_block))
+    return k.to(dtype), v.to(dtype)
 
 
 def use_paged_attention(model) -> None:

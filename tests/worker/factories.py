@@ -231,10 +231,10 @@ class SoloRun:
 
 
 def solo_references(model, info, prompts: dict[str, list[int]],
-                    n_tokens: int | dict[str, int]) -> dict[str, SoloRun]:
-    """Each prompt run alone (greedy) in a fresh worker, with its logits recorded (n_tokens:
-    for all, or per prompt)."""
-    worker = ModelWorker(model, info, 1)
+                    n_tokens: int | dict[str, int], **worker_kw) -> dict[str, SoloRun]:
+    """Each prompt run alone (greedy) in a fresh worker (ModelWorker's `worker_kw`), with its
+    logits recorded (n_tokens: for all, or per prompt)."""
+    worker = ModelWorker(model, info, 1, **worker_kw)
     rec = recording(worker)
     out = {}
     for sid, ids in prompts.items():

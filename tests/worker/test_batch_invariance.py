@@ -61,17 +61,23 @@ def test_divergence_is_accepted_only_at_a_near_tie():
         compare_to_solo("s", solo, [5, 6], off, LOGIT_TOL)             # logits drifted
 
 
-def test_solo_run_matches_a_plain_forward_pass(case):
+# The model's own dtype in the cache (fp32): the cache path gives a plain forward's logits to
+# float noise. The default on a CPU with the decode kernel, a float16 cache under the fp32
+# model, rounds each key and value to 11 bits: measured up to ~2.5e-4 from the plain logits.
+@pytest.mark.parametrize("kv_cache_dtype,tol", [("model", LOGIT_TOL), ("auto", 2e-3)])
+def test_solo_run_matches_a_plain_forward_pass(case, kv_cache_dtype, tol):
     """The reference itself: prefill + cached decode of one sequence gives the logits of a plain
     full forward pass over prompt + tokens so far (no cache, no padding)."""
-    model, _info, prompts, solo = case
-    for sid in list(prompts)[:4]:
+    model, info, prompts, _solo = case
+    some = {sid: prompts[sid] for sid in list(prompts)[:4]}
+    solo = solo_references(model, info, some, N_TOKENS, kv_cache_dtype=kv_cache_dtype)
+    for sid in some:
         ids = prompts[sid] + solo[sid].tokens
         for k in (0, N_TOKENS // 2, N_TOKENS - 1):
-            want = plain_logits(model, ids[:len(prompts[sid]) + k])[::64]
-            diff = float((solo[sid].steps[k]["fingerprint"] - want).abs().max())
-            assert diff <= LOGIT_TOL, (sid, k, diff)
-            assert solo[sid].tokens[k] == int(plain_logits(model, ids[:len(prompts[sid]) + k]).argmax())
+            want = plain_logits(model, ids[:len(prompts[sid]) + k])
+            diff = float((solo[sid].steps[k]["fingerprint"] - want[::64]).abs().max())
+            assert diff <= tol, (sid, k, diff)
+            assert solo[sid].tokens[k] == int(want.argmax())
 
 
 def test_batch_of_32_mixed_lengths_matches_solo(case):
@@ -137,7 +143,10 @@ def test_default_model_batch_matches_solo(default_model_dir):
     tok = ModelManager(default_model_dir).load_tokenizer()
     prompts = {f"t{i}": tok(t)["input_ids"] for i, t in enumerate(TEXTS)}
     assert len({len(p) for p in prompts.values()}) == len(prompts)
-    n, tol = 16, 1e-3   # logits are ~10x larger than the tiny model's
+    # Logits are ~10x larger than the tiny model's; the default float16 cache rounds each key
+    # and value, and a 1e-6 difference between a batched and a solo matmul can land them on
+    # different float16 neighbours (measured up to ~2.3e-3; the model's fp32 cache, ~1e-4).
+    n, tol = 16, 1e-2
     solo = solo_references(model, info, prompts, n)
     # Not a degenerate reference: the model says different things to different prompts.
     assert len({tuple(r.tokens) for r in solo.values()}) == len(prompts)

@@ -37,7 +37,7 @@ def reference(q, kpool, vpool, tables, lengths, block_size, scale):
     return out
 
 
-def random_case(rows, heads, kv_heads, dim, block_size, dtype, seed, longest=70):
+def random_case(rows, heads, kv_heads, dim, block_size, dtype, seed, longest=70, kv_dtype=None):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     lengths = [rng.choice([1, block_size, block_size + 1, rng.randint(1, longest)])
@@ -47,8 +47,8 @@ def random_case(rows, heads, kv_heads, dim, block_size, dtype, seed, longest=70)
     rng.shuffle(ids)                                  # blocks scattered over the pool
     tables = torch.tensor(ids[:rows * width]).view(rows, width)
     slots = len(ids) * block_size
-    kpool = (torch.randn(slots, kv_heads, dim) * 2).to(dtype)   # * 2: peaked softmaxes too
-    vpool = torch.randn(slots, kv_heads, dim).to(dtype)
+    kpool = (torch.randn(slots, kv_heads, dim) * 2).to(kv_dtype or dtype)   # * 2: peaked too
+    vpool = torch.randn(slots, kv_heads, dim).to(kv_dtype or dtype)
     q = torch.randn(rows, heads, dim).to(dtype)
     return q, kpool, vpool, tables, torch.tensor(lengths)
 
@@ -63,6 +63,27 @@ def test_each_row_attends_its_own_blocks(dtype, tol, heads, kv_heads, dim):
     want = reference(q, kpool, vpool, tables, lengths, 8, scale)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_float32_queries_over_a_half_width_cache(kv_dtype):
+    """A float32 model over a float16 (or bfloat16) cache: the kernel widens each key and value
+    as it reads it, so the output is float32 attention over the stored values, to float32's
+    precision (the reference reads the same stored values)."""
+    q, kpool, vpool, tables, lengths = random_case(11, 9, 3, 64, 8, torch.float32, seed=7,
+                                                   kv_dtype=kv_dtype)
+    out = torch.full_like(q, float("nan"))
+    kernel.decode_attention(q, kpool, vpool, tables, lengths, 8, 0.125, out)
+    assert out.dtype == torch.float32 and kpool.dtype == kv_dtype
+    torch.testing.assert_close(out, reference(q, kpool, vpool, tables, lengths, 8, 0.125),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_of_another_dtype_than_its_queries_is_refused_unless_supported():
+    q, kpool, vpool, tables, lengths = random_case(2, 4, 2, 16, 8, torch.bfloat16, seed=1,
+                                                   kv_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="unsupported dtypes"):
+        kernel.decode_attention(q, kpool, vpool, tables, lengths, 8, 0.25, torch.empty_like(q))
 
 
 def test_strided_query_and_output_rows():
@@ -98,13 +119,16 @@ class FakeAttention(torch.nn.Module):
         self.layer_idx = layer_idx
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_paged_attention_with_the_kernel_equals_its_torch_path(dtype, tol):
+@pytest.mark.parametrize("dtype,kv_dtype,tol", [(torch.float32, None, 1e-5),
+                                                 (torch.bfloat16, None, 2e-2),
+                                                 (torch.float32, torch.float16, 1e-5)])
+def test_paged_attention_with_the_kernel_equals_its_torch_path(dtype, kv_dtype, tol):
     """A pass of decode rows (ragged, their blocks interleaved) and a prefill chunk: the
-    kernel changes only how the decode rows are computed, not what."""
+    kernel changes only how the decode rows are computed, not what; a float16 cache under
+    float32 queries too (the torch path widens what it gathers)."""
     torch.manual_seed(1)
     heads, kv_heads, dim = 9, 3, 64
-    cache = PagedKVCache(num_blocks=300, block_size=8, max_group_slots=64)
+    cache = PagedKVCache(num_blocks=300, block_size=8, max_group_slots=64, dtype=kv_dtype)
     past = {"a": 3, "b": 50, "c": 20, "d": 21, "e": 8, "chunk": 9}
     for sid in past:
         cache.add(sid)
@@ -123,6 +147,7 @@ def test_paged_attention_with_the_kernel_equals_its_torch_path(dtype, tol):
     k, v = (torch.randn(1, kv_heads, total, dim, dtype=dtype) for _ in "kv")
     want, _ = paged_attention_forward(FakeAttention(), q, k, v, None, kv_plan=plan)
     assert len(plan.decode_groups) > 1                 # the torch path ran several groups
+    assert cache.layer(0, k)[0].dtype == (kv_dtype or dtype) and want.dtype == dtype
     cache.decode_kernel = kernel.decode_attention
     got, _ = paged_attention_forward(FakeAttention(), q, k, v, None, kv_plan=plan)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
@@ -135,3 +160,28 @@ def test_the_model_worker_uses_the_kernel_on_a_cpu_unless_turned_off(tiny_model)
     on = ModelWorker(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20)
     off = ModelWorker(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20, decode_kernel=False)
     assert on.cache.decode_kernel is kernel.decode_attention and off.cache.decode_kernel is None
+
+
+def test_the_cache_is_float16_under_a_float32_model_only_where_the_kernel_reads_it(tiny_model):
+    """LLMQ_KV_CACHE_DTYPE=auto: float16 under the float32 model on a CPU with the kernel (half
+    the bytes to read), the model's dtype without the kernel (every read would be a widening
+    copy) or when asked for; the budget counts the cache's own bytes, so it holds twice the
+    tokens."""
+    from worker.model_worker import ModelWorker, resolve_kv_dtype
+
+    model, info = tiny_model
+    assert model.dtype == torch.float32
+    auto = ModelWorker(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20)
+    own = ModelWorker(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20,
+                      kv_cache_dtype="model")
+    no_kernel = ModelWorker(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20,
+                            decode_kernel=False)
+    assert (auto.kv_dtype, own.kv_dtype, no_kernel.kv_dtype) == (
+        torch.float16, torch.float32, torch.float32)
+    assert auto.cache.num_blocks == 2 * own.cache.num_blocks
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kv_dtype("auto", torch.bfloat16, cpu, True) == torch.bfloat16
+    assert resolve_kv_dtype("auto", torch.float32, gpu, False) == torch.float32
+    assert resolve_kv_dtype("bfloat16", torch.float32, cpu, False) == torch.bfloat16
+    with pytest.raises(ValueError, match="fp8"):
+        resolve_kv_dtype("fp8", torch.float32, cpu, True)

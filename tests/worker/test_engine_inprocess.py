@@ -66,10 +66,11 @@ def test_sequences_that_come_and_go_leave_nothing_behind_in_the_model(tiny_model
     from worker.inprocess_executor import InProcessExecutor
     from worker.model_manager import ModelManager
 
-    # 1 MiB of KV is 256 blocks of 8 tokens with the tiny model: six 300-token prompts fit
-    # beside a short one, and outgrow the cache as they decode (preemption).
+    # 1 MiB of KV is 256 blocks of 8 tokens with the tiny model in float32 (the model's
+    # dtype; a float16 cache would hold twice as many): six 300-token prompts fit beside a
+    # short one, and outgrow the cache as they decode (preemption).
     settings = Settings(model=tiny_model_dir, device="cpu", dtype="float32", kv_cache_mb=1,
-                        prefix_cache_mb=1, max_num_seqs=8)
+                        kv_cache_dtype="model", prefix_cache_mb=1, max_num_seqs=8)
     executor = InProcessExecutor(settings)
     executor.start()
     store = SequenceStore(fakeredis.FakeRedis(decode_responses=True))

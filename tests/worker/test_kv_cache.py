@@ -257,8 +257,10 @@ def test_a_chunk_over_a_long_past_attends_as_each_head_alone(n, dtype):
 
 # --- through a real ModelWorker ------------------------------------------------------------------
 def worker_with_blocks(model, info, num_blocks: int, max_num_seqs: int = 8, **kw) -> ModelWorker:
+    """A worker whose cache holds num_blocks blocks of 8 tokens (in the model's dtype)."""
     block_bytes = kv_bytes_per_token(model) * 8
-    return ModelWorker(model, info, max_num_seqs, kv_cache_bytes=num_blocks * block_bytes, **kw)
+    return ModelWorker(model, info, max_num_seqs, kv_cache_bytes=num_blocks * block_bytes,
+                       kv_cache_dtype="model", **kw)
 
 
 def test_the_budget_caps_the_context_and_a_longer_prompt_fails_alone(sharp_model):
@@ -277,7 +279,7 @@ def test_a_preempted_sequence_recomputed_from_its_tokens_continues_the_same(shar
     tokens (and logits) it would have produced had it never left."""
     model, info = sharp_model
     prompts = dict(zip(["a", "b"], make_prompts(2, lengths=[30, 17], vocab=info.vocab_size)))
-    solo = solo_references(model, info, prompts, 16)
+    solo = solo_references(model, info, prompts, 16, kv_cache_dtype="model")
     worker = worker_with_blocks(model, info, num_blocks=12)
     rec = recording(worker)
     d = Driver(worker)
@@ -406,7 +408,7 @@ def test_the_scheduler_keeps_the_worker_within_a_tight_budget_by_preemption(shar
     lengths = [20, 9, 30, 14, 25, 11]
     prompts = {f"q{i}": ids for i, ids in
                enumerate(make_prompts(6, lengths=lengths, vocab=info.vocab_size, seed=5))}
-    solo = solo_references(model, info, prompts, 12)
+    solo = solo_references(model, info, prompts, 12, kv_cache_dtype="model")
     worker = worker_with_blocks(model, info, num_blocks=14, max_num_seqs=6)
     wm = WorkloadManager(max_num_seqs=6)
     wm.set_kv_budget(*worker.kv_capacity)
