@@ -57,12 +57,13 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// n elements from p (a whole block: block size x kv heads x head dim, contiguous), a prefetch
+// per cache line.
 template <typename T>
-inline void prefetch_block(const T* p, int64_t token_stride, int64_t n, int64_t dim) {
-  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t i = 0; i < n; ++i, p += token_stride)
-    for (int64_t o = 0; o < bytes; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p) + o, _MM_HINT_T0);
+inline void prefetch_whole(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
 }
 
 inline void store_out(float* o, float v) { *o = v; }
@@ -91,11 +92,20 @@ void attend(const T* q, int64_t q_head_stride, const K* kpool, const K* vpool,
     const int64_t n = std::min(block_size, length - t0);
     const K* k = kpool + blocks[b] * block_size * token_stride;
     // The blocks are scattered over the pool, so the hardware prefetcher cannot guess the next
-    // one: fetch the next block's keys, and this block's values for the second pass, ahead.
-    if (t0 + block_size < length)
-      prefetch_block(kpool + blocks[b + 1] * block_size * token_stride, token_stride,
-                     std::min(block_size, length - t0 - block_size), dim);
-    prefetch_block(vpool + blocks[b] * block_size * token_stride, token_stride, n, dim);
+    // one: fetch the next block's keys and values (the second pass reads them back) ahead,
+    // whole: all kv heads' parts, which this row's next tasks (its other kv heads, on this
+    // thread) then find in cache (the pools' pointers are offset to this head: the whole block
+    // from there reaches a few lines into the next one, harmless for a prefetch). 30 layers of
+    // 64 rows of ~72 float16 tokens: 23.8 -> 21.8 ms against this head's part only (2 threads,
+    // medians of 40, the two builds in turn).
+    if (b == 0) {
+      prefetch_whole(k, block_size * token_stride);
+      prefetch_whole(vpool + blocks[0] * block_size * token_stride, block_size * token_stride);
+    }
+    if (t0 + block_size < length) {
+      prefetch_whole(kpool + blocks[b + 1] * block_size * token_stride, block_size * token_stride);
+      prefetch_whole(vpool + blocks[b + 1] * block_size * token_stride, block_size * token_stride);
+    }
     int64_t i = 0;
     for (; i + 8 <= n; i += 8, k += 8 * token_stride) {   // 8 keys: one vector of scores each
       __m256 acc[REP][8];
