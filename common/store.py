@@ -341,6 +341,7 @@ class SequenceStore:
         self._publish = client.register_script(_PUBLISH)
         self._reserve = client.register_script(_RESERVE)
         self._open_stream = client.register_script(_OPEN_STREAM)
+        self._conn_id: int | None = None   # a dedicated store's connection id, kept current
 
     def beside(self, store_cls: type, *args: Any):
         """Another store (files, batches, webhooks, an owner's index) on this one's connection:
@@ -449,18 +450,35 @@ class SequenceStore:
 
     def dedicated(self) -> "SequenceStore":
         """This store over a connection of its own, held (not returned to the pool between
-        commands): a blocking reader that others must be able to name (CLIENT UNBLOCK)."""
+        commands): a blocking reader that others must be able to name (CLIENT UNBLOCK). Its
+        id is kept current: redis-py reconnects a dropped connection inside a command, and
+        retries the command (a blocking XREAD too) under the new id."""
         client = type(self.r)(connection_pool=self.r.connection_pool,
                               single_connection_client=True)
-        return SequenceStore(client, result_ttl_s=self.result_ttl_s,
-                             pending_ttl_s=self.pending_ttl_s, stream_maxlen=self.stream_maxlen)
+        store = SequenceStore(client, result_ttl_s=self.result_ttl_s,
+                              pending_ttl_s=self.pending_ttl_s, stream_maxlen=self.stream_maxlen)
+        store._conn_id = int(client.client_id())
+        conn = getattr(client, "connection", None)
+        if hasattr(conn, "register_connect_callback"):
+            conn.register_connect_callback(store._reconnected)
+        return store
+
+    def _reconnected(self, conn) -> None:
+        """redis-py's callback after it (re)connected a dedicated store's connection: its
+        new id, asked on that connection before the command it retries goes out."""
+        conn.send_command("CLIENT", "ID")
+        self._conn_id = int(conn.read_response())
 
     def close(self) -> None:
         """Lets go of this store's connections (a dedicated one's included)."""
+        conn = getattr(self.r, "connection", None)
+        if self._conn_id is not None and hasattr(conn, "deregister_connect_callback"):
+            conn.deregister_connect_callback(self._reconnected)   # it goes back to the pool
         self.r.close()
 
     def client_id(self) -> int:
-        return int(self.r.client_id())
+        """The connection's id (a dedicated store's as of its last connect, no round trip)."""
+        return self._conn_id if self._conn_id is not None else int(self.r.client_id())
 
     def unblock_client(self, client_id: int) -> bool:
         """Ends another connection's blocking command (as if it timed out); False when it was

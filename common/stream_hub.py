@@ -84,7 +84,9 @@ class StreamHub:
         self._thread: threading.Thread | None = None
         self._gen = 0                    # bumped by each new subscription
         self._seen = 0                   # the generation the reader's next XREAD includes
-        self._reader_id: int | None = None
+        # The reader's dedicated store: its client_id() is the connection's current id (redis-py
+        # may reconnect inside the XREAD and retry it under a new one).
+        self._reader: SequenceStore | None = None
 
     def subscribe(self, positions: dict[str, str]) -> Subscription:
         """A subscription to these sequences' entries after these ids (close it when done).
@@ -136,10 +138,10 @@ class StreamHub:
             with self._lock:
                 if self._seen >= gen or self._pid != os.getpid():
                     return
-                reader = self._reader_id
+                reader = self._reader
             if reader is not None:
                 try:
-                    self.store.unblock_client(reader)
+                    self.store.unblock_client(reader.client_id())
                 except RedisError:
                     return   # the reader sees the error too, and retries
             with self._lock:
@@ -154,7 +156,7 @@ class StreamHub:
             return
         if self._pid != os.getpid():
             self._subs = set()
-        self._pid, self._reader_id, self._seen = os.getpid(), None, self._gen
+        self._pid, self._reader, self._seen = os.getpid(), None, self._gen
         self._thread = threading.Thread(target=self._run, name="llmq-stream-hub", daemon=True)
         self._thread.start()
 
@@ -172,11 +174,8 @@ class StreamHub:
             try:
                 if conn is None:
                     conn = self.store.dedicated()
-                # Asked every time: redis-py reconnects a dropped connection by itself (a new
-                # id), and a stale one would make every CLIENT UNBLOCK miss.
-                reader_id = conn.client_id()
-                with self._lock:
-                    self._reader_id = reader_id
+                    with self._lock:
+                        self._reader = conn
                 events = conn.read_events_many(positions, block_ms=self.BLOCK_MS,
                                                count=self.COUNT)
                 if events:
@@ -230,4 +229,4 @@ class StreamHub:
             for sub in self._subs:
                 sub._error = err
                 sub._cond.notify()
-            self._reader_id = None
+            self._reader = None

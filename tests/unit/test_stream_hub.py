@@ -127,3 +127,28 @@ def test_a_second_subscriber_joining_a_flowing_stream_gets_all_of_it(hub, redis_
         assert [t for _, t in texts(read_all(first, 20))] == [str(i) for i in range(20)]
         with late:
             assert [t for _, t in texts(read_all(late, 20))] == [str(i) for i in range(20)]
+
+
+def test_a_newcomer_still_wakes_a_reader_whose_connection_was_replaced(hub, redis_client):
+    """The reader's connection is killed in its blocking XREAD; redis-py reconnects (a new
+    client id) and the reader blocks again. A newcomer must wake that new connection: an
+    unblock sent to the old id would leave it waiting out the block (10 minutes here)."""
+    hub.BLOCK_MS = 600_000
+    with hub.subscribe({"idle": "0-0"}) as idle:
+        assert idle.read(0.2) == []            # the reader is blocked by now
+        old = hub._reader.client_id()
+        redis_client.client_kill_filter(_id=old)
+        # Until the reader has blocked again on a new connection (an error may reach `idle`).
+        for _ in range(int(WAIT_S / 0.05)):
+            clients = {int(c["id"]): c for c in redis_client.client_list()}
+            blocked = [i for i, c in clients.items() if c.get("cmd") == "xread" and i != old]
+            if blocked:
+                break
+            try:
+                idle.read(0.05)
+            except redis.RedisError:
+                pass
+        assert blocked, "the reader did not block again after its connection was killed"
+        with hub.subscribe({"new": "0-0"}) as new:
+            add(redis_client, "new", "hello")
+            assert texts(new.read(WAIT_S)) == [("new", "hello")]
