@@ -28,12 +28,12 @@ RUN torch_pin="$(grep -E '^torch==' requirements.txt)" \
 COPY . .
 
 # Install llmq itself, and convert the default model (SmolLM2-135M-Instruct, GGUF -> safetensors)
-# and build the CPU decode-attention kernel (worker/decode_kernel.py; without a compiler it
+# and build the CPU decode-attention kernel (worker/cpu_kernels.py; without a compiler it
 # says so and the worker keeps its torch path) now rather than at the first worker start. It lands in /root/.cache/llmq/models, which
 # docker-compose.yml mounts as a named volume (a new volume starts with the image's copy).
 RUN pip install --no-deps -e . \
  && python -m worker.model_manager prepare \
- && python -m worker.decode_kernel build
+ && python -m worker.cpu_kernels build
 
 # The API and Flower run as this unprivileged user. The worker runs as root in
 # docker-compose.yml (`user: root`): it writes the model cache under /root/.cache.

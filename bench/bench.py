@@ -376,12 +376,12 @@ def served_kv_dtype(stack) -> str:
     import torch
 
     from common.settings import Settings
-    from worker import decode_kernel
+    from worker import cpu_kernels
     from worker.model_worker import resolve_kv_dtype
 
     dtype = getattr(torch, stack.dtype)
     kernel = stack.device == "cpu" and Settings.from_env().decode_kernel \
-        and decode_kernel.load() is not None
+        and cpu_kernels.load() is not None
     name = os.environ.get("LLMQ_KV_CACHE_DTYPE", "auto")
     return str(resolve_kv_dtype(name, dtype, torch.device(stack.device), kernel)).split(".")[-1]
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from worker import decode_kernel
+from worker import cpu_kernels
 from worker.kv_cache import PagedKVCache
 from worker.paged_attention import paged_attention_forward
 
@@ -121,7 +121,7 @@ def main() -> None:
     if args.step:
         return step(args)
     dtype = getattr(torch, args.dtype)
-    module = decode_kernel.load()
+    module = cpu_kernels.load()
     assert module is not None, "the kernel did not build"
     kernel = module.decode_attention
     slots = (768 << 10) // (2 * KV_HEADS * DIM * dtype.itemsize)    # as the model worker caps

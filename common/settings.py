@@ -91,6 +91,7 @@ class Settings:
     kv_cache_mb: int = 0             # model process: KV cache budget (0 = 40 % of free memory)
     packed_linears: bool = True      # CPU fp32, bf16: oneDNN-prepacked Linear weights (faster)
     decode_kernel: bool = True       # CPU: decode attention by worker/decode_attention.cpp
+    layer_kernels: bool = True       # CPU: a Llama layer's elementwise ops by worker/layer_ops.cpp
     # auto: the model's dtype, but float16 under a float32 model on a CPU with the decode
     # kernel (worker.model_worker.resolve_kv_dtype) | model | float32 | bfloat16 | float16
     kv_cache_dtype: str = "auto"
@@ -221,6 +222,7 @@ class Settings:
             kv_cache_mb=_int("LLMQ_KV_CACHE_MB", d.kv_cache_mb),
             packed_linears=_int("LLMQ_PACKED_LINEARS", int(d.packed_linears)) != 0,
             decode_kernel=_int("LLMQ_DECODE_KERNEL", int(d.decode_kernel)) != 0,
+            layer_kernels=_int("LLMQ_LAYER_KERNELS", int(d.layer_kernels)) != 0,
             kv_cache_dtype=_env("LLMQ_KV_CACHE_DTYPE", d.kv_cache_dtype),
             max_prompts=_int("LLMQ_MAX_PROMPTS", d.max_prompts),
             max_tokens_limit=_int("LLMQ_MAX_TOKENS_LIMIT", d.max_tokens_limit),

@@ -2,7 +2,7 @@
 //
 // One task per (decode row, kv head): the query heads sharing that kv head (GQA) score every
 // key of the row's blocks in fp32, then a softmax and the weighted sum of the values, so each
-// key and value is read once for all of its query heads. Built by worker/decode_kernel.py with
+// key and value is read once for all of its query heads. Built by worker/cpu_kernels.py with
 // portable flags (AVX2 + FMA + F16C, never -march=native).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -11,24 +11,13 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  // bf16 is the top half of an fp32: widen to 32 bits and shift into place.
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using llmq::exp8;
+using llmq::hsum;
+using llmq::load8;
 
 // The sums of 8 vectors at once, [sum(v[0]), ..., sum(v[7])]: a horizontal sum per score
 // took as long as its dot product.
@@ -36,25 +25,6 @@ inline __m256 hsum8(const __m256* v) {
   __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-// exp for x <= 0 (scores minus their maximum): Cephes' polynomial after range reduction,
-// ~1 ulp; a scalar std::exp per score cost more than the whole dot products.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 // n elements from p (a whole block: block size x kv heads x head dim, contiguous), a prefetch
@@ -256,8 +226,4 @@ void decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool,
   if (qt == at::kHalf && kt == at::kHalf) LLMQ_RUN(at::Half, at::Half);
 #undef LLMQ_RUN
   TORCH_CHECK(false, "decode_attention: unsupported dtypes: queries ", qt, ", cache ", kt);
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention, pools read in place");
 }

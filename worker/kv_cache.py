@@ -183,7 +183,7 @@ class PagedKVCache:
         self.lengths: dict[str, int] = {}       # tokens whose keys and values are stored
         self._slots: dict[str, torch.Tensor] = {}   # cached slot list per sequence
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-        # worker/decode_kernel.py's function when decode rows are attended by it (CPU), else
+        # worker/cpu_kernels.py's function when decode rows are attended by it (CPU), else
         # None. The function, not its module: a builtin function deep-copies as itself.
         self.decode_kernel = None
 

@@ -13,10 +13,17 @@ matmul and so do gate and up: at a decode step's few rows a matmul's fixed costs
 fork and join, a small N's poor blocking) weigh, and the fused ones ran a 64-row step's linears
 ~2.5 % and a 16-row one's ~6 % faster on the 2-core build machine. A fused matmul computes each
 output column as the separate one did (same weights, same k order), so the logits stay equal.
+
+Given the CPU kernels' module (worker/cpu_kernels.py), the layer's elementwise ops run fused
+(worker/layer_ops.cpp): the residual add with the next RMSNorm, the rotary embedding of q and k
+straight out of the fused qkv, SiLU(gate) x up. At a 64-row decode step torch's ~25 small ops
+per layer took ~8 % of the step. The add and the rotary embedding stay torch's to the bit; the
+norm and SiLU differ in their last bits (a test bounds it), so transformers' logits are matched
+to the bit only without them (`kernels=None`, as on a GPU).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +32,19 @@ from torch import nn
 from .paged_attention import paged_attention_forward
 
 
+class LayerKernels(NamedTuple):
+    """The fused elementwise ops a forward calls (worker/layer_ops.cpp's functions)."""
+    add_rms_norm: Callable
+    silu_mul: Callable
+    rotary: Callable
+
+
 class LlamaForward:
     """Runs a Llama-architecture model over a paged batch plan: embeddings, the decoder layers
     (calling `before_layer` ahead of each, where an interjection may run), the final norm and
     the kept rows' logits."""
 
-    def __init__(self, model, before_layer: Callable[[], None]):
+    def __init__(self, model, before_layer: Callable[[], None], kernels=None):
         inner, cfg = model.model, model.config
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads or self.heads
@@ -48,10 +62,21 @@ class LlamaForward:
         self.splits = (self.heads * self.head_dim, self.kv_heads * self.head_dim,
                        self.kv_heads * self.head_dim)
         self.inter = model.config.intermediate_size
+        fused = all(hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")
+                    for _, attn, _, mlp in self.layers)
+        fits = (model.dtype in (torch.float32, torch.bfloat16) and cfg.hidden_size % 8 == 0
+                and self.inter % 8 == 0 and self.head_dim % 16 == 0)
+        # (the module's functions, not the module: a module object cannot be deep-copied, and
+        # the layers' pre-hooks reach this forward from the model)
+        self.kernels = LayerKernels(kernels.add_rms_norm, kernels.silu_mul, kernels.rotary) \
+            if kernels is not None and fused and fits else None
 
     @classmethod
-    def for_model(cls, model, before_layer: Callable[[], None]) -> "LlamaForward | None":
-        """A forward for the model if it is one this file writes out exactly, else None."""
+    def for_model(cls, model, before_layer: Callable[[], None], kernels=None
+                  ) -> "LlamaForward | None":
+        """A forward for the model if it is one this file writes out exactly, else None;
+        `kernels`: the CPU kernels' module, for the fused elementwise ops (when the model's
+        dtype and shapes fit them), or None for torch's ops."""
         from transformers.models.llama import modeling_llama as ml
 
         cfg = model.config
@@ -63,12 +88,14 @@ class LlamaForward:
                        for layer in inner.layers
                        for m in (layer.input_layernorm, layer.post_attention_layernorm))):
             return None
-        return cls(model, before_layer)
+        return cls(model, before_layer, kernels)
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, plan, keep: torch.Tensor
                  ) -> torch.Tensor:
         """ids, pos: [tokens] of the pass's flat row; keep: the positions whose logits are
         wanted. Returns [len(keep), vocab]."""
+        if self.kernels is not None and ids.device.type == "cpu":
+            return self._fused(ids, pos, plan, keep)
         x = self.embed(ids)[None]                              # [1, T, hidden]
         cos, sin = self.rotary(x, pos[None])                   # [1, T, head dim]
         cos, sin = cos[:, None], sin[:, None]                  # [1, 1, T, head dim]
@@ -94,6 +121,30 @@ class LlamaForward:
             x = x + mlp.down_proj(F.silu(gate) * up)
         x = _rms_norm(self.norm, x[:, keep])
         return self.model.lm_head(x)[0]
+
+    def _fused(self, ids: torch.Tensor, pos: torch.Tensor, plan, keep: torch.Tensor
+               ) -> torch.Tensor:
+        """__call__ with the elementwise ops fused: the same ops in the same order, each
+        layer's last residual add made with the next layer's first norm."""
+        ops, tokens = self.kernels, ids.shape[0]
+        x = self.embed(ids)                                    # [T, hidden], updated in place
+        cos, sin = (t[0].contiguous() for t in self.rotary(x[None], pos[None]))   # [T, dim]
+        kv = self.kv_heads * self.head_dim
+        delta = None                                           # the last sublayer's output
+        for norm1, attn, norm2, mlp in self.layers:
+            self.before_layer()
+            h = ops.add_rms_norm(x, delta, norm1.weight, norm1.variance_epsilon)
+            qkv = attn.qkv_proj(h)
+            q, k = ops.rotary(qkv, cos, sin, self.heads, self.kv_heads)   # [T, heads, dim]
+            v = qkv[:, -kv:].view(tokens, self.kv_heads, self.head_dim)
+            o, _ = paged_attention_forward(attn, q[None].transpose(1, 2), k[None].transpose(1, 2),
+                                           v[None].transpose(1, 2), None, scaling=attn.scaling,
+                                           kv_plan=plan)
+            h = ops.add_rms_norm(x, attn.o_proj(o.view(tokens, -1)), norm2.weight,
+                                 norm2.variance_epsilon)
+            delta = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(h)))
+        x = ops.add_rms_norm(x[keep], delta[keep], self.norm.weight, self.norm.variance_epsilon)
+        return self.model.lm_head(x)
 
 
 class _Part(nn.Module):

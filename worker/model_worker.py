@@ -17,7 +17,7 @@ import torch
 
 from common import logs
 
-from . import decode_kernel as decode_kernels, messages
+from . import cpu_kernels, messages
 from .kv_cache import PagedKVCache
 from .llama_forward import LlamaForward
 from .messages import NewSequence, Ready, Shutdown, StepRequest, StepResult
@@ -35,15 +35,16 @@ class ModelWorker:
 
     def __init__(self, model, info, max_num_seqs: int, prefix_cache_bytes: int = 0,
                  kv_cache_bytes: int = 0, prefill_chunk: int = 2048, block_size: int = 8,
-                 decode_kernel: bool = True, kv_cache_dtype: str = "auto"):
+                 decode_kernel: bool = True, kv_cache_dtype: str = "auto",
+                 layer_kernels: bool = True):
         self.model = model
         self.info = info
         self.device = torch.device(info.device)
         use_paged_attention(model)
-        kernel = None
-        if decode_kernel and self.device.type == "cpu" and kernel_fits(model):
-            module = decode_kernels.load()
-            kernel = module and module.decode_attention
+        module = (cpu_kernels.load() if self.device.type == "cpu"
+                  and (decode_kernel or layer_kernels) else None)
+        kernel = module.decode_attention if module and decode_kernel and kernel_fits(model) \
+            else None
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.dtype, self.device,
                                          kernel is not None)
         block_bytes = kv_bytes_per_token(model, self.kv_dtype) * block_size
@@ -81,7 +82,8 @@ class ModelWorker:
         # Llama-architecture models run our own written-out forward (same ops, same logits,
         # without transformers' per-call plumbing; it fuses q/k/v and gate/up in the model);
         # others transformers' forward.
-        self.llama = LlamaForward.for_model(model, lambda: self._before_layer(None, None))
+        self.llama = LlamaForward.for_model(model, lambda: self._before_layer(None, None),
+                                            module if layer_kernels else None)
 
     @classmethod
     def load(cls, settings) -> "ModelWorker":
@@ -92,7 +94,8 @@ class ModelWorker:
         worker = cls(model, info, settings.max_num_seqs, settings.prefix_cache_mb << 20,
                      settings.kv_cache_mb << 20, settings.max_num_batched_tokens,
                      decode_kernel=settings.decode_kernel,
-                     kv_cache_dtype=settings.kv_cache_dtype)
+                     kv_cache_dtype=settings.kv_cache_dtype,
+                     layer_kernels=settings.layer_kernels)
         # After the worker is built: its LlamaForward fuses q/k/v and gate/up first, and the
         # fused linears are packed as one.
         if settings.packed_linears and info.device == "cpu":

@@ -28,12 +28,12 @@ def test_the_phase_counts_the_kv_cache_dtype_the_worker_picks(monkeypatch):
     from types import SimpleNamespace
 
     from bench.bench import served_kv_dtype
-    from worker import decode_kernel
+    from worker import cpu_kernels
 
     cpu32 = SimpleNamespace(dtype="float32", device="cpu")
     monkeypatch.delenv("LLMQ_KV_CACHE_DTYPE", raising=False)
     monkeypatch.delenv("LLMQ_DECODE_KERNEL", raising=False)
-    assert served_kv_dtype(cpu32) == ("float16" if decode_kernel.load() else "float32")
+    assert served_kv_dtype(cpu32) == ("float16" if cpu_kernels.load() else "float32")
     assert served_kv_dtype(SimpleNamespace(dtype="bfloat16", device="cpu")) == "bfloat16"
     monkeypatch.setenv("LLMQ_DECODE_KERNEL", "0")
     assert served_kv_dtype(cpu32) == "float32"

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker import decode_kernel
+from worker import cpu_kernels
 from worker.kv_cache import PagedKVCache
 from worker.paged_attention import paged_attention_forward
 
-kernel = decode_kernel.load()
+kernel = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the decode kernel does not build here")
 
 

@@ -1,9 +1,9 @@
-"""Without a working build of the decode kernel, the worker keeps its torch path."""
+"""Without a working build of the CPU kernels, the worker keeps its torch paths."""
 from __future__ import annotations
 
 import logging
 
-from worker import decode_kernel
+from worker import cpu_kernels
 
 
 def test_a_failed_build_logs_one_line_and_gives_none(monkeypatch, caplog):
@@ -13,10 +13,10 @@ def test_a_failed_build_logs_one_line_and_gives_none(monkeypatch, caplog):
         raise RuntimeError("Ninja is required to load C++ extensions\nno g++ found")
 
     monkeypatch.setattr(ext, "load", no_compiler)
-    monkeypatch.setattr(decode_kernel, "_loaded", {})
-    with caplog.at_level(logging.WARNING, logger=decode_kernel.__name__):
-        assert decode_kernel.load() is None
-        assert decode_kernel.load() is None            # remembered: tried once per process
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load() is None
+        assert cpu_kernels.load() is None            # remembered: tried once per process
     assert len(caplog.records) == 1 and "no g++ found" in caplog.records[0].getMessage()
 
 
@@ -25,9 +25,9 @@ def test_a_cpu_without_avx2_is_not_given_the_kernel(monkeypatch, caplog):
     instruction, so the torch path serves and nothing is compiled."""
     import torch.utils.cpp_extension as ext
 
-    monkeypatch.setattr(decode_kernel, "_loaded", {})
-    monkeypatch.setattr(decode_kernel, "_cpu_has", lambda *flags: False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "_cpu_has", lambda *flags: False)
     monkeypatch.setattr(ext, "load", lambda **_kw: (_ for _ in ()).throw(AssertionError("built")))
-    with caplog.at_level(logging.WARNING, logger=decode_kernel.__name__):
-        assert decode_kernel.load() is None
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load() is None
     assert "AVX2" in caplog.records[0].getMessage()

@@ -1,0 +1,23 @@
+// The CPU kernels' Python module (built by worker/cpu_kernels.py): decode attention over the
+// paged KV cache (decode_attention.cpp) and a Llama layer's fused elementwise ops
+// (layer_ops.cpp).
+#include <torch/extension.h>
+#include <optional>
+#include <vector>
+
+void decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool,
+                      torch::Tensor tables, torch::Tensor lengths, int64_t block_size,
+                      double scale, torch::Tensor out);
+torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta,
+                           torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+std::vector<torch::Tensor> rotary(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                  int64_t heads, int64_t kv_heads);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention, pools read in place");
+  m.def("add_rms_norm", &add_rms_norm, "x += delta (in place, if given), then RMSNorm(x)",
+        pybind11::arg("x"), pybind11::arg("delta"), pybind11::arg("weight"), pybind11::arg("eps"));
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
+  m.def("rotary", &rotary, "q, k of qkv rows with the rotary embedding applied");
+}
