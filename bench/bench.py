@@ -146,9 +146,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peers", default=",".join(PEER_NAMES),
                    help=f"peers to compare against, of {','.join(PEER_NAMES)} (default: all; "
                         "an absent one is reported as skipped)")
-    p.add_argument("--llmq-backends", default="",
+    p.add_argument("--llmq-backends", default="auto",
                    help="more llmq backends for the peers table besides --backend, e.g. "
-                        "llama_cpp,vllm")
+                        "llama_cpp,vllm; auto (the default): llama_cpp, whose bar against "
+                        "llama-server the table judges (skipped where it is not installed); "
+                        "'' for none")
     p.add_argument("--peers-concurrency", default="1,16,64", help="the peers table's levels")
     # 16 at c=1: a llama.cpp level of 8 lasted ~10 s, and one hiccup moved it by 10%.
     p.add_argument("--peers-requests", default="16,64,128",
@@ -205,6 +207,8 @@ def _peers_args(p: argparse.ArgumentParser, args) -> None:
     if bad := [x for x in args.peers if x not in PEER_NAMES]:
         p.error(f"--peers: unknown {bad}; choose from {list(PEER_NAMES)}")
     backends = p._option_string_actions["--backend"].choices
+    if args.llmq_backends == "auto":
+        args.llmq_backends = "llama_cpp"
     args.llmq_backends = [x for x in args.llmq_backends.replace(" ", "").split(",") if x]
     if bad := [x for x in args.llmq_backends if x not in backends]:
         p.error(f"--llmq-backends: unknown {bad}; choose from {list(backends)}")

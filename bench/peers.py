@@ -16,6 +16,7 @@ min_tokens where the server takes it), closed loop at each concurrency.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import sys
@@ -80,7 +81,10 @@ class LlmqSystem:
         self.name = f"llmq[{backend}]"
         self.backend = backend
         self.dtype = row_dtype or stack_kwargs.get("dtype", "float32")   # what the row served in
-        self.skip = None
+        # (a backend's optional package: make llama-cpp, make vllm)
+        package = {"llama_cpp": "llama_cpp", "vllm": "vllm"}.get(backend)
+        self.skip = (f"{package} is not installed (make {backend.replace('_', '-')})"
+                     if package and importlib.util.find_spec(package) is None else None)
         self.force = {**FORCE_LENGTH, "min_tokens": tokens}
         self.stack = Stack(workdir / f"llmq-{backend}", backend=backend, **stack_kwargs)
 

@@ -201,6 +201,25 @@ def test_the_systems_are_llmq_then_the_peers_then_llmqs_other_backends(tmp_path)
     assert systems[2].force == {"ignore_eos": True}   # llama-server has no min_tokens
 
 
+def test_the_table_has_the_llama_cpp_backend_by_default_skipped_where_it_is_absent(
+        tmp_path, monkeypatch):
+    """Issue 17's bar for llmq[llama_cpp] is judged by the plain `make bench` run: the row is
+    there by default, and a machine without llama-cpp-python reports it skipped."""
+    import importlib.util
+
+    from bench.bench import parse_args
+    from bench.peers import build_systems
+
+    assert parse_args([]).llmq_backends == ["llama_cpp"]
+    assert parse_args(["--llmq-backends", ""]).llmq_backends == []
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    args = parse_args(["--peers", ""])
+    row = build_systems(args, tmp_path, "/m", "/x/m.Q4_1.gguf", args.dtype)[-1]
+    assert row.name == "llmq[llama_cpp]" and "make llama-cpp" in row.skip
+
+
 def test_only_one_phase_runs_the_peers_table_only_when_it_is_that_phase():
     from bench.bench import parse_args
 

@@ -3,6 +3,8 @@ own entries in order, a newcomer's first entry not held up by the reader's block
 passed on. Against a real redis-server (CLIENT UNBLOCK is what wakes the reader)."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import redis
 
@@ -152,3 +154,66 @@ def test_a_newcomer_still_wakes_a_reader_whose_connection_was_replaced(hub, redi
         with hub.subscribe({"new": "0-0"}) as new:
             add(redis_client, "new", "hello")
             assert texts(new.read(WAIT_S)) == [("new", "hello")]
+
+
+def unreachable_store() -> SequenceStore:
+    """A store on a port nothing listens on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return SequenceStore(redis.Redis(port=port, socket_connect_timeout=1, decode_responses=True))
+
+
+def test_each_subscriber_raises_its_own_copy_of_the_readers_error():
+    """One exception object raised in many threads would chain all their frames onto one
+    traceback: each gets a copy of the reader's error, which is its cause."""
+    hub = StreamHub(unreachable_store())
+    with hub.subscribe({"a": "0-0"}) as a, hub.subscribe({"b": "0-0"}) as b:
+        raised = []
+        for sub in (a, b):
+            with pytest.raises(redis.ConnectionError) as info:
+                sub.read(WAIT_S)
+            raised.append(info.value)
+        assert raised[0] is not raised[1]
+        assert isinstance(raised[0].__cause__, redis.ConnectionError)
+        assert raised[0].__cause__ is not raised[0]
+
+
+def test_entries_read_after_an_error_are_handed_out_and_the_error_forgotten(hub):
+    """The reader failed once, then recovered and read on: the subscriber gets the entries (the
+    stream goes on), not an error that is over."""
+    from common.stream_hub import Subscription
+
+    sub = Subscription(hub, {"x": "0-0"})
+    hub._subs.add(sub)
+    hub._fail(redis.ConnectionError("the server restarted"))
+    hub._deliver([("x", "1-0", EVENT_TOKEN, {"text": "after"})], read_from={"x": "0-0"})
+    assert texts(sub.read(0)) == [("x", "after")]
+    assert sub.read(0) == []
+
+
+def test_a_reader_thread_that_died_is_replaced_by_the_next_subscription(hub, redis_client,
+                                                                        monkeypatch):
+    """An exception the reader does not catch (SystemExit from a library, say) ends its thread;
+    the next subscription starts another instead of waiting on a reader that is gone."""
+    calls = []
+    real = SequenceStore.read_events_many
+
+    def dies_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise SystemExit("the reader's thread ends here")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(SequenceStore, "read_events_many", dies_once)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)   # (expected: no report)
+    others = set(threading.enumerate())   # (other tests' hubs may still be reading)
+    with hub.subscribe({"first": "0-0"}):
+        [reader] = set(threading.enumerate()) - others
+        reader.join(WAIT_S)
+        assert calls and not reader.is_alive()
+        with hub.subscribe({"second": "0-0"}) as second:
+            add(redis_client, "second", "hello")
+            assert texts(second.read(WAIT_S)) == [("second", "hello")]
