@@ -28,8 +28,9 @@ RUN torch_pin="$(grep -E '^torch==' requirements.txt)" \
 COPY . .
 
 # Install llmq itself, and convert the default model (SmolLM2-135M-Instruct, GGUF -> safetensors)
-# and build the CPU decode-attention kernel (worker/cpu_kernels.py; without a compiler it
-# says so and the worker keeps its torch path) now rather than at the first worker start. It lands in /root/.cache/llmq/models, which
+# and build the CPU kernels (decode attention and the fused layer ops, worker/cpu_kernels.py;
+# without a compiler it says so and the worker keeps its torch paths) now rather than at the
+# first worker start. The model lands in /root/.cache/llmq/models, which
 # docker-compose.yml mounts as a named volume (a new volume starts with the image's copy).
 RUN pip install --no-deps -e . \
  && python -m worker.model_manager prepare \

@@ -55,10 +55,6 @@ class ModelWorker:
                                   max_group_slots=decode_group_slots(model, self.device),
                                   device=self.device, dtype=self.kv_dtype)
         self.cache.decode_kernel = kernel
-        log.info("KV cache: %d blocks of %d tokens (%d MiB, %s), decode attention: %s",
-                 self.cache.num_blocks, block_size,
-                 self.cache.num_blocks * block_bytes >> 20, str(self.kv_dtype).split(".")[-1],
-                 "gather + SDPA" if kernel is None else "C++ kernel")
         # A sequence is never longer than the cache (the engine caps max_tokens by this), so
         # preempting the others always leaves room for the oldest one.
         capacity = self.cache.num_blocks * block_size
@@ -84,6 +80,11 @@ class ModelWorker:
         # others transformers' forward.
         self.llama = LlamaForward.for_model(model, lambda: self._before_layer(None, None),
                                             module if layer_kernels else None)
+        log.info("KV cache: %d blocks of %d tokens (%d MiB, %s), decode attention: %s, "
+                 "layer ops: %s", self.cache.num_blocks, block_size,
+                 self.cache.num_blocks * block_bytes >> 20, str(self.kv_dtype).split(".")[-1],
+                 "gather + SDPA" if kernel is None else "C++ kernel",
+                 "C++ (fused)" if self.llama and self.llama.kernels else "torch")
 
     @classmethod
     def load(cls, settings) -> "ModelWorker":

@@ -346,6 +346,40 @@ def test_stream_resumed_at_its_done_event_ends_with_204(api):
     assert list(itertools.islice(engine.events(seq_id, done_id, keepalive_s=0.05), 3)) == []
 
 
+def test_an_event_reader_whose_last_entries_are_on_their_way_waits_for_them(api, monkeypatch):
+    """The stream hub can hand a reader's entries over (moving its position past them) just
+    after that reader's read came back empty. Judged from that position, the finished sequence
+    has nothing left and the reader would end without its tokens and done event; the end check
+    goes from what the reader has yielded instead."""
+    seq_id = api.client.post("/v1/jobs", json={"prompt": "x"}).get_json()["id"]
+    api.store.start(seq_id, "w1")
+    api.store.publish_deltas([TokenDelta(seq_id, "Hi", "Hi", 1)])
+    api.store.finish(seq_id, FinishReason.STOP, text="Hi", completion_tokens=1)
+    engine = api.app.extensions["llmq"]["engine"]
+    subscribe = engine.streams.subscribe
+
+    def late(positions):
+        sub = subscribe(positions)
+        read, held, calls = sub.read, [], []
+
+        def first_read_misses_them(timeout_s):
+            calls.append(1)
+            if len(calls) > 1:
+                out, held[:] = held[:], []
+                return out or read(timeout_s)
+            while not any(kind == "done" for _s, _e, kind, _d in held):
+                held.extend(read(10.0))   # delivered: the position is past them now
+            return []                     # ...but this read had come back empty
+
+        sub.read = first_read_misses_them
+        return sub
+
+    monkeypatch.setattr(engine.streams, "subscribe", late)
+    got = list(itertools.islice(engine.events(seq_id, "0-0", keepalive_s=0.05), 10))
+    kinds = [ev[1] for ev in got if ev is not None]
+    assert "token" in kinds and kinds[-1:] == ["done"]
+
+
 # --- the counter is transformers' count, without torch ------------------------------------------
 def test_prompt_counter_counts_as_the_worker_tokenizes(default_model_dir):
     from transformers import AutoTokenizer
