@@ -81,10 +81,10 @@ class LlmqSystem:
         self.name = f"llmq[{backend}]"
         self.backend = backend
         self.dtype = row_dtype or stack_kwargs.get("dtype", "float32")   # what the row served in
-        # (a backend's optional package: make llama-cpp, make vllm)
-        package = {"llama_cpp": "llama_cpp", "vllm": "vllm"}.get(backend)
-        self.skip = (f"{package} is not installed (make {backend.replace('_', '-')})"
-                     if package and importlib.util.find_spec(package) is None else None)
+        # (the optional backends' packages share their names: make llama-cpp, make vllm)
+        optional = backend in ("llama_cpp", "vllm")
+        self.skip = (f"{backend} is not installed (make {backend.replace('_', '-')})"
+                     if optional and importlib.util.find_spec(backend) is None else None)
         self.force = {**FORCE_LENGTH, "min_tokens": tokens}
         self.stack = Stack(workdir / f"llmq-{backend}", backend=backend, **stack_kwargs)
 

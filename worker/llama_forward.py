@@ -129,7 +129,7 @@ class LlamaForward:
         ops, tokens = self.kernels, ids.shape[0]
         x = self.embed(ids)                                    # [T, hidden], updated in place
         cos, sin = (t[0].contiguous() for t in self.rotary(x[None], pos[None]))   # [T, dim]
-        kv = self.kv_heads * self.head_dim
+        kv = self.splits[2]
         delta = None                                           # the last sublayer's output
         for norm1, attn, norm2, mlp in self.layers:
             self.before_layer()

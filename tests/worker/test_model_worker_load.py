@@ -12,3 +12,17 @@ def test_max_model_len_caps_the_context_the_engine_sees(tiny_model_dir):
     wider = ModelWorker.load(Settings(model=tiny_model_dir, device="cpu", dtype="float32",
                                       max_model_len=10_000))
     assert wider.info.max_model_len == 512                # never beyond what the model has
+
+
+def test_layer_kernels_setting_picks_the_fused_ops_or_torchs(tiny_model_dir, monkeypatch):
+    """LLMQ_LAYER_KERNELS=0 keeps torch's ops (transformers' logits to the bit); the default
+    runs the fused C++ ops where the CPU kernels build."""
+    from worker import cpu_kernels
+
+    monkeypatch.setenv("LLMQ_LAYER_KERNELS", "0")
+    off = ModelWorker.load(Settings.from_env(model=tiny_model_dir, device="cpu",
+                                             dtype="float32"))
+    assert off.llama is not None and off.llama.kernels is None
+    monkeypatch.delenv("LLMQ_LAYER_KERNELS")
+    on = ModelWorker.load(Settings.from_env(model=tiny_model_dir, device="cpu", dtype="float32"))
+    assert (on.llama.kernels is not None) == (cpu_kernels.load() is not None)
