@@ -123,7 +123,7 @@ class Settings:
     run_ahead: str = "auto"
     # A backend that can (llama_cpp) runs a decode-only step's passes back to back for up to
     # this long while nobody waits (vLLM's multi-step scheduling; 0 = one pass a step).
-    multi_step_window_s: float = 0.03
+    multi_step_window_s: float = 0.1
     # Redis record keeping.
     result_ttl_s: int = 24 * 3600
     pending_ttl_s: int = 7 * 24 * 3600

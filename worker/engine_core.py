@@ -121,6 +121,7 @@ class EngineCore:
         self.bell = Bell()
         # Newcomers prefilled inside the step in flight, their result not yet in (one at a time).
         self._interjected: SchedulerOutput | None = None
+        self._cut = False   # the multi-step request in flight was asked to stop (CutShort)
         self.timing = StepTiming()
         self.last_step_time = time.time()
         self._draining = threading.Event()
@@ -291,6 +292,7 @@ class EngineCore:
         try:
             with self.liveness.stepping():
                 t_submit = time.monotonic()
+                self._cut = False
                 self.executor.submit(self._request(out))         # 2. execute (async) ...
                 self._publish()                                  # ... publishing meanwhile
                 t_published = time.monotonic()
@@ -322,14 +324,20 @@ class EngineCore:
         in_flight None: only the outstanding interjection's result is awaited."""
         while True:
             can = in_flight is not None and self._interjected is None and self.executor.interjects
-            res = self.executor.wait(self.bell if can else None)
+            cut = in_flight is not None and in_flight.num_steps > 1 and not self._cut
+            res = self.executor.wait(self.bell if can or cut else None)
             if res is None:   # the bell: newcomers in the inbox
                 self._take_inbox(block=False)
-                side = self.scheduler.interject(in_flight)
+                side = self.scheduler.interject(in_flight) if can else None
                 if side is not None:
                     self._interjected = side   # (first: a failing send still requeues them)
                     self.executor.submit(StepRequest(prefill=self._new_sequences(side),
                                                      interject=True))
+                elif cut and self.scheduler.waiting:
+                    # A multi-step request's later passes would keep them waiting: it ends
+                    # after the pass it is in, and the next step prefills them.
+                    self._cut = True
+                    self.executor.cut_short()
                 continue
             if res.interjected:
                 side, self._interjected = self._interjected, None

@@ -61,6 +61,9 @@ class InProcessExecutor(ModelExecutor):
             self._results.append(ModelWorkerDied(
                 f"model worker step failed: {type(exc).__name__}: {exc}"))
 
+    def cut_short(self) -> None:
+        pass   # the step ran whole in submit(): there is nothing in flight to cut
+
     def wait(self, wake=None) -> StepResult:
         """The step ran whole in submit(): nothing can interject into it, so `wake` never
         interrupts the wait."""

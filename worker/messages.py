@@ -104,6 +104,13 @@ class Shutdown:
     pass
 
 
+@dataclass(slots=True)
+class CutShort:
+    """Sent while a multi-step request runs, when newcomers arrive: end its passes at the next
+    pass boundary and answer with the tokens made so far, so the newcomers wait for one pass,
+    not the whole window. One that comes after its step ended is ignored."""
+
+
 def encode(msg) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 

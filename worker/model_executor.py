@@ -7,7 +7,7 @@ import time
 from multiprocessing.connection import wait as wait_any
 
 from . import messages, model_worker
-from .messages import Ready, Shutdown, StepRequest, StepResult
+from .messages import CutShort, Ready, Shutdown, StepRequest, StepResult
 
 log = logging.getLogger("llmq.model_executor")
 
@@ -79,6 +79,14 @@ class ModelExecutor:
         except (OSError, EOFError, BrokenPipeError) as exc:
             raise ModelWorkerDied(str(exc)) from exc
         self._in_flight += 1
+
+    def cut_short(self) -> None:
+        """Asks the multi-step request in flight to stop after its current pass (CutShort);
+        its result comes as usual, with fewer passes. Nothing is answered to this itself."""
+        try:
+            self._conn.send_bytes(messages.encode(CutShort()))
+        except (OSError, EOFError, BrokenPipeError) as exc:
+            raise ModelWorkerDied(str(exc)) from exc
 
     def wait(self, wake=None) -> StepResult | None:
         """The next result: a partial one (the newcomers' first tokens, `partial` set) comes

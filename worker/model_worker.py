@@ -20,7 +20,7 @@ from common import logs
 from . import cpu_kernels, messages
 from .kv_cache import PagedKVCache
 from .llama_forward import LlamaForward
-from .messages import NewSequence, Ready, Shutdown, StepRequest, StepResult
+from .messages import CutShort, NewSequence, Ready, Shutdown, StepRequest, StepResult
 from .model_manager import ModelManager, pick_device, resolve_dtype
 from .packed_linear import pack_linears
 from .paged_attention import use_paged_attention
@@ -491,8 +491,23 @@ def main(conn, settings) -> None:
             logging.shutdown()
             os._exit(1)
 
+    def another_pass() -> bool:
+        """Between a multi-step request's passes: go on unless the engine sent something
+        meanwhile (CutShort: newcomers wait; anything else is served after the step)."""
+        if not conn.poll():
+            return True
+        try:
+            msg = messages.decode(conn.recv_bytes())
+        except (EOFError, OSError):
+            return False   # the executor went away: the main loop finds out
+        if not isinstance(msg, CutShort):
+            deferred.append(msg)
+        return False
+
     if interjects:
         worker.between_layers = between_layers
+    if getattr(worker, "multi_step", False):
+        worker.another_pass = another_pass
     while True:
         try:
             msg = deferred.pop(0) if deferred else messages.decode(conn.recv_bytes())
@@ -500,6 +515,8 @@ def main(conn, settings) -> None:
             return   # the executor went away
         if isinstance(msg, Shutdown):
             _exit_at_once()
+        if isinstance(msg, CutShort):
+            continue   # it came after the step it was for had ended
         try:
             serve(msg)
         except Exception as exc:  # noqa: BLE001 - a broken batch: report it, the executor restarts us

@@ -228,7 +228,8 @@ class WorkloadManager:
         back); at one sequence a pass is a few milliseconds and that turn a sixth of it. So
         while only the running batch decodes (no newcomer, no prompt chunk) and nobody
         waits, the model process runs as many passes back to back as fit in the window; a
-        newcomer that arrives meanwhile waits at most that long. A big batch's pass is longer
+        newcomer that arrives meanwhile cuts them short (the engine sends CutShort) and waits
+        for one pass. A big batch's pass is longer
         than the window and goes one a step, as before. Not with a KV budget counted here: the
         blocks of the passes after the first would have to be reserved up front."""
         pace = self._pace

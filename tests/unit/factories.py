@@ -111,6 +111,7 @@ class ScriptedBackend:
         self.pass_s = pass_s
         self._made: dict[str, int] = {}   # output tokens each running sequence has
         self._seqs: dict = {}             # each running sequence's NewSequence
+        self.another_pass = lambda: True  # asked before each later pass (CutShort, as llama_cpp)
 
     def warm_up(self) -> None:
         pass
@@ -139,7 +140,7 @@ class ScriptedBackend:
             live = list(res.token_ids)
             for _ in range(req.num_steps - 1):
                 live = [s for s in live if not self._ended(s)]
-                if not live:
+                if not live or not self.another_pass():
                     break
                 for seq_id in live:
                     res.more_token_ids.setdefault(seq_id, []).append(self._next(seq_id))

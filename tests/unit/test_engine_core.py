@@ -407,6 +407,7 @@ class GatedExecutor:
         self.gate = threading.Event()
         self.at_gate = threading.Event()   # a step is in flight, held at the gate
         self.num_starts = 1
+        self.cuts = 0
         self._results = deque()
         self._r, self._w = os.pipe()
 
@@ -417,6 +418,15 @@ class GatedExecutor:
         os.write(self._w, b"r")
 
     fail_interject = False   # the interjection's send finds the model process dead
+
+    @property
+    def multi_step(self) -> bool:
+        return self.backend.multi_step
+
+    def cut_short(self) -> None:
+        """As the model process does with CutShort: the passes end after the current one."""
+        self.cuts += 1
+        self.backend.another_pass = lambda: False
 
     def restart(self) -> None:
         self.num_starts += 1
@@ -532,3 +542,42 @@ def test_the_pace_of_a_pass_is_read_only_off_bursts_that_decoded_the_whole_batch
     engine.step()   # b alone: a new size, one pass; then its own pace
     assert backend.requests[-1].num_steps == 1 and engine.scheduler._pace[0] == 1
     run(engine, [a, b])
+
+
+def test_a_newcomer_cuts_a_multi_step_request_short_and_is_prefilled_next(store):
+    """A newcomer that arrives while a multi-step request runs waits for the pass in flight,
+    not for all of the window's passes: the engine asks the model to stop there (CutShort),
+    takes the tokens made so far, and the next step prefills the newcomer."""
+    from common.settings import Settings
+    from worker.engine_core import EngineCore
+
+    from .factories import WordTokenizer
+
+    backend = ScriptedBackend({}, multi_step=True, pass_s=0.001)
+    executor = GatedExecutor(backend)
+    executor.interjects = False   # as llama_cpp: no prefill inside a step
+    engine = EngineCore("w1", Settings(multi_step_window_s=0.05), store, executor, WordTokenizer())
+    engine.fit_to_model()
+    submit(store, "a", max_tokens=60)
+    submit(store, "b", max_tokens=3)
+    a = engine.admit("a")
+    executor.gate.set()
+    engine.step()   # prefill
+    engine.step()   # one pass: the pace of one row
+    executor.gate.clear()
+    executor.at_gate.clear()
+    stepping = threading.Thread(target=engine.step)   # a burst of passes, held at the gate
+    stepping.start()
+    assert executor.at_gate.wait(10)
+    made = a.num_output_tokens
+    b = engine.admit("b")   # rings the bell mid-step
+    assert wait_until(lambda: executor.cuts == 1, 10, "the cut")
+    executor.gate.set()
+    stepping.join(10)
+    assert backend.requests[-1].num_steps == 16   # the window held many passes
+    assert a.num_output_tokens == made + 1        # the burst ended after its first
+    engine.step()
+    assert [s.seq_id for s in backend.requests[-1].prefill] == ["b"]
+    backend.another_pass = lambda: True
+    run(engine, [a, b])
+    assert store.get_job("b")["status"] == "succeeded" and a.num_output_tokens == 60

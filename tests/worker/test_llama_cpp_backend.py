@@ -396,3 +396,42 @@ def test_multi_step_runs_one_pass_for_a_sequence_sampled_by_llmq(backend, tok):
                               {"a": with_(GREEDY, max_tokens=4),
                                "b": with_(GREEDY, max_tokens=4, logprobs=1)}, 4)
     assert passes == [1, 1, 1] and out["a"] == out["b"]
+
+
+def test_multi_step_passes_end_where_another_pass_says_so(backend, tok):
+    """The model process's CutShort hook: asked before each pass after the first, False ends
+    the request there with the tokens made so far, the same tokens as one pass a step."""
+    ids = tok("The capital of France is")["input_ids"]
+    whole, _ = _multi_step(backend, {"a": ids}, {"a": with_(GREEDY, max_tokens=9)}, 1)
+    asked = []
+    backend.another_pass = lambda: asked.append(1) or len(asked) % 3 != 0
+    try:
+        cut, passes = _multi_step(backend, {"a": ids}, {"a": with_(GREEDY, max_tokens=9)}, 8)
+    finally:
+        backend.another_pass = lambda: True
+    assert cut == whole
+    assert passes == [3, 3, 2]   # two more passes, cut at the third ask; then the last two
+
+
+def test_a_cut_short_reaches_the_passes_in_the_model_process(default_model_dir, tok):
+    """Through the pipe: CutShort sent behind a multi-step request ends it after its first
+    pass; one that finds no step running (sent before the request) is dropped, and the next
+    request runs all its passes."""
+    from common.settings import Settings
+    from worker.model_executor import ModelExecutor
+
+    ex = ModelExecutor(Settings.from_env(backend="llama_cpp", model="smollm2", max_num_seqs=2,
+                                         max_model_len=256, torch_threads=1))
+    ex.start()
+    try:
+        assert ex.multi_step
+        ids = tok("The capital of France is")["input_ids"]
+        ex.execute(StepRequest(prefill=[NewSequence("a", ids, with_(GREEDY, max_tokens=200))]))
+        ex.submit(StepRequest(decode_seq_ids=["a"], num_steps=16))
+        ex.cut_short()
+        assert ex.wait().num_passes < 16
+        ex.cut_short()   # no step in flight: stale
+        res = ex.execute(StepRequest(decode_seq_ids=["a"], num_steps=4))
+        assert res.num_passes == 4 and not res.errors
+    finally:
+        ex.stop()

@@ -14,7 +14,8 @@ once a step's result is sent): its next token is ready when the engine asks for 
 engine's turn (pipe, update, schedule) overlaps the model instead of following it
 (LLMQ_RUN_AHEAD). A multi-step request (`num_steps`, LLMQ_MULTI_STEP_WINDOW) decodes the running
 batch several times in one step, each sequence sampled by its chain, so the engine's turn is paid
-once for them all (docs/architecture.md, "Multi-step decode").
+once for them all; newcomers cut it short at the next pass (CutShort, docs/architecture.md,
+"Multi-step decode").
 """
 from __future__ import annotations
 
@@ -68,6 +69,9 @@ class LlamaCppBackend:
         self.rows = np.empty((max_num_seqs, info.vocab_size), dtype=np.float32)
         self.sampler = Sampler(Grammars(lambda: self.tokenizer, info.eos_token_ids))
         self.tokenizer = None   # set by load(): structured output builds its grammars from it
+        # Asked before each pass after a multi-step request's first: False ends the passes
+        # there (the model process: the engine sent CutShort, newcomers wait).
+        self.another_pass = lambda: True
 
     @classmethod
     def load(cls, settings) -> "LlamaCppBackend":
@@ -203,7 +207,7 @@ class LlamaCppBackend:
             return
         for _ in range(req.num_steps - 1):
             live = [sid for sid in live if not self._ended(sid)]
-            if not live:
+            if not live or not self.another_pass():
                 return
             rows = sorted(((sid, self.states[sid].last_token_id, self.positions[sid], SAMPLE)
                            for sid in live), key=self._in_slot_order)
