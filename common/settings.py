@@ -44,6 +44,7 @@ _NON_NEGATIVE = (
     ("long_prefill_tokens", "LLMQ_LONG_PREFILL_TOKEN_THRESHOLD"),
     ("long_prefill_chunk", "LLMQ_LONG_PREFILL_CHUNK"),
     ("prefill_attention_context", "LLMQ_PREFILL_ATTENTION_CONTEXT"),
+    ("prefill_pass_tokens", "LLMQ_PREFILL_PASS_TOKENS"),
     ("priority_hold_steps", "LLMQ_PRIORITY_HOLD_STEPS"),
     ("priority_window_s", "LLMQ_PRIORITY_WINDOW"),
     ("multi_step_window_s", "LLMQ_MULTI_STEP_WINDOW"),
@@ -109,6 +110,9 @@ class Settings:
     # long_prefill_chunk tokens per step (0 = long_prefill_tokens, as vLLM).
     long_prefill_tokens: int = 256
     long_prefill_chunk: int = 32
+    # A step's newcomers are prefilled in passes of about this many tokens, each pass's first
+    # tokens sent as it ends (0 = one pass for them all).
+    prefill_pass_tokens: int = 512
     # A prompt token at this much context counts as two in a chunk's size (0 = one each).
     prefill_attention_context: int = 1024
     # While a better priority runs, waits or did within priority_window_s, worse-priority
@@ -244,6 +248,7 @@ class Settings:
             max_num_batched_tokens=_int("LLMQ_MAX_NUM_BATCHED_TOKENS", d.max_num_batched_tokens),
             long_prefill_tokens=_int("LLMQ_LONG_PREFILL_TOKEN_THRESHOLD", d.long_prefill_tokens),
             long_prefill_chunk=_int("LLMQ_LONG_PREFILL_CHUNK", d.long_prefill_chunk),
+            prefill_pass_tokens=_int("LLMQ_PREFILL_PASS_TOKENS", d.prefill_pass_tokens),
             priority_hold_steps=_int("LLMQ_PRIORITY_HOLD_STEPS", d.priority_hold_steps),
             priority_window_s=_float("LLMQ_PRIORITY_WINDOW", d.priority_window_s),
             priority_interject=_int("LLMQ_PRIORITY_INTERJECT", int(d.priority_interject)) != 0,

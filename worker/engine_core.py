@@ -300,8 +300,8 @@ class EngineCore:
                     self._stop.wait(self.settings.test_step_delay_s)
                 in_flight = out
                 result = self._wait(in_flight)
-                if result.partial:   # the newcomers' first tokens, sent ahead of the decode
-                    joined, out = out.split()
+                while result.partial:   # newcomers' first tokens, pass by pass, ahead of the rest
+                    joined, out = out.split({*result.token_ids, *result.errors})
                     self.output.update(joined, result)
                     self._publish()
                     result = self._wait(in_flight)

@@ -36,7 +36,7 @@ class ModelWorker:
     def __init__(self, model, info, max_num_seqs: int, prefix_cache_bytes: int = 0,
                  kv_cache_bytes: int = 0, prefill_chunk: int = 2048, block_size: int = 8,
                  decode_kernel: bool = True, kv_cache_dtype: str = "auto",
-                 layer_kernels: bool = True):
+                 layer_kernels: bool = True, prefill_pass_tokens: int = 0):
         self.model = model
         self.info = info
         self.device = torch.device(info.device)
@@ -61,6 +61,7 @@ class ModelWorker:
         if capacity < info.max_model_len:
             self.info = dataclasses.replace(info, max_model_len=capacity)
         self.prefill_chunk = max(1, prefill_chunk)
+        self.prefill_pass_tokens = prefill_pass_tokens   # 0: a step's newcomers in one pass
         self.prefilling: dict[str, NewSequence] = {}   # joined, prompt not all computed yet
         self.states: dict[str, SamplingState] = {}
         self.sampler = Sampler(Grammars(lambda: ModelManager(info.path).load_tokenizer(),
@@ -96,7 +97,8 @@ class ModelWorker:
                      settings.kv_cache_mb << 20, settings.max_num_batched_tokens,
                      decode_kernel=settings.decode_kernel,
                      kv_cache_dtype=settings.kv_cache_dtype,
-                     layer_kernels=settings.layer_kernels)
+                     layer_kernels=settings.layer_kernels,
+                     prefill_pass_tokens=settings.prefill_pass_tokens)
         # After the worker is built: its LlamaForward fuses q/k/v and gate/up first, and the
         # fused linears are packed as one.
         if settings.packed_linears and info.device == "cpu":
@@ -146,12 +148,18 @@ class ModelWorker:
         riding = [s for s in todo if s.seq_id not in newcomers
                   and s.params.prompt_logprobs is None] if decode_ids else []
         first = [s for s in todo if s not in riding]
-        if first:
-            self._prefill(first, res, chunks)
+        # (An interjection answers in one piece: its partials would read as the step's.)
+        groups = _passes(first, chunks, 0 if req.interject else self.prefill_pass_tokens)
+        for i, group in enumerate(groups):
+            self._prefill(group, res, chunks)
+            # Each pass's first tokens go out as it ends, while anything is left to run: a
+            # wave of newcomers gets its first tokens pass by pass, not all at the last one.
+            if early is not None and (i + 1 < len(groups) or decode_ids):
+                res = _send_ahead(res, newcomers, early)
         t1, lent1 = time.perf_counter(), self._interjected_s
         res.prefill_s = t1 - t0 - (lent1 - lent0)
-        if early is not None and decode_ids:
-            res = _send_ahead(res, newcomers, early)
+        if early is not None and decode_ids and not groups:
+            res = _send_ahead(res, newcomers, early)   # (newcomers that failed to join)
         if decode_ids:
             self._decode(decode_ids, res, riding, chunks)
         res.decode_s = time.perf_counter() - t1 - (self._interjected_s - lent1)
@@ -325,21 +333,45 @@ class ModelWorker:
         self.step(StepRequest(free_seq_ids=["__warmup__"]))
 
 
-def _send_ahead(res: StepResult, newcomers: set[str], early) -> StepResult:
-    """Sends the newcomers' first tokens (and errors) through `early` as a partial result;
-    returns the rest of the step's result (chunked prompts that finished continue in it)."""
-    def part(d: dict, mine: bool) -> dict:
-        return {s: v for s, v in d.items() if (s in newcomers) == mine}
+def _passes(seqs: list[NewSequence], chunks: dict[str, int], cap: int
+            ) -> list[list[NewSequence]]:
+    """The newcomers' prefill cut into passes of about `cap` tokens, in order and evenly (900
+    tokens under a cap of 512: two of 450), so the first of them get their first tokens early.
+    Why not smaller: each pass costs about as much again as a 32-row decode's (the weights,
+    per layer), so a pass of a few hundred tokens is as small as pays (measured:
+    docs/architecture.md, "A wave of newcomers")."""
+    total = sum(chunks[s.seq_id] for s in seqs)
+    if not seqs or cap <= 0 or total <= cap:
+        return [seqs] if seqs else []
+    per = total / -(-total // cap)
+    out: list[list[NewSequence]] = [[]]
+    done = 0
+    for s in seqs:
+        if out[-1] and done + chunks[s.seq_id] / 2 > per * len(out):
+            out.append([])
+        out[-1].append(s)
+        done += chunks[s.seq_id]
+    return out
 
-    first = StepResult(token_ids=part(res.token_ids, True), errors=part(res.errors, True),
-                       cached_tokens=res.cached_tokens, prefill_s=res.prefill_s, partial=True,
-                       logprobs=part(res.logprobs, True),
-                       prompt_logprobs=part(res.prompt_logprobs, True))
-    if not (first.token_ids or first.errors):
+
+def _send_ahead(res: StepResult, newcomers: set[str], early) -> StepResult:
+    """Sends the first tokens (and errors) newcomers have so far through `early` as a partial
+    result; returns the rest of the step's result: the running batch's, and whatever is still
+    to come for the other newcomers (their cached-token counts wait with them)."""
+    answered = {s for s in newcomers if s in res.token_ids or s in res.errors}
+
+    def part(d: dict, mine: bool) -> dict:
+        return {s: v for s, v in d.items() if (s in answered) == mine}
+
+    if not answered:
         return res
-    early(first)
+    early(StepResult(token_ids=part(res.token_ids, True), errors=part(res.errors, True),
+                     cached_tokens=part(res.cached_tokens, True), prefill_s=res.prefill_s,
+                     partial=True, logprobs=part(res.logprobs, True),
+                     prompt_logprobs=part(res.prompt_logprobs, True)))
     return StepResult(token_ids=part(res.token_ids, False), errors=part(res.errors, False),
-                      prefill_s=res.prefill_s, logprobs=part(res.logprobs, False),
+                      cached_tokens=part(res.cached_tokens, False), prefill_s=res.prefill_s,
+                      logprobs=part(res.logprobs, False),
                       prompt_logprobs=part(res.prompt_logprobs, False))
 
 

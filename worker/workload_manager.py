@@ -82,12 +82,20 @@ class SchedulerOutput:
         spans steps (newcomers and running ones alike)."""
         return {**self.first_chunks, **self.chunks}
 
-    def split(self) -> tuple["SchedulerOutput", "SchedulerOutput"]:
-        """The newcomers' part and the running batch's part, for a step whose result comes in
-        two pieces (first tokens ahead of the decode)."""
-        return (SchedulerOutput(prefill=self.prefill, first_chunks=self.first_chunks),
-                SchedulerOutput(decode=self.decode, freed_seq_ids=self.freed_seq_ids,
-                                chunks=self.chunks))
+    def split(self, answered) -> tuple["SchedulerOutput", "SchedulerOutput"]:
+        """The newcomers a partial result answers (their first tokens or errors, sent ahead
+        of the rest of the step), and the rest of the step: the other newcomers, the running
+        batch."""
+        mine = [s for s in self.prefill if s.seq_id in answered]
+        rest = [s for s in self.prefill if s.seq_id not in answered]
+        return (SchedulerOutput(prefill=mine, first_chunks={s.seq_id: self.first_chunks[s.seq_id]
+                                                            for s in mine
+                                                            if s.seq_id in self.first_chunks}),
+                SchedulerOutput(prefill=rest, decode=self.decode,
+                                freed_seq_ids=self.freed_seq_ids, chunks=self.chunks,
+                                first_chunks={s.seq_id: self.first_chunks[s.seq_id]
+                                              for s in rest if s.seq_id in self.first_chunks},
+                                num_steps=self.num_steps))
 
 
 @dataclass

@@ -586,7 +586,7 @@ def test_a_step_answered_in_two_pieces_updates_newcomers_first():
     step(wm, 11)
     wm.add(b)
     out = wm.schedule()
-    joined, rest = out.split()
+    joined, rest = out.split({b.seq_id})
     assert ids(joined.prefill) == [b.seq_id] and joined.decode == []
     assert ids(rest.decode) == [a.seq_id] and rest.prefill == []
     wm.update(joined, {b.seq_id: 21})
@@ -596,6 +596,29 @@ def test_a_step_answered_in_two_pieces_updates_newcomers_first():
     seqs = wm.requeue(rest)
     assert ids(seqs) == ids([a, b]) and ids(wm.waiting) == ids([a, b])
     assert b.output_token_ids == [21]
+
+
+def test_a_step_answered_pass_by_pass_updates_each_newcomer_once():
+    """Newcomers prefilled in several passes are answered a pass at a time: each partial takes
+    the newcomers it answers out of the step, the last piece holds the rest and the batch."""
+    wm = make_manager()
+    a = make_seq(2, max_tokens=100)
+    wm.add(a)
+    step(wm, 11)
+    b, c, d = (make_seq(2, max_tokens=100) for _ in range(3))
+    for s in (b, c, d):
+        wm.add(s)
+    out = wm.schedule()
+    first, out = out.split({b.seq_id})
+    second, out = out.split({c.seq_id})
+    assert [ids(first.prefill), ids(second.prefill), ids(out.prefill)] == [
+        [b.seq_id], [c.seq_id], [d.seq_id]]
+    assert ids(out.decode) == [a.seq_id] and first.decode == second.decode == []
+    wm.update(first, {b.seq_id: 21})
+    wm.update(second, {c.seq_id: 31})
+    wm.update(out, {d.seq_id: 41, a.seq_id: 12})
+    assert [s.output_token_ids for s in (a, b, c, d)] == [[11, 12], [21], [31], [41]]
+    assert ids(wm.running) == ids([a, b, c, d])
 
 
 def test_requeue_of_empty_output_is_harmless():

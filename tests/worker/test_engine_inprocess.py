@@ -119,3 +119,39 @@ def test_sequences_that_come_and_go_leave_nothing_behind_in_the_model(tiny_model
     assert not (engine.scheduler.waiting or engine.scheduler.running
                 or engine.scheduler._prompt_left)
     executor.stop()
+
+
+def test_newcomers_answered_pass_by_pass_each_get_their_tokens(tiny_model_dir):
+    """A wave of newcomers beside a running sequence is prefilled in several passes
+    (LLMQ_PREFILL_PASS_TOKENS), each pass's first tokens a partial result of its own: the
+    engine takes every partial, then the decode's tokens, and nobody loses a token."""
+    from worker.engine_core import EngineCore
+    from worker.inprocess_executor import InProcessExecutor
+    from worker.model_manager import ModelManager
+
+    settings = Settings(model=tiny_model_dir, device="cpu", dtype="float32", kv_cache_mb=16,
+                        max_num_seqs=8, prefill_pass_tokens=8)
+    executor = InProcessExecutor(settings)
+    executor.start()
+    store = SequenceStore(fakeredis.FakeRedis(decode_responses=True))
+    engine = EngineCore("w1", settings, store, executor,
+                        ModelManager(tiny_model_dir).load_tokenizer())
+    engine.fit_to_model()
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    ids = ["run", "n1", "n2", "n3", "n4"]
+    store.create([SequenceRequest(seq_id=i, prompt="The capital of France is", params=params)
+                  for i in ids])
+    partials = []
+    step = executor.backend.step
+    executor.backend.step = lambda req, early=None: step(
+        req, early=None if early is None else (lambda r: (partials.append(r), early(r))))
+    run_seq = engine.admit("run")
+    engine.step()
+    wave = [engine.admit(i) for i in ids[1:]]
+    engine.step()   # the wave's passes, then the running sequence's decode
+    assert len(partials) >= 2   # the wave took several passes, each answered apart
+    assert run_seq.num_output_tokens == 2 and all(s.num_output_tokens == 1 for s in wave)
+    run(engine, [run_seq, *wave])
+    texts = {store.get_job(i)["text"] for i in ids}
+    assert len(texts) == 1 and all(len(s.output_token_ids) == 5 for s in [run_seq, *wave])
+    executor.stop()

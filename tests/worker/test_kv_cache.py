@@ -449,3 +449,44 @@ def test_only_this_steps_newcomers_go_ahead_of_the_decode(sharp_model):
                                   decode_seq_ids=["run", "long"]), early=ahead.append)
     assert [set(p.token_ids) for p in ahead] == [{"short"}] and ahead[0].partial
     assert set(res.token_ids) == {"run", "long"} and not res.partial
+
+
+def test_a_wave_of_newcomers_gets_its_first_tokens_pass_by_pass(sharp_model):
+    """Newcomers over LLMQ_PREFILL_PASS_TOKENS are prefilled in even passes, each pass's first
+    tokens sent as it ends while anything is left to run (the running batch's decode, or
+    another pass); the tokens are those of one pass for them all."""
+    model, info = sharp_model
+    prompts = make_prompts(6, lengths=[10] * 6, vocab=info.vocab_size, seed=7)
+    news = [new_seq(f"n{i}", p) for i, p in enumerate(prompts)]
+    whole = ModelWorker(model, info, 8).step(StepRequest(prefill=news))
+
+    worker = ModelWorker(model, info, 8, prefill_pass_tokens=25)   # 60 tokens: 3 passes of 20
+    ahead = []
+    res = worker.step(StepRequest(prefill=news), early=ahead.append)
+    assert [sorted(p.token_ids) for p in ahead] == [["n0", "n1"], ["n2", "n3"]]
+    assert all(p.partial for p in ahead) and sorted(res.token_ids) == ["n4", "n5"]
+    got = {k: v for p in ahead + [res] for k, v in p.token_ids.items()}
+    assert got == whole.token_ids
+
+    # Beside a running batch the last pass goes ahead too; the decode's tokens come last.
+    run = make_prompts(1, lengths=[5], vocab=info.vocab_size, seed=8)[0]
+    worker = ModelWorker(model, info, 8, prefill_pass_tokens=25)
+    worker.step(StepRequest(prefill=[new_seq("run", run)]))
+    ahead = []
+    res = worker.step(StepRequest(prefill=news, decode_seq_ids=["run"]), early=ahead.append)
+    assert [sorted(p.token_ids) for p in ahead] == [["n0", "n1"], ["n2", "n3"], ["n4", "n5"]]
+    assert set(res.token_ids) == {"run"} and not res.partial
+    assert {k: v for p in ahead for k, v in p.token_ids.items()} == whole.token_ids
+
+
+def test_prefill_passes_are_even_and_keep_the_order():
+    from worker.model_worker import _passes
+
+    seqs = [new_seq(f"s{i}", [1] * n) for i, n in enumerate([14] * 64)]
+    chunks = {s.seq_id: len(s.token_ids) for s in seqs}
+    groups = _passes(seqs, chunks, 512)
+    assert [len(g) for g in groups] == [32, 32] and [s for g in groups for s in g] == seqs
+    assert _passes(seqs, chunks, 0) == [seqs] and _passes(seqs, chunks, 896) == [seqs]
+    sizes = [len(g) for g in _passes(seqs, chunks, 300)]   # 896 tokens: 3 passes, even
+    assert len(sizes) == 3 and sum(sizes) == 64 and max(sizes) - min(sizes) <= 1
+    assert _passes([], chunks, 512) == []
