@@ -49,7 +49,7 @@ class InProcessExecutor(ModelExecutor):
         self._results.clear()
 
     def submit(self, req: StepRequest) -> None:
-        """Runs the whole step now; wait() hands out its partial result, then the rest."""
+        """Runs the whole step now; wait() hands out its partial results, then the rest."""
         if self.backend is None:
             raise ModelWorkerDied("model worker is not running")
         self._results.clear()

@@ -57,8 +57,9 @@ class TokenLogprobs:
 class StepResult:
     """The token sampled for each sequence, and per-sequence errors (that sequence alone fails).
 
-    A step that prefills and decodes answers twice: first a partial result with the newcomers'
-    first tokens (sent before the decode runs), then the rest."""
+    A step that prefills newcomers and has more to run (another prefill pass, the decode)
+    answers in pieces: a partial result with each prefill pass's first tokens as it ends,
+    then the rest."""
 
     token_ids: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)

@@ -89,9 +89,9 @@ class ModelExecutor:
             raise ModelWorkerDied(str(exc)) from exc
 
     def wait(self, wake=None) -> StepResult | None:
-        """The next result: a partial one (the newcomers' first tokens, `partial` set) comes
-        before the rest when the step also decodes; an interjection's (`interjected`) may come
-        before either or after both. `wake`: something with fileno() (the engine's inbox
+        """The next result: partial ones (a prefill pass's first tokens, `partial` set) come
+        before the rest when the step has more to run after them; an interjection's
+        (`interjected`) may come before any or after all. `wake`: something with fileno() (the engine's inbox
         bell); None is returned when it rings first."""
         msg = self._recv(None, wake)
         if msg is None:

@@ -113,14 +113,16 @@ class ModelWorker:
     @torch.inference_mode()
     def step(self, req: StepRequest, early: Callable[[StepResult], None] | None = None
              ) -> StepResult:
-        """Frees, lets the newcomers join, runs one prefill pass over the newcomers' prompts,
-        then decodes the running batch; the next chunk of every prompt still being computed
-        (`req.chunks` tokens of it, else `prefill_chunk`) rides in the decode's pass, or in
-        the prefill pass when nothing decodes. When both passes run, the first tokens of this
-        step's newcomers go out through `early` before the decode starts, so their time to
-        first token does not include the batch's decode. A sequence whose prompt is longer
-        than its chunk gets its first token at the step that computes its last chunk; the
-        steps before answer nothing for it, while the others decode."""
+        """Frees, lets the newcomers join, prefills the newcomers' prompts in passes of about
+        `prefill_pass_tokens` (one when they are fewer), then decodes the running batch; the
+        next chunk of every prompt still being computed (`req.chunks` tokens of it, else
+        `prefill_chunk`) rides in the decode's pass, or in the prefill when nothing decodes.
+        Each prefill pass's first tokens go out through `early` as a partial result as soon as
+        it ends, while anything is left to run (another pass, the decode), so a newcomer's
+        time to first token includes neither the batch's decode nor the later newcomers'
+        passes. A sequence whose prompt is longer than its chunk gets its first token at the
+        step that computes its last chunk; the steps before answer nothing for it, while the
+        others decode."""
         res = StepResult()
         if req.free_seq_ids:
             self.cache.remove(req.free_seq_ids)
@@ -149,7 +151,8 @@ class ModelWorker:
                   and s.params.prompt_logprobs is None] if decode_ids else []
         first = [s for s in todo if s not in riding]
         # (An interjection answers in one piece: its partials would read as the step's.)
-        groups = _passes(first, chunks, 0 if req.interject else self.prefill_pass_tokens)
+        groups = _passes(first, {**chunks, **self._whole(first)},
+                         0 if req.interject else self.prefill_pass_tokens)
         for i, group in enumerate(groups):
             self._prefill(group, res, chunks)
             # Each pass's first tokens go out as it ends, while anything is left to run: a
@@ -165,6 +168,12 @@ class ModelWorker:
         res.decode_s = time.perf_counter() - t1 - (self._interjected_s - lent1)
         res.interjected = req.interject
         return res
+
+    def _whole(self, seqs: list[NewSequence]) -> dict[str, int]:
+        """The prompts computed whole whatever their chunk (prompt logprobs: every position's
+        logits from one pass), with the tokens they have left."""
+        return {s.seq_id: len(s.token_ids) - self.cache.lengths[s.seq_id]
+                for s in seqs if s.params.prompt_logprobs is not None}
 
     def _before_layer(self, _module, _args) -> None:
         """A decoder layer's forward pre-hook: the place a step in flight lets an
@@ -219,8 +228,8 @@ class ModelWorker:
         by_id = {s.seq_id: s for s in seqs}
         # A prompt scored with prompt logprobs is computed in one chunk (its logits at every
         # position come from one pass).
-        chunks = [(s.seq_id, len(s.token_ids) - self.cache.lengths[s.seq_id]
-                   if s.params.prompt_logprobs is not None else sizes[s.seq_id]) for s in seqs]
+        whole = self._whole(seqs)
+        chunks = [(s.seq_id, whole.get(s.seq_id, sizes[s.seq_id])) for s in seqs]
         done = {sid for sid, n in chunks if self.cache.lengths[sid] + n == len(by_id[sid].token_ids)}
         states = {sid: SamplingState.create(by_id[sid].params, by_id[sid].token_ids,
                                             by_id[sid].num_output_tokens,
@@ -523,11 +532,14 @@ def main(conn, settings) -> None:
             logging.shutdown()
             os._exit(1)
 
+    cut = [False]   # this step's passes were cut short: newcomers wait, no running ahead
+
     def another_pass() -> bool:
         """Between a multi-step request's passes: go on unless the engine sent something
         meanwhile (CutShort: newcomers wait; anything else is served after the step)."""
         if not conn.poll():
             return True
+        cut[0] = True
         try:
             msg = messages.decode(conn.recv_bytes())
         except (EOFError, OSError):
@@ -549,13 +561,16 @@ def main(conn, settings) -> None:
             _exit_at_once()
         if isinstance(msg, CutShort):
             continue   # it came after the step it was for had ended
+        cut[0] = False
         try:
             serve(msg)
         except Exception as exc:  # noqa: BLE001 - a broken batch: report it, the executor restarts us
             log.exception("step failed")
             send(RuntimeError(f"{type(exc).__name__}: {exc}"))
             return
-        if run_ahead is not None:
+        # (Not after a cut: the newcomers' step is next, and a token run ahead would make
+        # them wait for one more pass and keep their prefill out of the decode's.)
+        if run_ahead is not None and not cut[0]:
             try:
                 run_ahead()
             except Exception:  # noqa: BLE001 - as a broken step: exit, the executor restarts us

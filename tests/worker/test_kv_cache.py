@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.protocol import SamplingParams
 from factories import Driver, compare_to_solo, make_prompts, new_seq, recording, solo_references
 from worker.kv_cache import KVCacheFull, PagedKVCache, Row
 from worker.messages import StepRequest
@@ -490,3 +491,42 @@ def test_prefill_passes_are_even_and_keep_the_order():
     sizes = [len(g) for g in _passes(seqs, chunks, 300)]   # 896 tokens: 3 passes, even
     assert len(sizes) == 3 and sum(sizes) == 64 and max(sizes) - min(sizes) <= 1
     assert _passes([], chunks, 512) == []
+
+
+def test_each_newcomer_is_answered_once_across_the_passes(sharp_model):
+    """Partials split every per-sequence field by the newcomers they answer: a newcomer with a
+    cached prefix in a later pass keeps its cached-token count for that pass's answer, and one
+    that cannot join is answered once, in the first; prompt logprobs go with their own
+    newcomer's answer."""
+    model, info = sharp_model
+    cached, *rest = make_prompts(4, lengths=[24, 10, 10, 10], vocab=info.vocab_size, seed=9)
+    worker = ModelWorker(model, info, 8, prefix_cache_bytes=64 << 20, prefill_pass_tokens=20)
+    worker.step(StepRequest(prefill=[new_seq("old", cached)]))
+    worker.step(StepRequest(free_seq_ids=["old"]))   # its prompt's blocks parked for reuse
+    scored = SamplingParams(temperature=0.0, prompt_logprobs=1)
+    news = [new_seq("n0", rest[0]), new_seq("n1", rest[1]), new_seq("late", cached),
+            new_seq("bad", [1] * (info.max_model_len + 1)), new_seq("lp", rest[2], scored)]
+    ahead = []
+    res = worker.step(StepRequest(prefill=news), early=ahead.append)
+    pieces = ahead + [res]
+    answers = [sid for p in pieces for sid in [*p.token_ids, *p.errors]]
+    assert sorted(answers) == ["bad", "late", "lp", "n0", "n1"]   # each once
+    assert [p.cached_tokens for p in pieces if "late" in p.token_ids] == [{"late": 16}]
+    assert sum(len(p.cached_tokens) for p in pieces) == 1
+    assert "bad" in pieces[0].errors
+    [lp] = [p for p in pieces if "lp" in p.token_ids]
+    assert list(lp.prompt_logprobs) == ["lp"] and len(lp.prompt_logprobs["lp"]) == 9
+
+
+def test_a_prompt_scored_whole_is_sized_whole_in_the_passes(sharp_model):
+    """A prompt with prompt logprobs is computed in one pass whatever its chunk: the passes
+    are cut by that size, not the chunk's (here 10 + 10 tokens over a cap of 15: two passes,
+    where its 4-token chunk would have made it one)."""
+    model, info = sharp_model
+    a, b = make_prompts(2, lengths=[10, 10], vocab=info.vocab_size, seed=11)
+    scored = SamplingParams(temperature=0.0, prompt_logprobs=1)
+    worker = ModelWorker(model, info, 4, prefill_pass_tokens=15)
+    ahead = []
+    res = worker.step(StepRequest(prefill=[new_seq("a", a), new_seq("lp", b, scored)],
+                                  chunks={"lp": 4}), early=ahead.append)
+    assert [list(p.token_ids) for p in ahead] == [["a"]] and list(res.token_ids) == ["lp"]
