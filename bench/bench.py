@@ -143,6 +143,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rounds of the baseline comparison, the systems in turn (default 2)")
     p.add_argument("--skip-peers", action="store_true",
                    help="skip the peers table (quick runs skip it unless --only peers)")
+    p.add_argument("--skip-float32-row", action="store_true",
+                   help="leave out the default backend's float32 twin in the peers table (it "
+                        "runs where --dtype resolves to another dtype, for the bf16 >= 1.6x "
+                        "float32 bar)")
     p.add_argument("--peers", default=",".join(PEER_NAMES),
                    help=f"peers to compare against, of {','.join(PEER_NAMES)} (default: all; "
                         "an absent one is reported as skipped)")
@@ -575,6 +579,7 @@ def main(argv=None) -> int:
         result.get("raw"), result.get("stop_strings"), result.get("lengths"))
     if result.get("peers"):
         result["targets"] += report.peer_targets(result["peers"], args.backend)
+    result["targets"] += report.quality_targets(result.get("quality"))
     if result.get("batch"):
         result["targets"] += report.batch_targets(result["batch"])
     if result.get("baseline"):

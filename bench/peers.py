@@ -77,8 +77,9 @@ class LlmqSystem:
     role = "llmq"
 
     def __init__(self, backend: str, workdir: Path, tokens: int, row_dtype: str | None = None,
-                 **stack_kwargs):
-        self.name = f"llmq[{backend}]"
+                 label: str = "", **stack_kwargs):
+        # label: tells a second row of the same backend apart (its float32 twin)
+        self.name = f"llmq[{backend}]" + (f" {label}" if label else "")
         self.backend = backend
         self.dtype = row_dtype or stack_kwargs.get("dtype", "float32")   # what the row served in
         # (the optional backends' packages share their names: make llama-cpp, make vllm)
@@ -86,7 +87,8 @@ class LlmqSystem:
         self.skip = (f"{backend} is not installed (make {backend.replace('_', '-')})"
                      if optional and importlib.util.find_spec(backend) is None else None)
         self.force = {**FORCE_LENGTH, "min_tokens": tokens}
-        self.stack = Stack(workdir / f"llmq-{backend}", backend=backend, **stack_kwargs)
+        self.stack = Stack(workdir / ("-".join(["llmq", backend] + ([label] if label else []))),
+                           backend=backend, **stack_kwargs)
 
     def start(self) -> str:
         self.stack.start("continuous")
@@ -221,21 +223,29 @@ def gguf_type(path: str) -> str:
 
 
 
+FLOAT32_LABEL = "float32"   # the name's suffix of the default backend's float32 twin row
+
+
 def build_systems(args, workdir: Path, model_dir: str, gguf: str, dtype: str) -> list:
-    """llmq on --backend, then the peers asked for, then llmq on each other backend asked for.
+    """llmq on --backend, its float32 twin where that serves in another dtype (issue 17's bar:
+    bfloat16 at least 1.6x float32 on a CPU that computes it natively; --skip-float32-row
+    leaves it out), then the peers asked for, then llmq on each other backend asked for.
     dtype: the LLMQ_DTYPE asked for (auto included), resolved for each backend; the llama_cpp
     one serves the GGUF's types."""
     stack_kwargs = dict(max_num_seqs=args.max_num_seqs, device=args.device, dtype=dtype,
                         api_app=args.api_app)
 
-    def llmq(backend):
+    def llmq(backend, dtype=dtype, label=""):
         if backend == "llama_cpp":
             return LlmqSystem(backend, workdir, args.peers_tokens, gguf_type(gguf), **stack_kwargs)
         served = resolve_dtype(dtype, args.device, backend)   # vLLM on CPU: float32 under auto
-        return LlmqSystem(backend, workdir, args.peers_tokens, served,
+        return LlmqSystem(backend, workdir, args.peers_tokens, served, label,
                           **{**stack_kwargs, "dtype": served})
 
     systems = [llmq(args.backend)]
+    if (systems[0].dtype != "float32" and args.backend != "llama_cpp"
+            and not getattr(args, "skip_float32_row", False)):
+        systems.append(llmq(args.backend, "float32", label=FLOAT32_LABEL))
     if "vllm" in args.peers:
         systems.append(vllm_peer(model_dir, workdir, args.max_num_seqs, args.peers_tokens))
     if "llama-server" in args.peers:

@@ -285,6 +285,9 @@ def _held_line(batch: dict) -> list[str]:
 # llmq's backends against the peer that runs the same engine, and the issue's bar for each:
 # (peer, minimum tok/s ratio, the levels it holds at, TTFT p50 at most this x the peer's).
 SAME_ENGINE = {"llama_cpp": ("llama-server", 0.95, None, None), "vllm": ("vLLM", 0.9, (1, 64), 1.2)}
+# Issue 17: where the default backend serves in a lower precision the hardware computes natively
+# (bfloat16 on AVX512-BF16/AMX), it serves at least this x its float32 twin at c=64.
+LOW_PRECISION_BAR = 1.6
 
 
 def best_peer_ratios(systems: list[dict]) -> dict[int, dict]:
@@ -338,6 +341,7 @@ def peer_targets(peers: dict, backend: str) -> list[dict]:
     v = lv and lv.get("compute_fraction")
     out.append({"name": f"peers: llmq[{backend}] >= 0.5 of the compute limit @64", "value": v,
                 "met": None if v is None else v >= 0.5})
+    out += low_precision_targets(systems, backend)
     for engine, (peer, bar, at, ttft_bar) in SAME_ENGINE.items():
         name = f"llmq[{engine}]"
         if not any(s["name"] == name and s.get("levels") for s in systems):
@@ -355,6 +359,40 @@ def peer_targets(peers: dict, backend: str) -> list[dict]:
     return out
 
 
+def low_precision_targets(systems: list[dict], backend: str) -> list[dict]:
+    """The default backend in its dtype over its float32 twin (bench/peers.py adds that row
+    where the two differ) at c=64, round by round beside the best-of-rounds ratio; [] where
+    there is no twin (a float32 host, or --skip-float32-row)."""
+    from .peers import FLOAT32_LABEL
+
+    main = next((s for s in systems if s["name"] == f"llmq[{backend}]"), None)
+    twin = f"llmq[{backend}] {FLOAT32_LABEL}"
+    if main is None or not any(s["name"] == twin for s in systems):
+        return []
+    ours, theirs = _level(systems, main["name"], 64), _level(systems, twin, 64)
+    v = ratio(ours and ours.get("tokens_per_s_all"), theirs and theirs.get("tokens_per_s_all"))
+    return [{"name": f"peers: llmq[{backend}] {main['dtype']} >= {LOW_PRECISION_BAR} x float32 @64",
+             "value": v, "met": None if v is None else v >= LOW_PRECISION_BAR,
+             **paired_rounds(ours, theirs)}]
+
+
+def quality_targets(quality: dict | None) -> list[dict]:
+    """The quality guard's verdict per judged variant (bench/quality.py): its greedy tokens
+    teacher-forced against float32's at least the target share, and the Paris answer kept;
+    how many of the answers came out word for word the same goes beside it."""
+    if not quality:
+        return []
+    out = []
+    for name, cmp in quality.items():
+        if not isinstance(cmp, dict) or "teacher_forced_match" not in cmp:
+            continue
+        out.append({"name": f"quality: {name} >= {quality['target']:.0%} of {quality['reference']}'s "
+                            "greedy tokens, Paris kept",
+                    "value": cmp["teacher_forced_match"], "met": bool(cmp["passed"]),
+                    "note": f"{cmp['answers_unchanged']}/{quality['prompts']} answers unchanged"})
+    return out
+
+
 def format_peers(peers: dict | None, eff: dict | None = None) -> list[str]:
     """The bench's first table: every system at each level, same load, same client."""
     if not peers:
@@ -367,7 +405,7 @@ def format_peers(peers: dict | None, eff: dict | None = None) -> list[str]:
              f"{peers['load_avg_start'][0]:.1f} -> {peers['load_avg_end'][0]:.1f}; times in ms)"]
     if eff:
         lines.append(f"  CPU: {eff['cpu']['model']}; flags: {' '.join(eff['cpu']['flags'])}")
-    lines.append(f"  {'conc':>4} {'system':<20} {'dtype':<8} {'tok/s':>7} {'TTFT50':>7} {'TTFT99':>7}"
+    lines.append(f"  {'conc':>4} {'system':<26} {'dtype':<8} {'tok/s':>7} {'TTFT50':>7} {'TTFT99':>7}"
                  f" {'ITL50':>6} {'ITL99':>6} {'x best':>6} {'limit':>6} {'fail':>4}")
     for c in peers["levels"]:
         for sys_ in peers["systems"]:
@@ -375,7 +413,7 @@ def format_peers(peers: dict | None, eff: dict | None = None) -> list[str]:
             if lv is None:
                 continue
             lines.append(
-                f"  {c:>4} {sys_['name']:<20} {sys_['dtype']:<8} {_f(lv['tokens_per_s_all']):>7}"
+                f"  {c:>4} {sys_['name']:<26} {sys_['dtype']:<8} {_f(lv['tokens_per_s_all']):>7}"
                 f" {_ms(lv['ttft_p50_s']):>7} {_ms(lv['ttft_p99_s']):>7} {_ms(lv['itl_p50_s']):>6}"
                 f" {_ms(lv.get('itl_p99_s')):>6} {_f(lv.get('over_best_peer'), '{:.2f}'):>6}"
                 f" {_f(lv.get('compute_fraction') and 100 * lv['compute_fraction'], '{:.0f}%'):>6}"
@@ -397,7 +435,7 @@ def format_peers(peers: dict | None, eff: dict | None = None) -> list[str]:
         for sys_ in peers["systems"]:
             for lv in sys_.get("levels", []):
                 idle = lv.get("bystanders_cpu_pct")
-                lines.append(f"    {sys_['name']:<20} c={lv['concurrency']:<3} "
+                lines.append(f"    {sys_['name']:<26} c={lv['concurrency']:<3} "
                              + " ".join(_f(t) for t in lv.get("rounds_tokens_per_s", []))
                              + (f"  (others idle: {idle}%)" if idle is not None else ""))
     lines.append("  (x best: tok/s over the best peer's at that concurrency; limit: tok/s x "

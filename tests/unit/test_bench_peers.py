@@ -201,6 +201,26 @@ def test_the_systems_are_llmq_then_the_peers_then_llmqs_other_backends(tmp_path)
     assert systems[2].force == {"ignore_eos": True}   # llama-server has no min_tokens
 
 
+def test_a_bfloat16_default_backend_gets_a_float32_twin_row_beside_it(tmp_path):
+    """Issue 17's bf16 bar (at least 1.6x float32 at c=64) is judged in the same run: where the
+    default backend serves in bfloat16, its float32 twin follows it, on a stack of its own."""
+    from bench.bench import parse_args
+    from bench.peers import build_systems
+
+    args = parse_args(["--peers", "", "--llmq-backends", "llama_cpp"])
+    systems = build_systems(args, tmp_path, "/m", "/x/m.Q4_1.gguf", "bfloat16")
+    assert [(s.name, s.dtype) for s in systems] == [
+        ("llmq[transformers]", "bfloat16"), ("llmq[transformers] float32", "float32"),
+        ("llmq[llama_cpp]", "Q4_1")]
+    assert [s.stack.dtype for s in systems[:2]] == ["bfloat16", "float32"]
+    assert systems[0].stack.workdir != systems[1].stack.workdir
+    # A float32 host has no twin, nor does a run that leaves it out.
+    assert len(build_systems(args, tmp_path, "/m", "/x/m.Q4_1.gguf", "float32")) == 2
+    args = parse_args(["--peers", "", "--llmq-backends", "", "--skip-float32-row"])
+    assert [s.name for s in build_systems(args, tmp_path, "/m", "/x/m.Q4_1.gguf",
+                                          "bfloat16")] == ["llmq[transformers]"]
+
+
 def test_the_table_has_the_llama_cpp_backend_by_default_skipped_where_it_is_absent(
         tmp_path, monkeypatch):
     """Issue 17's bar for llmq[llama_cpp] is judged by the plain `make bench` run: the row is

@@ -165,6 +165,46 @@ def test_the_peer_targets_follow_the_issues_bars_for_the_systems_that_ran():
     assert not [name for name in t if "llmq[vllm]" in name]
 
 
+def test_bfloat16_is_read_against_its_float32_twin_at_64_round_by_round():
+    peers = _peers_result()
+    peers["systems"][0]["dtype"] = "bfloat16"
+    for lv, rounds in zip(peers["systems"][0]["levels"], ([21, 20], [231.0, 220.0])):
+        lv["rounds_tokens_per_s"] = rounds
+    twin = _system("llmq[transformers] float32", "llmq", "float32", (1, 20.0, 0.1, 0.03),
+                   (64, 140.0, 5.0, 0.6))
+    twin["levels"][1]["rounds_tokens_per_s"] = [140.0, 125.0]
+    peers["systems"].insert(1, twin)
+    best_peer_ratios(peers["systems"])
+    t = {x["name"]: x for x in peer_targets(peers, "transformers")}
+    bar = t["peers: llmq[transformers] bfloat16 >= 1.6 x float32 @64"]
+    assert bar["value"] == pytest.approx(231 / 140, abs=1e-3) and bar["met"] is True
+    assert bar["rounds"] == [pytest.approx(231 / 140, abs=1e-3), pytest.approx(220 / 125, abs=1e-3)]
+    twin["levels"][1]["tokens_per_s_all"] = 150.0
+    t = {x["name"]: x for x in peer_targets(peers, "transformers")}
+    assert t["peers: llmq[transformers] bfloat16 >= 1.6 x float32 @64"]["met"] is False
+    # The twin is llmq's own row: never the best peer.
+    assert best_peer_ratios(peers["systems"])[64]["name"] == "vLLM"
+    # No twin (a float32 host): no such bar.
+    assert not [n for n in peer_targets(_peers_result(), "transformers") if "x float32" in n["name"]]
+
+
+def test_the_quality_guard_is_a_target_per_judged_variant():
+    from bench.report import quality_targets
+
+    cmp = {"teacher_forced_match": 0.99, "answers_unchanged": 8, "passed": True}
+    quality = {"prompts": 16, "tokens": 64, "reference": "float32", "target": 0.95,
+               "answers": {"float32": "Paris"}, "decode_tokens_per_s": {"float32": 40.0},
+               "bfloat16": cmp, "float32, float16 KV cache": {**cmp, "passed": False}}
+    t = {x["name"]: x for x in quality_targets(quality)}
+    assert list(t) == ["quality: bfloat16 >= 95% of float32's greedy tokens, Paris kept",
+                       "quality: float32, float16 KV cache >= 95% of float32's greedy tokens, "
+                       "Paris kept"]
+    first = next(iter(t.values()))
+    assert first["met"] is True and first["value"] == 0.99 and "8/16 answers" in first["note"]
+    assert list(t.values())[1]["met"] is False
+    assert quality_targets(None) == []
+
+
 def test_the_peers_table_comes_first_with_a_row_per_system_and_level():
     peers = _peers_result()
     best_peer_ratios(peers["systems"])
