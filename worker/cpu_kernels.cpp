@@ -13,6 +13,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta,
 torch::Tensor silu_mul(torch::Tensor gate_up);
 std::vector<torch::Tensor> rotary(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                   int64_t heads, int64_t kv_heads);
+bool wide_ops(std::optional<bool> on);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention, pools read in place");
@@ -20,4 +21,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("delta"), pybind11::arg("weight"), pybind11::arg("eps"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
   m.def("rotary", &rotary, "q, k of qkv rows with the rotary embedding applied");
+  m.def("wide_ops", &wide_ops, "whether the bfloat16 kernels (layer ops, decode "
+        "attention) take their AVX512-BF16 paths; on: turn them off or back on", pybind11::arg("on") = pybind11::none());
 }

@@ -2,7 +2,9 @@
 
 One module of three sources: decode attention over the paged KV cache
 (worker/decode_attention.cpp), a Llama layer's fused elementwise ops (worker/layer_ops.cpp) and
-their bindings (worker/cpu_kernels.cpp), with the AVX2 helpers they share (worker/simd.h).
+their bindings (worker/cpu_kernels.cpp), with the AVX2 helpers they share (worker/simd.h);
+bfloat16's ops and attention have AVX512-BF16 paths, compiled function by function and taken
+where the CPU has the instructions (docs/architecture.md, "The bfloat16 kernels").
 `python -m worker.cpu_kernels build` compiles it (`make model` runs it, so neither the tests nor
 the first worker start pay the ~1 minute); otherwise the first use compiles it. The build is
 cached by torch under ~/.cache/torch_extensions (keyed by the sources' and the flags' hash, so
@@ -34,8 +36,8 @@ _loaded: dict[str, object] = {}
 
 
 def load(verbose: bool = False):
-    """The compiled module (.decode_attention, .add_rms_norm, .silu_mul, .rotary), or None when
-    it cannot be built here."""
+    """The compiled module (.decode_attention, .add_rms_norm, .silu_mul, .rotary, .wide_ops),
+    or None when it cannot be built here."""
     if "module" in _loaded:
         return _loaded["module"]
     module = None

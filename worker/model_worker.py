@@ -82,10 +82,12 @@ class ModelWorker:
         self.llama = LlamaForward.for_model(model, lambda: self._before_layer(None, None),
                                             module if layer_kernels else None)
         log.info("KV cache: %d blocks of %d tokens (%d MiB, %s), decode attention: %s, "
-                 "layer ops: %s", self.cache.num_blocks, block_size,
+                 "layer ops: %s%s", self.cache.num_blocks, block_size,
                  self.cache.num_blocks * block_bytes >> 20, str(self.kv_dtype).split(".")[-1],
                  "gather + SDPA" if kernel is None else "C++ kernel",
-                 "C++ (fused)" if self.llama and self.llama.kernels else "torch")
+                 "C++ (fused)" if self.llama and self.llama.kernels else "torch",
+                 "; bfloat16 kernels on AVX512-BF16" if module and module.wide_ops()
+                 and model.dtype == torch.bfloat16 else "")
 
     @classmethod
     def load(cls, settings) -> "ModelWorker":

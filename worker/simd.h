@@ -1,10 +1,14 @@
 // AVX2 helpers shared by the CPU kernels (decode_attention.cpp, layer_ops.cpp): 8 floats at a
-// time from and to float32, bfloat16 and float16, a horizontal sum and a vector exp.
+// time from and to float32, bfloat16 and float16, a horizontal sum and a vector exp; and their
+// AVX-512 twins at 16 floats for bfloat16 (llmq::wide), compiled for AVX512-BF16 function by
+// function and called only where the CPU has it (wide::available), as the build's flags stay
+// portable.
 // (worker/cpu_kernels.py hashes this header into the build flags: torch's build cache keys on
 // the sources alone, and an edit here must rebuild them.)
 #pragma once
 #include <torch/extension.h>
 #include <immintrin.h>
+#include <atomic>
 
 namespace llmq {
 
@@ -72,5 +76,69 @@ inline __m256 exp8(__m256 x) {
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
+
+namespace wide {
+
+// Each function here is compiled for AVX512-BF16 alone (the rest of the file stays AVX2):
+// call them only after available() said yes.
+#define LLMQ_WIDE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// Whether this CPU runs the wide code (AVX512-BF16 implies F and BW; the OS must save the
+// registers, which __builtin_cpu_supports checks).
+inline bool available() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+// Whether the kernels take their wide paths: where the CPU has them, unless a test or a
+// measurement turned them off (the module's wide_ops(false)). One flag for all the sources.
+inline std::atomic<bool>& wanted() {
+  static std::atomic<bool> flag{true};
+  return flag;
+}
+
+inline bool on() { return wanted().load(std::memory_order_relaxed) && available(); }
+
+LLMQ_WIDE inline __m512 load16(const at::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The native conversion: round to nearest even as c10::BFloat16 does, in one instruction
+// where bf16_bits takes eight. (It differs from it only on NaNs' payloads and on float32
+// denormals, which it flushes to zero: activations are never that small but for zeros.)
+LLMQ_WIDE inline __m256i bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+LLMQ_WIDE inline void store16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16(v));
+}
+
+LLMQ_WIDE inline __m512 round16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(v)), 16));
+}
+
+LLMQ_WIDE inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// exp8's steps at 16 lanes, so both give the same bits for the same input.
+LLMQ_WIDE inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+}  // namespace wide
 
 }  // namespace llmq

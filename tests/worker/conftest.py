@@ -29,3 +29,19 @@ def sharp_model(tiny_model):
     on the whole context (see factories.sharpened)."""
     model, info = tiny_model
     return sharpened(model), info
+
+
+@pytest.fixture(params=["avx2", "avx512bf16"])
+def path(request):
+    """Runs a CPU kernels' test on each of the bfloat16 kernels' paths: AVX2's and, where the
+    CPU has AVX512-BF16, the wide one (worker/simd.h's llmq::wide)."""
+    from worker import cpu_kernels
+
+    ops = cpu_kernels.load()
+    if ops is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    if request.param == "avx512bf16" and not ops.wide_ops():
+        pytest.skip("this CPU has no AVX512-BF16")
+    ops.wide_ops(request.param == "avx512bf16")
+    yield request.param
+    ops.wide_ops(True)

@@ -3,7 +3,8 @@
 Random pools, shuffled block tables and ragged lengths: each row's output must be its own
 attention over its first `length` slots, in fp32 and bf16, with and without grouped query
 heads; paged attention with the kernel must equal its torch path on a pass mixing decode and
-prefill rows. Skipped where the kernel cannot be built (no compiler: the torch path serves).
+prefill rows. bfloat16's cases run on both of its paths (AVX2's, and AVX512-BF16's where the
+CPU has it). Skipped where the kernel cannot be built (no compiler: the torch path serves).
 """
 from __future__ import annotations
 
@@ -55,12 +56,14 @@ def random_case(rows, heads, kv_heads, dim, block_size, dtype, seed, longest=70,
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
-def test_each_row_attends_its_own_blocks(dtype, tol, heads, kv_heads, dim):
-    q, kpool, vpool, tables, lengths = random_case(13, heads, kv_heads, dim, 8, dtype, seed=dim)
+@pytest.mark.parametrize("block_size", [8, 4, 16])
+def test_each_row_attends_its_own_blocks(dtype, tol, heads, kv_heads, dim, block_size, path):
+    q, kpool, vpool, tables, lengths = random_case(13, heads, kv_heads, dim, block_size, dtype,
+                                                   seed=dim)
     scale = dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    kernel.decode_attention(q, kpool, vpool, tables, lengths, 8, scale, out)
-    want = reference(q, kpool, vpool, tables, lengths, 8, scale)
+    kernel.decode_attention(q, kpool, vpool, tables, lengths, block_size, scale, out)
+    want = reference(q, kpool, vpool, tables, lengths, block_size, scale)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
 
@@ -98,19 +101,40 @@ def test_strided_query_and_output_rows():
     assert out[5:].abs().sum() == 0                   # nothing written past the rows
 
 
-def test_slots_past_a_rows_length_are_never_read():
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 16), (torch.bfloat16, 64)])
+def test_slots_past_a_rows_length_are_never_read(dtype, dim, path):
     """A row's last block holds stale slots (the pool is torch.empty): NaN there changes
     nothing."""
-    q, kpool, vpool, tables, lengths = random_case(6, 4, 2, 16, 8, torch.float32, seed=5)
+    q, kpool, vpool, tables, lengths = random_case(6, 4, 2, dim, 8, dtype, seed=5)
     want = torch.empty_like(q)
     kernel.decode_attention(q, kpool, vpool, tables, lengths, 8, 0.25, want)
     for i, n in enumerate(lengths.tolist()):
         block = tables[i, (n - 1) // 8]
         for slot in range(block * 8 + (n - 1) % 8 + 1, block * 8 + 8):
             kpool[slot], vpool[slot] = float("nan"), float("nan")
+    assert (lengths % 8 != 0).any()
     out = torch.empty_like(q)
     kernel.decode_attention(q, kpool, vpool, tables, lengths, 8, 0.25, out)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("longest", [70, 300])
+def test_the_wide_path_agrees_with_the_avx2_path(longest):
+    """AVX512-BF16's scores sum the bfloat16 products 32 at a time in another order: the two
+    paths' outputs differ by a bfloat16 rounding at most, over short and long rows (in float32
+they differ in the last bits; rounded to bfloat16, mostly not at all)."""
+    if not kernel.wide_ops():
+        pytest.skip("this CPU has no AVX512-BF16")
+    q, kpool, vpool, tables, lengths = random_case(16, 9, 3, 64, 16, torch.bfloat16, seed=11,
+                                                   longest=longest)
+    wide, narrow = torch.empty_like(q), torch.empty_like(q)
+    kernel.decode_attention(q, kpool, vpool, tables, lengths, 16, 0.125, wide)
+    kernel.wide_ops(False)
+    try:
+        kernel.decode_attention(q, kpool, vpool, tables, lengths, 16, 0.125, narrow)
+    finally:
+        kernel.wide_ops(True)
+    torch.testing.assert_close(wide.float(), narrow.float(), rtol=2 ** -7, atol=2 ** -8)
 
 
 class FakeAttention(torch.nn.Module):
@@ -122,7 +146,7 @@ class FakeAttention(torch.nn.Module):
 @pytest.mark.parametrize("dtype,kv_dtype,tol", [(torch.float32, None, 1e-5),
                                                  (torch.bfloat16, None, 2e-2),
                                                  (torch.float32, torch.float16, 1e-5)])
-def test_paged_attention_with_the_kernel_equals_its_torch_path(dtype, kv_dtype, tol):
+def test_paged_attention_with_the_kernel_equals_its_torch_path(dtype, kv_dtype, tol, path):
     """A pass of decode rows (ragged, their blocks interleaved) and a prefill chunk: the
     kernel changes only how the decode rows are computed, not what; a float16 cache under
     float32 queries too (the torch path widens what it gathers)."""

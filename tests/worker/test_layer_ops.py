@@ -1,7 +1,8 @@
 """The fused layer ops (worker/layer_ops.cpp) against the torch ops they replace
 (worker/llama_forward.py's): equal to the bit where they round alike (the residual add, the
 rotary embedding, bfloat16), within float32's last bits where the order of a sum or the exp
-differs; each row the same whatever rows are around it."""
+differs; each row the same whatever rows are around it. bfloat16's are checked on both of its
+paths: AVX2's and, where the CPU has AVX512-BF16, the 16-lane one."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,7 @@ ops = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="the CPU kernels cannot be built here")
 
 DTYPES = (torch.float32, torch.bfloat16)
+WIDE = ops is not None and ops.wide_ops()
 
 
 class Norm:
@@ -37,7 +39,7 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_add_rms_norm_adds_in_place_and_norms_as_llama_rms_norm(dtype, rows):
+def test_add_rms_norm_adds_in_place_and_norms_as_llama_rms_norm(dtype, rows, path):
     torch.manual_seed(rows)
     norm = Norm(576, dtype)
     x, delta = rand(rows, 576, dtype=dtype, scale=3), rand(rows, 576, dtype=dtype)
@@ -60,7 +62,7 @@ def test_add_rms_norm_adds_in_place_and_norms_as_llama_rms_norm(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_is_silu_of_gate_times_up(dtype):
+def test_silu_mul_is_silu_of_gate_times_up(dtype, path):
     torch.manual_seed(0)
     gate_up = rand(7, 2 * 1536, dtype=dtype, scale=4)
     gate_up[0, :8] = torch.tensor([-200.0, -90.0, -20.0, -0.0, 0.0, 20.0, 90.0, 200.0])
@@ -74,7 +76,8 @@ def test_silu_mul_is_silu_of_gate_times_up(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
-def test_rotary_is_torchs_to_the_bit_in_the_layout_attention_takes(dtype, heads, kv_heads):
+def test_rotary_is_torchs_to_the_bit_in_the_layout_attention_takes(dtype, heads, kv_heads,
+                                                                  path):
     torch.manual_seed(heads)
     rows, dim = 11, 64
     qkv = rand(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
@@ -92,11 +95,13 @@ def test_rotary_is_torchs_to_the_bit_in_the_layout_attention_takes(dtype, heads,
     assert torch.equal(got_k, want_k[0].transpose(0, 1))
 
 
-def test_a_row_is_the_same_whatever_rows_are_around_it():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_is_the_same_whatever_rows_are_around_it(dtype, path):
     """Batch invariance: rows are split among threads by count, never summed across."""
     torch.manual_seed(1)
-    norm = Norm(576, torch.float32)
-    x, delta, gate_up = rand(64, 576), rand(64, 576), rand(64, 3072)
+    norm = Norm(576, dtype)
+    x, delta, gate_up = rand(64, 576, dtype=dtype), rand(64, 576, dtype=dtype), \
+        rand(64, 3072, dtype=dtype)
     full = ops.add_rms_norm(x.clone(), delta, norm.weight, 1e-5)
     one = ops.add_rms_norm(x[5:6].clone(), delta[5:6], norm.weight, 1e-5)
     assert torch.equal(full[5:6], one)
@@ -113,3 +118,37 @@ def test_what_they_do_not_take_is_refused_not_misread():
         ops.silu_mul(rand(2, 64, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="multiple"):
         ops.silu_mul(rand(2, 40))
+
+
+def test_the_wide_path_is_taken_where_the_cpu_has_avx512_bf16():
+    """The runtime check must see what /proc/cpuinfo reports: a build or a check that missed it
+    would serve bfloat16 on the slower path without a word."""
+    assert ops.wide_ops() == cpu_kernels._cpu_has("avx512f", "avx512bw", "avx512vl", "avx512dq",
+                                                  "avx512_bf16")
+
+
+@pytest.mark.skipif(not WIDE, reason="this CPU has no AVX512-BF16")
+def test_the_wide_path_gives_the_avx2_paths_bits():
+    """Rounded at the same places with the same exp: the same bits, but for the norm's sum of
+    squares, summed in 16 parts instead of 8 (its last bit may cross a rounding boundary)."""
+    torch.manual_seed(3)
+    norm = Norm(576, torch.bfloat16)
+    x, delta = rand(64, 576, dtype=torch.bfloat16, scale=3), rand(64, 576, dtype=torch.bfloat16)
+    gate_up = rand(64, 3072, dtype=torch.bfloat16, scale=4)
+    qkv, cs = rand(64, 15 * 64, dtype=torch.bfloat16), rand(2, 64, 64, dtype=torch.bfloat16)
+
+    def run():
+        xs = x.clone()
+        return (ops.add_rms_norm(xs, delta, norm.weight, 1e-5), xs, ops.silu_mul(gate_up),
+                *ops.rotary(qkv, cs[0], cs[1], 9, 3))
+
+    wide = run()
+    ops.wide_ops(False)
+    try:
+        narrow = run()
+    finally:
+        ops.wide_ops(True)
+    assert (wide[0] != narrow[0]).float().mean() < 0.01
+    torch.testing.assert_close(wide[0], narrow[0], rtol=2 ** -7, atol=0)
+    for a, b in zip(wide[1:], narrow[1:]):
+        assert torch.equal(a, b)
