@@ -379,19 +379,9 @@ def _lengths(stack: Stack, args, progress) -> dict:
 
 
 def served_kv_dtype(stack) -> str:
-    """The KV cache dtype the stack's worker resolves (LLMQ_KV_CACHE_DTYPE, auto: float16 under
-    float32 on a CPU with the decode kernel), as the worker does it."""
-    import torch
-
-    from common.settings import Settings
-    from worker import cpu_kernels
-    from worker.model_worker import resolve_kv_dtype
-
-    dtype = getattr(torch, stack.dtype)
-    kernel = stack.device == "cpu" and Settings.from_env().decode_kernel \
-        and cpu_kernels.load() is not None
-    name = os.environ.get("LLMQ_KV_CACHE_DTYPE", "auto")
-    return str(resolve_kv_dtype(name, dtype, torch.device(stack.device), kernel)).split(".")[-1]
+    """The KV cache dtype the stack's worker chose (LLMQ_KV_CACHE_DTYPE; auto: float16 under
+    float32 on a CPU with the decode kernel), as its heartbeat reports it."""
+    return stack.worker_report().get("kv_cache_dtype") or stack.dtype
 
 
 # --- main ---------------------------------------------------------------------------------------

@@ -221,6 +221,13 @@ class Stack:
     COUNTERS = ("num_steps", "num_finished", "prefill_tokens", "prefix_cached_tokens",
                 "num_held_steps", "num_interjected")
 
+    def worker_report(self) -> dict[str, str]:
+        """What the stack's worker reports in its heartbeat (/readyz): its dtype, KV cache dtype
+        and kernels beside its counters."""
+        r = requests.get(f"{self.url}/readyz", timeout=5)
+        return next((w for w in r.json().get("workers", []) if w.get("name") == self.worker_name),
+                    {})
+
     def worker_info(self, settle_s: float = 10.0) -> dict[str, float]:
         """The worker's counters and StepTiming totals (from its heartbeat), once they stop
         moving (the heartbeat lags the last step by up to LLMQ_WORKER_HEARTBEAT)."""

@@ -460,6 +460,8 @@ class EngineCore:
         return {"model": info.name if info else "",
                 "device": info.device if info else "",
                 "dtype": info.dtype if info else "",
+                "kv_cache_dtype": info.kv_cache_dtype if info else "",
+                "kernels": info.kernels if info else "",
                 "model_loaded": int(info is not None),
                 # the API refuses prompts past it before they queue
                 "max_model_len": info.max_model_len if info else 0,

@@ -40,6 +40,10 @@ class ModelInfo:
     device: str
     dtype: str
     generation_defaults: dict
+    # What the backend built around the model, reported in the worker's heartbeat (/readyz)
+    # so that an operator, and the bench, read it rather than work it out again.
+    kv_cache_dtype: str = ""   # the KV cache's element type ("" where unknown)
+    kernels: str = ""          # which attention and layer kernels the steps run
 
 
 class ModelManager:

@@ -81,13 +81,15 @@ class ModelWorker:
         # others transformers' forward.
         self.llama = LlamaForward.for_model(model, lambda: self._before_layer(None, None),
                                             module if layer_kernels else None)
-        log.info("KV cache: %d blocks of %d tokens (%d MiB, %s), decode attention: %s, "
-                 "layer ops: %s%s", self.cache.num_blocks, block_size,
-                 self.cache.num_blocks * block_bytes >> 20, str(self.kv_dtype).split(".")[-1],
-                 "gather + SDPA" if kernel is None else "C++ kernel",
-                 "C++ (fused)" if self.llama and self.llama.kernels else "torch",
-                 "; bfloat16 kernels on AVX512-BF16" if module and module.wide_ops()
-                 and model.dtype == torch.bfloat16 else "")
+        kernels = (f"decode attention: {'gather + SDPA' if kernel is None else 'C++ kernel'}, "
+                   f"layer ops: {'C++ (fused)' if self.llama and self.llama.kernels else 'torch'}"
+                   + ("; bfloat16 kernels on AVX512-BF16" if module and module.wide_ops()
+                      and model.dtype == torch.bfloat16 else ""))
+        self.info = dataclasses.replace(self.info, kernels=kernels,
+                                        kv_cache_dtype=str(self.kv_dtype).split(".")[-1])
+        log.info("KV cache: %d blocks of %d tokens (%d MiB, %s), %s", self.cache.num_blocks,
+                 block_size, self.cache.num_blocks * block_bytes >> 20,
+                 self.info.kv_cache_dtype, kernels)
 
     @classmethod
     def load(cls, settings) -> "ModelWorker":
@@ -449,7 +451,10 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device,
 
 
 def decode_group_slots(model, device: torch.device) -> int | None:
-    """The most slots one decode group may span (None: no limit; on a GPU, larger is better)."""
+    """The most slots one decode group may span (None: no limit; on a GPU, larger is better).
+    In the model's bytes, whatever the cache's dtype: a group's keys and values are gathered
+    into the model's dtype (a float16 cache under a float32 model is widened as it is read),
+    and it is the gathered copy that must stay in L2 until attention reads it."""
     if device.type != "cpu":
         return None
     per_layer = kv_bytes_per_token(model) // model.config.get_text_config().num_hidden_layers

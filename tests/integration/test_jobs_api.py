@@ -267,6 +267,16 @@ def test_health_and_readiness(stack):
     body = r.json()
     assert body["status"] == "ready"
     assert stack["worker"].hostname in [w["name"] for w in body["workers"]]
+    # The worker says what it built around the model: its KV cache's dtype and its kernels.
+    me = next(w for w in body["workers"] if w["name"] == stack["worker"].hostname)
+    if stack["backend"] == "transformers":
+        # auto: float16 under a float32 model where the C++ kernel attends, else the model's
+        widened = me["dtype"] == "float32" and "decode attention: C++ kernel" in me["kernels"]
+        assert me["kv_cache_dtype"] == ("float16" if widened else me["dtype"]), me
+    else:
+        assert me["kv_cache_dtype"] == {"llama_cpp": "float16", "vllm": me["dtype"]}[
+            stack["backend"]], me
+        assert me["kernels"].lower().startswith(stack["backend"].split("_")[0]), me
 
 
 def test_readiness_is_503_without_a_worker(redis_server):

@@ -22,23 +22,19 @@ def test_the_kv_bytes_follow_the_served_dtype(tmp_path):
     assert kv_bytes_per_token(str(tmp_path), "bfloat16") == per_token_fp32 // 2
 
 
-def test_the_phase_counts_the_kv_cache_dtype_the_worker_picks(monkeypatch):
-    """The RSS target is read against the cache's own bytes: float16 under a float32 model on a
-    CPU with the decode kernel (auto), the model's dtype when asked for or without the kernel."""
+def test_the_phase_counts_the_kv_cache_dtype_the_worker_reports():
+    """The RSS target is read against the cache's own bytes, in the dtype the stack's worker
+    reports in its heartbeat (worker/model_worker.py chooses it; tests/worker checks the
+    choice); a worker that reports none (an older tree's) is taken to store the model's."""
     from types import SimpleNamespace
 
     from bench.bench import served_kv_dtype
-    from worker import cpu_kernels
 
-    cpu32 = SimpleNamespace(dtype="float32", device="cpu")
-    monkeypatch.delenv("LLMQ_KV_CACHE_DTYPE", raising=False)
-    monkeypatch.delenv("LLMQ_DECODE_KERNEL", raising=False)
-    assert served_kv_dtype(cpu32) == ("float16" if cpu_kernels.load() else "float32")
-    assert served_kv_dtype(SimpleNamespace(dtype="bfloat16", device="cpu")) == "bfloat16"
-    monkeypatch.setenv("LLMQ_DECODE_KERNEL", "0")
-    assert served_kv_dtype(cpu32) == "float32"
-    monkeypatch.setenv("LLMQ_KV_CACHE_DTYPE", "float16")
-    assert served_kv_dtype(cpu32) == "float16"
+    def stack(report):
+        return SimpleNamespace(dtype="float32", device="cpu", worker_report=lambda: report)
+
+    assert served_kv_dtype(stack({"kv_cache_dtype": "float16", "dtype": "float32"})) == "float16"
+    assert served_kv_dtype(stack({"dtype": "float32"})) == "float32"
 
 
 def test_each_long_prompt_gets_its_latency_and_memory_target():

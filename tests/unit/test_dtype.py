@@ -38,3 +38,20 @@ def test_cpu_flags_come_from_proc_cpuinfo(tmp_path):
                     "flags\t\t: fpu avx2 avx512_bf16 amx_tile\n\nprocessor\t: 1\n")
     assert read_cpu_flags(str(info)) == {"fpu", "avx2", "avx512_bf16", "amx_tile"}
     assert read_cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def test_the_kv_cache_dtype_reaches_vllm_where_it_stores_it():
+    """LLMQ_KV_CACHE_DTYPE as vLLM's kv_cache_dtype: the model's own for auto / model / its own
+    name, float16 or bfloat16 through to CUDA, refused where vLLM would not keep it (its CPU
+    build under another model dtype; float32 under a narrower model)."""
+    from worker.backends.vllm_backend import _kv_cache_dtype
+
+    for name in ("auto", "model", "float32"):
+        assert _kv_cache_dtype(name, "float32", "cpu") == "auto"
+    assert _kv_cache_dtype("bfloat16", "bfloat16", "cpu") == "auto"
+    assert _kv_cache_dtype("float16", "bfloat16", "cuda") == "float16"
+    assert _kv_cache_dtype("float16", "auto", "cuda") == "float16"
+    with pytest.raises(ValueError, match="CPU build"):
+        _kv_cache_dtype("float16", "float32", "cpu")
+    with pytest.raises(ValueError, match="narrower"):
+        _kv_cache_dtype("float32", "bfloat16", "cuda")

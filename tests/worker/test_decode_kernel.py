@@ -202,6 +202,11 @@ def test_the_cache_is_float16_under_a_float32_model_only_where_the_kernel_reads_
                             decode_kernel=False)
     assert (auto.kv_dtype, own.kv_dtype, no_kernel.kv_dtype) == (
         torch.float16, torch.float32, torch.float32)
+    # ... and says so to the engine, whose heartbeat carries it (/readyz, the bench)
+    assert (auto.info.kv_cache_dtype, own.info.kv_cache_dtype, no_kernel.info.kv_cache_dtype) \
+        == ("float16", "float32", "float32")
+    assert "decode attention: C++ kernel" in auto.info.kernels
+    assert "decode attention: gather + SDPA" in no_kernel.info.kernels
     assert auto.cache.num_blocks == 2 * own.cache.num_blocks
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert resolve_kv_dtype("auto", torch.bfloat16, cpu, True) == torch.bfloat16

@@ -48,6 +48,7 @@ def test_starts_in_the_daemonic_model_process_and_reports_its_kv_cache(executor)
     info = executor.info
     assert info.device == "cpu" and info.dtype == "float32"   # float32 on CPU by default
     assert info.max_model_len == 512                           # LLMQ_MAX_MODEL_LEN honoured
+    assert info.kv_cache_dtype == "float32" and info.kernels == "vLLM (cpu)"   # (the heartbeat's)
     blocks, block_size = executor.kv_capacity
     assert blocks > 0 and block_size > 0   # llmq's scheduler admits no more than vLLM holds
 
@@ -119,6 +120,23 @@ def test_a_model_vllm_cannot_load_is_a_clear_error_at_start(tmp_path):
     ex = ModelExecutor(vllm_settings(str(tmp_path)), start_timeout_s=300)
     try:
         with pytest.raises(ModelWorkerDied, match="vLLM could not load"):
+            ex.start()
+    finally:
+        ex.stop()
+
+
+def test_a_kv_cache_dtype_the_cpu_build_would_not_honour_is_a_clear_error_at_start(
+        tiny_vllm_model_dir):
+    """LLMQ_KV_CACHE_DTYPE reaches vLLM. Before, it was not passed at all; passed as it is, vLLM
+    0.32's CPU build takes float16 under a float32 model and answers gibberish (measured with
+    the default model: 24 greedy tokens, none the same). So the CPU build gets the model's
+    dtype or an error that says why."""
+    from worker.model_executor import ModelExecutor, ModelWorkerDied
+
+    ex = ModelExecutor(vllm_settings(tiny_vllm_model_dir, kv_cache_dtype="float16"),
+                       start_timeout_s=300)
+    try:
+        with pytest.raises(ModelWorkerDied, match="CPU build keeps its KV cache"):
             ex.start()
     finally:
         ex.stop()

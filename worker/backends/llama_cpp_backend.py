@@ -118,7 +118,8 @@ class LlamaCppBackend:
             name=settings.model, path=path, eos_token_ids=tuple(sorted(e for e in eos if e >= 0)),
             max_model_len=per_seq, vocab_size=int(lib.llama_vocab_n_tokens(vocab)),
             device="cuda" if gpu else "cpu", dtype=_gguf_type(path),
-            generation_defaults=generation_defaults(mm.generation_config()))
+            generation_defaults=generation_defaults(mm.generation_config()),
+            kv_cache_dtype="float16", kernels="llama.cpp")   # (llama.cpp's default cache type)
         log.info("llama.cpp loaded %s: %d sequences x %d tokens of context, %d threads",
                  path, settings.max_num_seqs, per_seq, threads)
         backend = cls(lib, model, ctx, info, settings.max_num_seqs, n_batch,

@@ -18,6 +18,7 @@ would be one more hop per step and one more orphan when the worker is killed.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -64,6 +65,8 @@ class VllmBackend:
         path = mm.resolve()
         args = dict(
             model=path, dtype=_dtype(settings.dtype, device), seed=0,
+            kv_cache_dtype=_kv_cache_dtype(settings.kv_cache_dtype,
+                                           _dtype(settings.dtype, device), device),
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
             enable_prefix_caching=settings.prefix_cache_mb > 0, disable_log_stats=True,
@@ -92,7 +95,10 @@ class VllmBackend:
             eos_token_ids=tuple(x for x in [tok.eos_token_id] if x is not None),
             max_model_len=int(cfg.max_model_len), vocab_size=int(cfg.get_vocab_size()),
             device=device, dtype=str(cfg.dtype).replace("torch.", ""),
-            generation_defaults=generation_defaults(mm.generation_config()))
+            generation_defaults=generation_defaults(mm.generation_config()),
+            kernels=f"vLLM ({device})")
+        info = dataclasses.replace(info, kv_cache_dtype=(
+            info.dtype if cache.cache_dtype == "auto" else str(cache.cache_dtype)))
         blocks = int(cache.num_gpu_blocks or 0)
         log.info("vLLM loaded %s on %s (%s): KV cache %d blocks of %d tokens", path, device,
                  info.dtype, blocks, cache.block_size)
@@ -223,6 +229,25 @@ def _dtype(dtype: str, device: str) -> str:
     if dtype != "auto":
         return dtype
     return "float32" if device == "cpu" else "auto"
+
+
+def _kv_cache_dtype(name: str, dtype: str, device: str) -> str:
+    """LLMQ_KV_CACHE_DTYPE as vLLM's kv_cache_dtype, or a ValueError for one vLLM would not
+    honour. `auto` and `model` are vLLM's `auto`, the model's dtype (llmq's float16 under
+    float32 is for its own C++ kernel), as is the model's own dtype named. Another dtype goes to
+    vLLM's CUDA backends, which store float16 or bfloat16 under any model; vLLM's CPU build
+    stores only the model's dtype (or fp8): asked for float16 under a float32 model, vLLM
+    0.32 took it without a word and answered gibberish. No backend keeps float32 under a
+    narrower model."""
+    if name in ("auto", "model", dtype):
+        return "auto"
+    if name == "float32":
+        raise ValueError(f"LLMQ_KV_CACHE_DTYPE=float32 under a {dtype} model: vLLM keeps its "
+                         "KV cache in the model's dtype or narrower (use auto)")
+    if device == "cpu":
+        raise ValueError(f"LLMQ_KV_CACHE_DTYPE={name} under a {dtype} model: vLLM's CPU build "
+                         "keeps its KV cache in the model's dtype (use auto)")
+    return name
 
 
 def _configure_env(settings) -> None:
