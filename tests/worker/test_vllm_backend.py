@@ -125,18 +125,18 @@ def test_a_model_vllm_cannot_load_is_a_clear_error_at_start(tmp_path):
         ex.stop()
 
 
-def test_a_kv_cache_dtype_the_cpu_build_would_not_honour_is_a_clear_error_at_start(
+def test_a_kv_cache_dtype_vllm_would_not_honour_is_a_clear_error_at_start(
         tiny_vllm_model_dir):
     """LLMQ_KV_CACHE_DTYPE reaches vLLM. Before, it was not passed at all; passed as it is, vLLM
     0.32's CPU build takes float16 under a float32 model and answers gibberish (measured with
-    the default model: 24 greedy tokens, none the same). So the CPU build gets the model's
-    dtype or an error that says why."""
+    the default model: 24 greedy tokens, none the same). So vLLM gets the model's dtype, or
+    the worker an error that says why."""
     from worker.model_executor import ModelExecutor, ModelWorkerDied
 
     ex = ModelExecutor(vllm_settings(tiny_vllm_model_dir, kv_cache_dtype="float16"),
                        start_timeout_s=300)
     try:
-        with pytest.raises(ModelWorkerDied, match="CPU build keeps its KV cache"):
+        with pytest.raises(ModelWorkerDied, match="vLLM keeps its KV cache in the model's dtype"):
             ex.start()
     finally:
         ex.stop()

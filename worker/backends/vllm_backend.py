@@ -65,8 +65,7 @@ class VllmBackend:
         path = mm.resolve()
         args = dict(
             model=path, dtype=_dtype(settings.dtype, device), seed=0,
-            kv_cache_dtype=_kv_cache_dtype(settings.kv_cache_dtype,
-                                           _dtype(settings.dtype, device), device),
+            kv_cache_dtype=_kv_cache_dtype(settings.kv_cache_dtype, _dtype(settings.dtype, device)),
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
             enable_prefix_caching=settings.prefix_cache_mb > 0, disable_log_stats=True,
@@ -231,23 +230,16 @@ def _dtype(dtype: str, device: str) -> str:
     return "float32" if device == "cpu" else "auto"
 
 
-def _kv_cache_dtype(name: str, dtype: str, device: str) -> str:
-    """LLMQ_KV_CACHE_DTYPE as vLLM's kv_cache_dtype, or a ValueError for one vLLM would not
-    honour. `auto` and `model` are vLLM's `auto`, the model's dtype (llmq's float16 under
-    float32 is for its own C++ kernel), as is the model's own dtype named. Another dtype goes to
-    vLLM's CUDA backends, which store float16 or bfloat16 under any model; vLLM's CPU build
-    stores only the model's dtype (or fp8): asked for float16 under a float32 model, vLLM
-    0.32 took it without a word and answered gibberish. No backend keeps float32 under a
-    narrower model."""
+def _kv_cache_dtype(name: str, dtype: str) -> str:
+    """LLMQ_KV_CACHE_DTYPE as vLLM's kv_cache_dtype: `auto`, the model's dtype, for `auto`,
+    `model` or the served dtype named (llmq's float16 under float32 is for its own C++ kernel);
+    anything else a ValueError at start. vLLM keeps its cache in the model's dtype (its other
+    float choices are for models that default to fp8), and its CPU build, asked for float16
+    under a float32 model, took it without a word and answered gibberish (vLLM 0.32)."""
     if name in ("auto", "model", dtype):
         return "auto"
-    if name == "float32":
-        raise ValueError(f"LLMQ_KV_CACHE_DTYPE=float32 under a {dtype} model: vLLM keeps its "
-                         "KV cache in the model's dtype or narrower (use auto)")
-    if device == "cpu":
-        raise ValueError(f"LLMQ_KV_CACHE_DTYPE={name} under a {dtype} model: vLLM's CPU build "
-                         "keeps its KV cache in the model's dtype (use auto)")
-    return name
+    raise ValueError(f"LLMQ_KV_CACHE_DTYPE={name} under LLMQ_DTYPE={dtype}: vLLM keeps its KV "
+                     "cache in the model's dtype (use auto, or choose it with LLMQ_DTYPE)")
 
 
 def _configure_env(settings) -> None:
