@@ -38,6 +38,27 @@ inline void prefetch_whole(const T* p, int64_t n) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
 }
 
+// The blocks are scattered over the pool, so the hardware prefetcher cannot guess the next
+// one: at block b (its first token t0), fetch the next block's keys and values (the second
+// pass reads them back) ahead, and block 0's own at the start; whole: all kv heads' parts,
+// which this row's next tasks (its other kv heads, on this thread) then find in cache (the
+// pools' pointers are offset to this head: the whole block from there reaches a few lines into
+// the next one, harmless for a prefetch). 30 layers of 64 rows of ~72 float16 tokens: 23.8 ->
+// 21.8 ms against this head's part only (2 threads, medians of 40, the two builds in turn).
+template <typename K>
+inline void prefetch_ahead(const K* kpool, const K* vpool, const int64_t* blocks, int64_t b,
+                           int64_t t0, int64_t length, int64_t block_size, int64_t token_stride) {
+  const int64_t whole = block_size * token_stride;
+  if (b == 0) {
+    prefetch_whole(kpool + blocks[0] * whole, whole);
+    prefetch_whole(vpool + blocks[0] * whole, whole);
+  }
+  if (t0 + block_size < length) {
+    prefetch_whole(kpool + blocks[b + 1] * whole, whole);
+    prefetch_whole(vpool + blocks[b + 1] * whole, whole);
+  }
+}
+
 inline void store_out(float* o, float v) { *o = v; }
 inline void store_out(at::BFloat16* o, float v) { *o = at::BFloat16(v); }
 inline void store_out(at::Half* o, float v) { *o = at::Half(v); }
@@ -63,21 +84,7 @@ void attend(const T* q, int64_t q_head_stride, const K* kpool, const K* vpool,
   for (int64_t t0 = 0, b = 0; t0 < length; t0 += block_size, ++b) {
     const int64_t n = std::min(block_size, length - t0);
     const K* k = kpool + blocks[b] * block_size * token_stride;
-    // The blocks are scattered over the pool, so the hardware prefetcher cannot guess the next
-    // one: fetch the next block's keys and values (the second pass reads them back) ahead,
-    // whole: all kv heads' parts, which this row's next tasks (its other kv heads, on this
-    // thread) then find in cache (the pools' pointers are offset to this head: the whole block
-    // from there reaches a few lines into the next one, harmless for a prefetch). 30 layers of
-    // 64 rows of ~72 float16 tokens: 23.8 -> 21.8 ms against this head's part only (2 threads,
-    // medians of 40, the two builds in turn).
-    if (b == 0) {
-      prefetch_whole(k, block_size * token_stride);
-      prefetch_whole(vpool + blocks[0] * block_size * token_stride, block_size * token_stride);
-    }
-    if (t0 + block_size < length) {
-      prefetch_whole(kpool + blocks[b + 1] * block_size * token_stride, block_size * token_stride);
-      prefetch_whole(vpool + blocks[b + 1] * block_size * token_stride, block_size * token_stride);
-    }
+    prefetch_ahead(kpool, vpool, blocks, b, t0, length, block_size, token_stride);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8, k += 8 * token_stride) {   // 8 keys: one vector of scores each
       __m256 acc[REP][8];
@@ -203,14 +210,7 @@ LLMQ_WIDE void attend(const BF16* q, int64_t q_head_stride, const BF16* kpool, c
   for (int64_t t0 = 0, b = 0; t0 < length; t0 += block_size, ++b) {
     const int64_t n = std::min(block_size, length - t0);
     const BF16* k = kpool + blocks[b] * block_size * token_stride;
-    if (b == 0) {     // (attend's prefetches, for the same reason)
-      prefetch_whole(k, block_size * token_stride);
-      prefetch_whole(vpool + blocks[0] * block_size * token_stride, block_size * token_stride);
-    }
-    if (t0 + block_size < length) {
-      prefetch_whole(kpool + blocks[b + 1] * block_size * token_stride, block_size * token_stride);
-      prefetch_whole(vpool + blocks[b + 1] * block_size * token_stride, block_size * token_stride);
-    }
+    prefetch_ahead(kpool, vpool, blocks, b, t0, length, block_size, token_stride);
     for (int64_t i = 0; i < n; i += 8, k += 8 * token_stride) {   // 8 keys (the last few: fewer)
       const int m = static_cast<int>(std::min<int64_t>(8, n - i));
       __m512 acc[REP][8];
