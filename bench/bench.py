@@ -41,7 +41,8 @@ from .efficiency import measure as measure_efficiency, merge_probe
 from .baseline import baseline_phase
 from .batch import batch_phase
 from .loadgen import closed_loop, open_loop, payload
-from .peers import LLAMA_SERVER, PEER_NAMES, build_systems, peers_phase, refresh_fractions
+from .peers import (LLAMA_SERVER, PEER_NAMES, add_model_alone, build_systems, peers_phase,
+                    refresh_fractions)
 from .lengths import lengths_phase
 from .prefix import prefix_phase
 from .quality import quality_phase
@@ -552,6 +553,13 @@ def main(argv=None) -> int:
                                                measure_efficiency(model_dir, batches, progress))
             if result.get("peers"):
                 refresh_fractions(result["peers"], result["efficiency"])
+        if result.get("peers") and args.device == "cpu":
+            progress("phase 6: llmq's model worker alone in this process on the peers' load at "
+                     f"c={max(args.peers_concurrency)}: the ceiling of its served rows")
+            from transformers import AutoTokenizer
+
+            add_model_alone(result["peers"], result.get("efficiency"),
+                            AutoTokenizer.from_pretrained(model_dir), model_dir, progress)
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - write what we have
         error = f"{type(exc).__name__}: {exc}"
         progress(f"ERROR: {error}")

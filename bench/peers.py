@@ -345,6 +345,22 @@ def settle(bystanders: tuple, quiet_pct: float = QUIET_PCT, window_s: float = 0.
     return None
 
 
+def settle_machine(quiet_pct: float = 10.0, window_s: float = 0.5, max_s: float = 30.0
+                   ) -> tuple[float | None, float]:
+    """Waits until the whole machine is quiet (its CPU over a window under quiet_pct of all
+    cores): the systems just stopped may still be exiting. Returns (the seconds it took, or
+    None after max_s, and the last window's CPU %)."""
+    t0 = time.monotonic()
+    psutil.cpu_percent(None)   # starts the window
+    while True:
+        time.sleep(window_s)   # a measuring window, not a wait for an event
+        pct = psutil.cpu_percent(None)
+        if pct < quiet_pct:
+            return round(time.monotonic() - t0, 1), pct
+        if time.monotonic() - t0 >= max_s:
+            return None, pct
+
+
 def run_system(system, levels: list[int], prompts: dict[int, list[str]], tokens: int,
                level_time_limit: float, eff: dict | None, progress) -> dict:
     """Starts one system, warms it up, runs every level, stops it. Never raises: a system
@@ -493,3 +509,43 @@ def refresh_fractions(peers: dict, eff: dict) -> None:
         for lv in sys_.get("levels", []):
             lv["compute_fraction"] = fraction_for(eff, lv.get("tokens_per_s_all"), sys_["dtype"],
                                                   lv["concurrency"])
+
+
+def add_model_alone(peers: dict, eff: dict | None, tokenizer, model: str, progress=print,
+                    run=None) -> None:
+    """peers["model_alone"]: for each llmq[transformers] row at the table's top level, the
+    same load's ceiling on this machine (bench/raw.model_alone: llmq's model worker stepped in
+    this process, no stack), its fraction of the compute limit, and the served row's tok/s
+    over it. Where the limit bar is missed, this splits the miss between the model and the
+    serving around it. Run after the last matmul probe, with every system stopped."""
+    from .raw import model_alone
+
+    run = run or model_alone
+    c = max(peers["levels"])
+    out = []
+    for sys_ in peers["systems"]:
+        lv = next((x for x in sys_.get("levels", []) if x["concurrency"] == c), None)
+        if (not sys_["name"].startswith("llmq[transformers]") or lv is None
+                or sys_["dtype"] not in ("float32", "bfloat16", "float16")):
+            continue
+        prompts = synthetic_prompts(tokenizer, c, offset=2 * 10**6)
+        ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        waited, pct = settle_machine()
+        progress(f"model alone ({sys_['name']}): " + (f"the machine quiet after {waited} s"
+                 if waited is not None else f"the machine still at {pct:.0f}% CPU, measured anyway"))
+        try:
+            res = run(ids, peers["max_tokens"], sys_["dtype"], model, progress=progress)
+        except Exception as exc:  # noqa: BLE001 - the table stands without it
+            progress(f"model alone ({sys_['name']}): {type(exc).__name__}: {exc}")
+            out.append({"system": sys_["name"], "concurrency": c,
+                        "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        served = lv.get("tokens_per_s_all")
+        out.append({**res, "system": sys_["name"], "concurrency": c, "machine_cpu_pct": pct,
+                    "compute_fraction": fraction_for(eff, res["tokens_per_s"], sys_["dtype"], c),
+                    "decode_compute_fraction": fraction_for(eff, res.get("decode_tokens_per_s"),
+                                                            sys_["dtype"], c),
+                    "served_tokens_per_s": served,
+                    "served_over_alone": (round(served / res["tokens_per_s"], 3)
+                                          if served and res["tokens_per_s"] else None)})
+    peers["model_alone"] = out

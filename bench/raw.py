@@ -151,3 +151,69 @@ def run_raw_backend(backend: str, batches: list[int], new_tokens: int, progress=
         worker = None
         gc.collect()
     return {"info": info, "new_tokens": new_tokens, "results": results}
+
+
+def model_alone(prompt_ids: list[list[int]], new_tokens: int, dtype: str, model: str,
+                rounds: int = 2, progress=print) -> dict:
+    """The served load's ceiling on this machine: llmq's model worker (the transformers
+    backend, as the worker loads it) stepped in this process on the same prompts, all
+    prefilled in one step and then decoded together to exactly `new_tokens` each, with no
+    serving around it (no API, Redis, Celery, engine or model-process boundary). The peers
+    table's c=N closed loop is this, wave after wave, plus the stack; its figure over this one
+    says how much of the machine the stack keeps. Best of `rounds` (a round that something
+    else on the machine slowed says less about the ceiling than the quickest)."""
+    import statistics
+
+    from common.protocol import SamplingParams
+    from common.settings import Settings
+    from worker.backends import load_backend
+    from worker.messages import NewSequence, StepRequest
+
+    import torch
+
+    rows = len(prompt_ids)
+    settings = Settings.from_env(backend="transformers", model=model, dtype=dtype,
+                                 max_num_seqs=rows)
+    if settings.torch_threads > 0:   # as the model process sets them
+        torch.set_num_threads(settings.torch_threads)
+    t = time.perf_counter()
+    worker = load_backend(settings)
+    worker.warm_up()
+    progress(f"model alone: {worker.info.dtype} model worker loaded in "
+             f"{time.perf_counter() - t:.1f} s")
+    greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    best = None
+    try:
+        for r in range(rounds):
+            seqs = [NewSequence(f"alone{r}-{j}", list(ids), greedy)
+                    for j, ids in enumerate(prompt_ids)]
+            seq_ids = [s.seq_id for s in seqs]
+            t0 = time.perf_counter()
+            worker.step(StepRequest(prefill=seqs))   # the prompts and their first tokens
+            prefill = time.perf_counter() - t0
+            steps = []
+            for _ in range(new_tokens - 1):
+                t1 = time.perf_counter()
+                worker.step(StepRequest(decode_seq_ids=seq_ids))
+                steps.append(time.perf_counter() - t1)
+            total = time.perf_counter() - t0
+            worker.step(StepRequest(free_seq_ids=seq_ids))
+            run = {"rows": rows, "new_tokens": new_tokens,
+                   "prompt_tokens": round(sum(map(len, prompt_ids)) / rows, 1),
+                   "prefill_s": round(prefill, 4), "elapsed_s": round(total, 4),
+                   "decode_step_p50_s": round(statistics.median(steps), 5) if steps else None,
+                   "tokens_per_s": round(rows * new_tokens / total, 2),
+                   # The decode steps alone (what a batch that never changes would run at).
+                   "decode_tokens_per_s": (round(rows / statistics.median(steps), 2)
+                                           if steps else None)}
+            progress(f"model alone: round {r + 1}: {rows} x {run['prompt_tokens']:.0f}-token "
+                     f"prompts prefilled in {prefill:.2f} s, then {new_tokens - 1} decode steps "
+                     f"(p50 {1000 * (run['decode_step_p50_s'] or 0):.1f} ms): "
+                     f"{run['tokens_per_s']:.1f} tok/s")
+            if best is None or run["tokens_per_s"] > best["tokens_per_s"]:
+                best = run
+    finally:
+        dtype_name = worker.info.dtype
+        worker = None
+        gc.collect()
+    return {**best, "dtype": dtype_name, "rounds": rounds}

@@ -339,8 +339,15 @@ def peer_targets(peers: dict, backend: str) -> list[dict]:
                     "met": None if v is None else v >= 1.0, **pairs})
     lv = _level(systems, f"llmq[{backend}]", 64)
     v = lv and lv.get("compute_fraction")
+    alone = next((m for m in peers.get("model_alone") or []
+                  if m["system"] == f"llmq[{backend}]" and m["concurrency"] == 64
+                  and not m.get("error")), None)
     out.append({"name": f"peers: llmq[{backend}] >= 0.5 of the compute limit @64", "value": v,
-                "met": None if v is None else v >= 0.5})
+                "met": None if v is None else v >= 0.5,
+                **({"note": f"its model worker alone in this process on the same load: "
+                            f"{_f(alone.get('compute_fraction'), '{:.3f}')}, its decode steps "
+                            f"alone {_f(alone.get('decode_compute_fraction'), '{:.3f}')}"}
+                   if alone else {})})
     out += low_precision_targets(systems, backend)
     for engine, (peer, bar, at, ttft_bar) in SAME_ENGINE.items():
         name = f"llmq[{engine}]"
@@ -441,13 +448,36 @@ def format_peers(peers: dict | None, eff: dict | None = None) -> list[str]:
     lines.append("  (x best: tok/s over the best peer's at that concurrency; limit: tok/s x "
                  "FLOPs/token over this machine's matmul rate at that batch, in the row's dtype; "
                  "GGUF rows against float32's)")
+    lines.extend(format_model_alone(peers.get("model_alone")))
     lines.append("")
+    return lines
+
+
+def format_model_alone(alone: list[dict] | None) -> list[str]:
+    """The peers load's ceiling (bench/raw.model_alone), a line per llmq[transformers] row."""
+    lines = []
+    for m in alone or []:
+        if m.get("error"):
+            lines.append(f"  model alone ({m['system']}, c={m['concurrency']}): {m['error']}")
+            continue
+        lines.append(
+            f"  {m['system']} c={m['concurrency']}, its model worker alone in this process (the "
+            f"same {m['rows']} prompts x {m['new_tokens']} tokens, no stack, best of "
+            f"{m['rounds']}): {_f(m['tokens_per_s'])} tok/s = {_pct(m.get('compute_fraction'))} "
+            f"of the limit: prefill {m['prefill_s']:.2f} s, then decode steps of "
+            f"{_ms(m.get('decode_step_p50_s'))} ms ({_f(m.get('decode_tokens_per_s'))} tok/s = "
+            f"{_pct(m.get('decode_compute_fraction'))}); served: "
+            f"{_f(m.get('served_over_alone'), '{:.2f}')} of it")
     return lines
 
 
 # --- the table ----------------------------------------------------------------------------------
 def _f(v, fmt="{:.1f}", none="-"):
     return none if v is None else fmt.format(v)
+
+
+def _pct(fraction):
+    return _f(fraction and 100 * fraction, "{:.0f}%")
 
 
 def _ms(v):

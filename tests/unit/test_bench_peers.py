@@ -536,3 +536,88 @@ def test_an_interrupt_while_starting_stops_the_systems_already_up(monkeypatch):
         peers_phase([Up("up", [], []), Up("slow", [], [])], tok, [1], [1], 8, 10.0,
                     progress=lambda m: None)
     assert stopped == ["up", "slow"]   # and the one interrupted while it started
+
+
+def test_model_alone_steps_the_model_worker_through_the_load_and_frees_it(
+        tiny_model_dir, monkeypatch):
+    """bench/raw.model_alone: every prompt prefilled in one step, then new_tokens - 1 decode
+    steps of all the rows, then freed, each round; its figures are that load's."""
+    from bench.raw import model_alone
+    from worker.model_worker import ModelWorker
+
+    steps = []
+    real_step = ModelWorker.step
+
+    def spy(self, req, early=None):
+        steps.append(([len(s.token_ids) for s in req.prefill], len(req.decode_seq_ids),
+                      len(req.free_seq_ids)))
+        res = real_step(self, req, early)
+        if req.free_seq_ids:
+            assert self.cache.num_rows == 0   # the round's rows left the KV cache
+        return res
+
+    monkeypatch.setattr(ModelWorker, "step", spy)
+    prompts = [[5 + i, 6, 7, 8, 9, 10] for i in range(3)]
+    got = model_alone(prompts, 4, "float32", tiny_model_dir, rounds=2, progress=lambda m: None)
+    one_round = [([6, 6, 6], 0, 0)] + [([], 3, 0)] * 3 + [([], 0, 3)]
+    assert steps[-2 * len(one_round):] == one_round * 2
+    assert (got["rows"], got["new_tokens"], got["prompt_tokens"], got["rounds"]) == (3, 4, 6.0, 2)
+    assert got["dtype"] == "float32"
+    assert got["tokens_per_s"] == pytest.approx(3 * 4 / got["elapsed_s"], rel=0.01)
+    assert got["decode_tokens_per_s"] == pytest.approx(3 / got["decode_step_p50_s"], rel=0.01)
+    assert 0 < got["prefill_s"] < got["elapsed_s"]
+
+
+def test_the_model_alone_rows_split_a_missed_limit_between_model_and_stack(default_model_dir):
+    """bench/peers.add_model_alone: one ceiling per llmq[transformers] row at the top level, on
+    prompts of the table's length, read against the same limit as the served row; a failure
+    is an error entry, not the bench's end; the report and the limit bar show it."""
+    from transformers import AutoTokenizer
+
+    from bench.peers import add_model_alone
+    from bench.report import format_table, peer_targets
+
+    full = dict(ttft_p99_s=2.0, itl_p50_s=0.05, failures=0)   # what the table prints
+    systems = [{"name": "llmq[transformers]", "role": "llmq", "dtype": "bfloat16",
+                "levels": [_level(16, 300.0, **full), _level(64, 500.0, **full)]},
+               {"name": "llmq[transformers] float32", "role": "llmq", "dtype": "float32",
+                "levels": [_level(64, 250.0, **full)]},
+               {"name": "vLLM", "role": "peer", "dtype": "float32",
+                "levels": [_level(64, 200.0, **full)]},
+               {"name": "llmq[llama_cpp]", "role": "llmq", "dtype": "Q4_1",
+                "levels": [_level(64, 150.0, **full)]}]
+    peers = {"levels": [16, 64], "requests": [32, 128], "max_tokens": 64, "prompt_tokens": 40,
+             "load_avg_start": [0.1], "load_avg_end": [0.2], "systems": systems}
+    eff = {"flops_per_token": 1e9, "rates_gflops": {"float32": {"64": 500.0},
+                                                   "bfloat16": {"64": 2000.0}}}
+    calls = []
+
+    def run(ids, new_tokens, dtype, model, progress):
+        calls.append((len(ids), {len(x) for x in ids}, new_tokens, dtype, model))
+        if dtype == "float32":
+            raise RuntimeError("out of memory")
+        return {"rows": len(ids), "new_tokens": new_tokens, "prompt_tokens": 40.0,
+                "prefill_s": 0.5, "elapsed_s": 4.096, "decode_step_p50_s": 0.05,
+                "tokens_per_s": 1000.0, "decode_tokens_per_s": 1280.0, "dtype": dtype,
+                "rounds": 2}
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    add_model_alone(peers, eff, tok, "the-model", progress=lambda m: None, run=run)
+    assert [c[0] for c in calls] == [64, 64] and [c[3] for c in calls] == ["bfloat16", "float32"]
+    assert all(max(c[1]) <= 40 and min(c[1]) >= 38 and c[2] == 64 and c[4] == "the-model"
+               for c in calls)
+    bf16, fp32 = peers["model_alone"]
+    assert bf16["compute_fraction"] == pytest.approx(0.5)          # 1000 x 1 GFLOP / 2000
+    assert bf16["decode_compute_fraction"] == pytest.approx(0.64)
+    assert bf16["served_over_alone"] == pytest.approx(0.5)         # 500 served / 1000 alone
+    assert fp32 == {"system": "llmq[transformers] float32", "concurrency": 64,
+                    "error": "RuntimeError: out of memory"}
+    assert bf16["machine_cpu_pct"] < 100
+    table = format_table({"peers": peers, "targets": []})
+    assert ("llmq[transformers] c=64, its model worker alone in this process" in table
+            and "1000.0 tok/s = 50% of the limit" in table and "served: 0.50 of it" in table)
+    assert "model alone (llmq[transformers] float32, c=64): RuntimeError: out of memory" in table
+    for lv in systems[0]["levels"]:
+        lv["compute_fraction"] = lv["tokens_per_s_all"] / 2000
+    bar = next(t for t in peer_targets(peers, "transformers") if "compute limit" in t["name"])
+    assert bar["met"] is False and "alone in this process on the same load: 0.500" in bar["note"]
