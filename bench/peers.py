@@ -512,7 +512,7 @@ def refresh_fractions(peers: dict, eff: dict) -> None:
 
 
 def add_model_alone(peers: dict, eff: dict | None, tokenizer, model: str, progress=print,
-                    run=None) -> None:
+                    run=None, rounds: int = 2) -> None:
     """peers["model_alone"]: for each llmq[transformers] row at the table's top level, the
     same load's ceiling on this machine (bench/raw.model_alone: llmq's model worker stepped in
     this process, no stack), its fraction of the compute limit, and the served row's tok/s
@@ -528,8 +528,10 @@ def add_model_alone(peers: dict, eff: dict | None, tokenizer, model: str, progre
         if (not sys_["name"].startswith("llmq[transformers]") or lv is None
                 or sys_["dtype"] not in ("float32", "bfloat16", "float16")):
             continue
-        prompts = synthetic_prompts(tokenizer, c, offset=2 * 10**6)
-        ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        # Each round its own prompts, as in the table: the same again would hit the prefix cache.
+        ids = [[tokenizer(p, add_special_tokens=False)["input_ids"]
+                for p in synthetic_prompts(tokenizer, c, offset=2 * 10**6 + r * c)]
+               for r in range(rounds)]
         waited, pct = settle_machine()
         progress(f"model alone ({sys_['name']}): " + (f"the machine quiet after {waited} s"
                  if waited is not None else f"the machine still at {pct:.0f}% CPU, measured anyway"))

@@ -153,15 +153,17 @@ def run_raw_backend(backend: str, batches: list[int], new_tokens: int, progress=
     return {"info": info, "new_tokens": new_tokens, "results": results}
 
 
-def model_alone(prompt_ids: list[list[int]], new_tokens: int, dtype: str, model: str,
-                rounds: int = 2, progress=print) -> dict:
+def model_alone(rounds: list[list[list[int]]], new_tokens: int, dtype: str, model: str,
+                progress=print) -> dict:
     """The served load's ceiling on this machine: llmq's model worker (the transformers
     backend, as the worker loads it) stepped in this process on the same prompts, all
     prefilled in one step and then decoded together to exactly `new_tokens` each, with no
     serving around it (no API, Redis, Celery, engine or model-process boundary). The peers
     table's c=N closed loop is this, wave after wave, plus the stack; its figure over this one
-    says how much of the machine the stack keeps. Best of `rounds` (a round that something
-    else on the machine slowed says less about the ceiling than the quickest)."""
+    says how much of the machine the stack keeps. `rounds`: each round's prompts (token ids),
+    distinct from the others' as the table's rounds are (the same prompts again would be read
+    from the prefix cache); the best round is the figure (one that something else on the
+    machine slowed says less about the ceiling than the quickest)."""
     import statistics
 
     from common.protocol import SamplingParams
@@ -171,7 +173,7 @@ def model_alone(prompt_ids: list[list[int]], new_tokens: int, dtype: str, model:
 
     import torch
 
-    rows = len(prompt_ids)
+    rows = len(rounds[0])
     settings = Settings.from_env(backend="transformers", model=model, dtype=dtype,
                                  max_num_seqs=rows)
     if settings.torch_threads > 0:   # as the model process sets them
@@ -184,7 +186,7 @@ def model_alone(prompt_ids: list[list[int]], new_tokens: int, dtype: str, model:
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     best = None
     try:
-        for r in range(rounds):
+        for r, prompt_ids in enumerate(rounds):
             seqs = [NewSequence(f"alone{r}-{j}", list(ids), greedy)
                     for j, ids in enumerate(prompt_ids)]
             seq_ids = [s.seq_id for s in seqs]
@@ -216,4 +218,4 @@ def model_alone(prompt_ids: list[list[int]], new_tokens: int, dtype: str, model:
         dtype_name = worker.info.dtype
         worker = None
         gc.collect()
-    return {**best, "dtype": dtype_name, "rounds": rounds}
+    return {**best, "dtype": dtype_name, "rounds": len(rounds)}

@@ -550,17 +550,20 @@ def test_model_alone_steps_the_model_worker_through_the_load_and_frees_it(
 
     def spy(self, req, early=None):
         steps.append(([len(s.token_ids) for s in req.prefill], len(req.decode_seq_ids),
-                      len(req.free_seq_ids)))
+                      len(req.free_seq_ids), [s.token_ids[0] for s in req.prefill]))
         res = real_step(self, req, early)
         if req.free_seq_ids:
             assert self.cache.num_rows == 0   # the round's rows left the KV cache
         return res
 
     monkeypatch.setattr(ModelWorker, "step", spy)
-    prompts = [[5 + i, 6, 7, 8, 9, 10] for i in range(3)]
-    got = model_alone(prompts, 4, "float32", tiny_model_dir, rounds=2, progress=lambda m: None)
+    rounds = [[[5 + i + 10 * r, 6, 7, 8, 9, 10] for i in range(3)] for r in range(2)]
+    got = model_alone(rounds, 4, "float32", tiny_model_dir, progress=lambda m: None)
     one_round = [([6, 6, 6], 0, 0)] + [([], 3, 0)] * 3 + [([], 0, 3)]
-    assert steps[-2 * len(one_round):] == one_round * 2
+    assert [x[:3] for x in steps[-2 * len(one_round):]] == one_round * 2
+    # each round steps its own prompts
+    assert [x[3] for x in steps[-2 * len(one_round)::len(one_round)]] == [
+        [p[0] for p in r] for r in rounds]
     assert (got["rows"], got["new_tokens"], got["prompt_tokens"], got["rounds"]) == (3, 4, 6.0, 2)
     assert got["dtype"] == "float32"
     assert got["tokens_per_s"] == pytest.approx(3 * 4 / got["elapsed_s"], rel=0.01)
@@ -592,7 +595,9 @@ def test_the_model_alone_rows_split_a_missed_limit_between_model_and_stack(defau
                                                    "bfloat16": {"64": 2000.0}}}
     calls = []
 
-    def run(ids, new_tokens, dtype, model, progress):
+    def run(rounds, new_tokens, dtype, model, progress):
+        assert len(rounds) == 2 and rounds[0] != rounds[1]   # no prompt seen twice
+        ids = rounds[0]
         calls.append((len(ids), {len(x) for x in ids}, new_tokens, dtype, model))
         if dtype == "float32":
             raise RuntimeError("out of memory")
