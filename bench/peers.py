@@ -326,6 +326,20 @@ def cpu_total(systems) -> float:
 QUIET_PCT = 5.0   # % of one core: Redis's and Celery's heartbeats stay under it
 
 
+def _until_quiet(window_pct, quiet_pct: float, window_s: float, max_s: float
+                 ) -> tuple[float | None, float]:
+    """Measures CPU over windows of window_s (window_pct(window_s) returns the window's %)
+    until one is under quiet_pct. Returns (the seconds it took, or None after max_s, and the
+    last window's %)."""
+    t0 = time.monotonic()
+    while True:
+        pct = window_pct(window_s)
+        if pct < quiet_pct:
+            return round(time.monotonic() - t0, 1), pct
+        if time.monotonic() - t0 >= max_s:
+            return None, pct
+
+
 def settle(bystanders: tuple, quiet_pct: float = QUIET_PCT, window_s: float = 0.5,
            max_s: float = 30.0) -> float | None:
     """Waits until the systems kept up are quiet (their CPU over a window under quiet_pct of
@@ -334,15 +348,14 @@ def settle(bystanders: tuple, quiet_pct: float = QUIET_PCT, window_s: float = 0.
     (the level is measured anyway, and its bystanders_cpu_pct says how loud they were)."""
     if not bystanders:
         return 0.0
-    t0 = time.monotonic()
-    last = cpu_total(bystanders)
-    while time.monotonic() - t0 < max_s:
+    last = [cpu_total(bystanders)]
+
+    def window_pct(window_s: float) -> float:
         time.sleep(window_s)   # a measuring window, not a wait for an event
         now = cpu_total(bystanders)
-        if 100 * (now - last) / window_s < quiet_pct:
-            return round(time.monotonic() - t0, 1)
-        last = now
-    return None
+        pct, last[0] = 100 * (now - last[0]) / window_s, now
+        return pct
+    return _until_quiet(window_pct, quiet_pct, window_s, max_s)[0]
 
 
 def settle_machine(quiet_pct: float = 10.0, window_s: float = 0.5, max_s: float = 30.0
@@ -350,15 +363,12 @@ def settle_machine(quiet_pct: float = 10.0, window_s: float = 0.5, max_s: float 
     """Waits until the whole machine is quiet (its CPU over a window under quiet_pct of all
     cores): the systems just stopped may still be exiting. Returns (the seconds it took, or
     None after max_s, and the last window's CPU %)."""
-    t0 = time.monotonic()
-    psutil.cpu_percent(None)   # starts the window
-    while True:
+    psutil.cpu_percent(None)   # starts the first window
+
+    def window_pct(window_s: float) -> float:
         time.sleep(window_s)   # a measuring window, not a wait for an event
-        pct = psutil.cpu_percent(None)
-        if pct < quiet_pct:
-            return round(time.monotonic() - t0, 1), pct
-        if time.monotonic() - t0 >= max_s:
-            return None, pct
+        return psutil.cpu_percent(None)
+    return _until_quiet(window_pct, quiet_pct, window_s, max_s)
 
 
 def run_system(system, levels: list[int], prompts: dict[int, list[str]], tokens: int,
@@ -512,7 +522,7 @@ def refresh_fractions(peers: dict, eff: dict) -> None:
 
 
 def add_model_alone(peers: dict, eff: dict | None, tokenizer, model: str, progress=print,
-                    run=None, rounds: int = 2) -> None:
+                    run=None, rounds: int = 2, settle_first=settle_machine) -> None:
     """peers["model_alone"]: for each llmq[transformers] row at the table's top level, the
     same load's ceiling on this machine (bench/raw.model_alone: llmq's model worker stepped in
     this process, no stack), its fraction of the compute limit, and the served row's tok/s
@@ -532,7 +542,7 @@ def add_model_alone(peers: dict, eff: dict | None, tokenizer, model: str, progre
         ids = [[tokenizer(p, add_special_tokens=False)["input_ids"]
                 for p in synthetic_prompts(tokenizer, c, offset=2 * 10**6 + r * c)]
                for r in range(rounds)]
-        waited, pct = settle_machine()
+        waited, pct = settle_first()
         progress(f"model alone ({sys_['name']}): " + (f"the machine quiet after {waited} s"
                  if waited is not None else f"the machine still at {pct:.0f}% CPU, measured anyway"))
         try:

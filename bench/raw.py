@@ -102,6 +102,28 @@ def run_raw(batches: list[int], new_tokens: int, device: str = "cpu", dtype: str
     return {"info": info, "new_tokens": new_tokens, "results": results}
 
 
+def _step_through(worker, seqs: list, new_tokens: int, limit_s: float | None = None
+                  ) -> tuple[float, list[float]]:
+    """Drives a model-worker backend through one batch as the engine would with nothing else
+    to do: every prompt prefilled in one step (each gets its first token), then decode steps of
+    all the rows until each has new_tokens (or limit_s has passed), then the free. Returns the
+    prefill step's seconds and each decode step's."""
+    from worker.messages import StepRequest
+
+    ids = [s.seq_id for s in seqs]
+    t0 = time.perf_counter()
+    worker.step(StepRequest(prefill=seqs))
+    prefill = time.perf_counter() - t0
+    steps = []
+    while 1 + len(steps) < new_tokens and (limit_s is None
+                                           or time.perf_counter() - t0 < limit_s):
+        t1 = time.perf_counter()
+        worker.step(StepRequest(decode_seq_ids=ids))
+        steps.append(time.perf_counter() - t1)
+    worker.step(StepRequest(free_seq_ids=ids))
+    return prefill, steps
+
+
 def run_raw_backend(backend: str, batches: list[int], new_tokens: int, progress=print,
                     time_limit_s: float | None = None, max_num_seqs: int = 64) -> dict:
     """The raw limit of a non-transformers backend (llama.cpp has no `model.generate` over a
@@ -113,7 +135,7 @@ def run_raw_backend(backend: str, batches: list[int], new_tokens: int, progress=
     from common.protocol import SamplingParams
     from common.settings import Settings
     from worker.backends import load_backend
-    from worker.messages import NewSequence, StepRequest
+    from worker.messages import NewSequence
     from worker.model_manager import ModelManager
 
     settings = Settings.from_env(backend=backend, model="smollm2",
@@ -133,16 +155,8 @@ def run_raw_backend(backend: str, batches: list[int], new_tokens: int, progress=
                 1.0, (deadline - time.monotonic()) / (len(batches) - i))
             seqs = [NewSequence(f"raw{b}-{j}", tok(p)["input_ids"], greedy)
                     for j, p in enumerate(short_prompts(b))]
-            ids = [s.seq_id for s in seqs]
-            t0 = time.perf_counter()
-            worker.step(StepRequest(prefill=seqs))
-            first = time.perf_counter() - t0
-            got = 1
-            while got < new_tokens and (limit is None or time.perf_counter() - t0 < limit):
-                worker.step(StepRequest(decode_seq_ids=ids))
-                got += 1
-            dt = time.perf_counter() - t0
-            worker.step(StepRequest(free_seq_ids=ids))
+            first, steps = _step_through(worker, seqs, new_tokens, limit)
+            got, dt = 1 + len(steps), first + sum(steps)
             results.append(dict(_result(b, new_tokens, got, dt, progress),
                                 first_token_s=round(first, 4)))
     finally:
@@ -166,12 +180,12 @@ def model_alone(rounds: list[list[list[int]]], new_tokens: int, dtype: str, mode
     machine slowed says less about the ceiling than the quickest)."""
     import statistics
 
+    import torch
+
     from common.protocol import SamplingParams
     from common.settings import Settings
     from worker.backends import load_backend
-    from worker.messages import NewSequence, StepRequest
-
-    import torch
+    from worker.messages import NewSequence
 
     rows = len(rounds[0])
     settings = Settings.from_env(backend="transformers", model=model, dtype=dtype,
@@ -189,17 +203,8 @@ def model_alone(rounds: list[list[list[int]]], new_tokens: int, dtype: str, mode
         for r, prompt_ids in enumerate(rounds):
             seqs = [NewSequence(f"alone{r}-{j}", list(ids), greedy)
                     for j, ids in enumerate(prompt_ids)]
-            seq_ids = [s.seq_id for s in seqs]
-            t0 = time.perf_counter()
-            worker.step(StepRequest(prefill=seqs))   # the prompts and their first tokens
-            prefill = time.perf_counter() - t0
-            steps = []
-            for _ in range(new_tokens - 1):
-                t1 = time.perf_counter()
-                worker.step(StepRequest(decode_seq_ids=seq_ids))
-                steps.append(time.perf_counter() - t1)
-            total = time.perf_counter() - t0
-            worker.step(StepRequest(free_seq_ids=seq_ids))
+            prefill, steps = _step_through(worker, seqs, new_tokens)
+            total = prefill + sum(steps)
             run = {"rows": rows, "new_tokens": new_tokens,
                    "prompt_tokens": round(sum(map(len, prompt_ids)) / rows, 1),
                    "prefill_s": round(prefill, 4), "elapsed_s": round(total, 4),

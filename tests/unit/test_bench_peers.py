@@ -478,6 +478,19 @@ def test_a_level_starts_once_the_systems_kept_up_are_quiet():
     assert settle((_Cpu([0.01] * 1000),), window_s=0.01, max_s=0.05) is None
 
 
+def test_the_model_alone_waits_for_the_whole_machine_to_go_quiet(monkeypatch):
+    import bench.peers as peers_mod
+
+    # The first reading starts the window; then two loud windows and a quiet one.
+    readings = [0.0, 80.0, 40.0, 3.0]
+    monkeypatch.setattr(peers_mod.psutil, "cpu_percent", lambda interval: readings.pop(0))
+    waited, pct = peers_mod.settle_machine(window_s=0.01, max_s=5.0)
+    assert waited is not None and pct == 3.0 and readings == []
+    # Never quiet: gives up after max_s with the last window's reading.
+    monkeypatch.setattr(peers_mod.psutil, "cpu_percent", lambda interval: 90.0)
+    assert peers_mod.settle_machine(window_s=0.01, max_s=0.05) == (None, 90.0)
+
+
 def test_every_round_brings_new_prompts_the_same_for_every_system(monkeypatch):
     """Kept up between rounds, a system would see a round's prompts again and its cache
     (llama-server's slots, vLLM's and llmq's prefix caches) would skip their prefill."""
@@ -607,7 +620,10 @@ def test_the_model_alone_rows_split_a_missed_limit_between_model_and_stack(defau
                 "rounds": 2}
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
-    add_model_alone(peers, eff, tok, "the-model", progress=lambda m: None, run=run)
+    waits = []
+    add_model_alone(peers, eff, tok, "the-model", progress=lambda m: None, run=run,
+                    settle_first=lambda: waits.append(1) or (0.5, 3.0))
+    assert len(waits) == 2            # the machine let settle before each row
     assert [c[0] for c in calls] == [64, 64] and [c[3] for c in calls] == ["bfloat16", "float32"]
     assert all(max(c[1]) <= 40 and min(c[1]) >= 38 and c[2] == 64 and c[4] == "the-model"
                for c in calls)
@@ -617,7 +633,7 @@ def test_the_model_alone_rows_split_a_missed_limit_between_model_and_stack(defau
     assert bf16["served_over_alone"] == pytest.approx(0.5)         # 500 served / 1000 alone
     assert fp32 == {"system": "llmq[transformers] float32", "concurrency": 64,
                     "error": "RuntimeError: out of memory"}
-    assert bf16["machine_cpu_pct"] < 100
+    assert bf16["machine_cpu_pct"] == 3.0
     table = format_table({"peers": peers, "targets": []})
     assert ("llmq[transformers] c=64, its model worker alone in this process" in table
             and "1000.0 tok/s = 50% of the limit" in table and "served: 0.50 of it" in table)
