@@ -81,10 +81,14 @@ class ModelWorker:
         # others transformers' forward.
         self.llama = LlamaForward.for_model(model, lambda: self._before_layer(None, None),
                                             module if layer_kernels else None)
+        layer_ops = bool(self.llama and self.llama.kernels)
+        # (the module may be loaded with neither kernel running: a model whose shapes the
+        # decode kernel does not handle, with layer ops off or not a Llama)
+        wide = (module is not None and (kernel is not None or layer_ops) and module.wide_ops()
+                and model.dtype == torch.bfloat16)
         kernels = (f"decode attention: {'gather + SDPA' if kernel is None else 'C++ kernel'}, "
-                   f"layer ops: {'C++ (fused)' if self.llama and self.llama.kernels else 'torch'}"
-                   + ("; bfloat16 kernels on AVX512-BF16" if module and module.wide_ops()
-                      and model.dtype == torch.bfloat16 else ""))
+                   f"layer ops: {'C++ (fused)' if layer_ops else 'torch'}"
+                   + ("; bfloat16 kernels on AVX512-BF16" if wide else ""))
         self.info = dataclasses.replace(self.info, kernels=kernels,
                                         kv_cache_dtype=str(self.kv_dtype).split(".")[-1])
         log.info("KV cache: %d blocks of %d tokens (%d MiB, %s), %s", self.cache.num_blocks,

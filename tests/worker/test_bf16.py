@@ -71,3 +71,26 @@ def test_the_sampler_takes_bf16_logits_in_fp32():
     want = torch.log_softmax(logits[0].float(), -1)[tokens[0]]
     assert lps[0].logprob == pytest.approx(float(want))
     assert all(0 <= t < 50 for t in tokens)
+
+
+def test_the_bf16_kernels_label_names_kernels_that_run(tiny_model_dir, monkeypatch):
+    """The heartbeat's kernels line says "bfloat16 kernels on AVX512-BF16" only when one of the
+    C++ kernels runs: not when the module is loaded but the decode kernel does not fit the
+    model's shapes and the layer ops are off."""
+    import worker.model_worker as mw
+    from worker import cpu_kernels
+
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("the C++ kernels do not build here")
+    monkeypatch.setattr(module, "wide_ops", lambda *on: True)   # as on an AVX512-BF16 CPU
+    model, info = ModelManager(tiny_model_dir).load_model("cpu", "bfloat16")
+
+    def worker(**kw):
+        return ModelWorker(model, info, max_num_seqs=2, kv_cache_bytes=1 << 20, **kw).info.kernels
+
+    assert worker(layer_kernels=False).endswith("; bfloat16 kernels on AVX512-BF16")
+    monkeypatch.setattr(mw, "kernel_fits", lambda model: False)
+    neither = worker(layer_kernels=False)
+    assert "gather + SDPA" in neither and "layer ops: torch" in neither
+    assert "bfloat16 kernels" not in neither
