@@ -122,6 +122,7 @@ class EngineCore:
         # Newcomers prefilled inside the step in flight, their result not yet in (one at a time).
         self._interjected: SchedulerOutput | None = None
         self._cut = False   # the multi-step request in flight was asked to stop (CutShort)
+        self._in_flight: SchedulerOutput | None = None   # the step the model process runs
         self.timing = StepTiming()
         self.last_step_time = time.time()
         self._draining = threading.Event()
@@ -293,6 +294,7 @@ class EngineCore:
             with self.liveness.stepping():
                 t_submit = time.monotonic()
                 self._cut = False
+                self._in_flight = out
                 self.executor.submit(self._request(out))         # 2. execute (async) ...
                 self._publish()                                  # ... publishing meanwhile
                 t_published = time.monotonic()
@@ -310,6 +312,8 @@ class EngineCore:
         except ModelWorkerDied as exc:
             self._recover(out, exc)
             return
+        finally:
+            self._in_flight = None
         t_done, self.last_step_time = time.monotonic(), time.time()
         self.output.update(out, result)                          # 3. update
         if out.decode and not out.prefill and result.decode_s and result.is_full(out.decode):
@@ -366,9 +370,14 @@ class EngineCore:
             while True:
                 # A newer start of a record this engine still runs (it was taken for dead and
                 # the record restarted, here): the old copy goes first, so the model process
-                # never holds two sequences under one id.
-                joining = self._interjected.prefill if self._interjected else []
-                for old in self.scheduler.running + list(self.scheduler.waiting) + joining:
+                # never holds two sequences under one id. The newcomers of the step and the
+                # interjection in flight count too: they have left the waiting queue, and
+                # join the running batch only with their result (once each: one whose first
+                # token came ahead of the step's end is running already).
+                joining = ((self._interjected.prefill if self._interjected else [])
+                           + (self._in_flight.prefill if self._in_flight else []))
+                for old in dict.fromkeys(self.scheduler.running + list(self.scheduler.waiting)
+                                         + joining):
                     if old.seq_id == seq.seq_id:
                         self.output.drop(old)
                 self.scheduler.add(seq)

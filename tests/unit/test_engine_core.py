@@ -508,6 +508,37 @@ def test_an_interactive_request_is_interjected_and_published_while_a_batch_step_
     assert decoding == [3, 4]
 
 
+def test_a_restart_that_arrives_while_the_old_copys_prefill_is_in_flight_drops_the_old(store):
+    """The record is restarted here while the old copy's prefill step is in flight (it has left
+    the waiting queue and is not running yet): the old copy still stops and writes nothing, so
+    the model process never holds two sequences under one id, and readers get the new copy's
+    tokens only."""
+    from common.settings import Settings
+    from worker.engine_core import EngineCore
+
+    from .factories import WordTokenizer
+
+    backend = ScriptedBackend({"s": [5, 6, 8]})
+    executor = GatedExecutor(backend)
+    engine = EngineCore("w1", Settings(), store, executor, WordTokenizer())
+    submit(store, max_tokens=3)
+    old = engine.admit("s")
+    stepping = threading.Thread(target=engine.step)   # old's prefill, held at the gate
+    stepping.start()
+    assert executor.at_gate.wait(10)
+    new = engine.admit("s")                           # attempt 2, rings the bell mid-step
+    assert wait_until(lambda: new in engine.scheduler.waiting, 10, "the new copy taken in")
+    executor.gate.set()
+    stepping.join(10)
+    run(engine, [old, new])
+    assert old.is_closed and old.finish_reason is FinishReason.CANCELLED
+    # The model process was told to free the old copy before the new one joined.
+    joins = [i for i, r in enumerate(backend.requests) if "s" in [x.seq_id for x in r.prefill]]
+    assert len(joins) == 2 and "s" in backend.requests[joins[1]].free_seq_ids
+    assert store.get_job("s")["text"] == " w5 w6 w8"
+    assert_ended_once(store, engine, new, FinishReason.LENGTH)
+
+
 def test_an_interjection_whose_send_finds_the_model_dead_is_run_after_the_restart(store):
     """Nothing accepted is lost: the interjected newcomer has left the waiting queue when its
     send fails, and goes back to it with the batch for the restarted model."""
