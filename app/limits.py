@@ -64,7 +64,8 @@ def check_limits(settings, req: SamplingFields, inputs: list[dict[str, Any]], *,
             raise _refuse(f"{which}'{max_tokens_param}' is too large: {max_tokens}. This "
                           f"model's maximum context length is {context_len} tokens and your "
                           f"request has {n} input tokens ({max_tokens} > {context_len} - {n})."
-                          " Leave it unset to generate up to the end of the context.",
+                          f" Leave it unset to generate up to {default_max_tokens} tokens, cut "
+                          "to the room left in the context.",
                           max_tokens_param, "context_length_exceeded")
 
 

@@ -42,7 +42,8 @@ _REFUSED = {"echo": (None, False), "suffix": (None, ""), "use_beam_search": (Non
 _IGNORED = {"user", "service_tier", "store", "metadata", "parallel_tool_calls",
             "reasoning_effort", "include_reasoning", "length_penalty",
             "spaces_between_special_tokens", "add_special_tokens", "chat_template_kwargs",
-            "mm_processor_kwargs", "kv_transfer_params", "vllm_xargs", "guided_whitespace_pattern"}
+            "mm_processor_kwargs", "kv_transfer_params", "vllm_xargs", "guided_whitespace_pattern",
+            "prompt_cache_key", "safety_identifier", "verbosity", "prediction"}
 # vLLM's older names for structured_outputs' members.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -52,11 +53,15 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False   # vLLM: usage in every chunk (with include_usage)
+    include_obfuscation: bool = True   # OpenAI's padding field on chunks: none is sent here
 
 
 class _Common(SamplingFields):
     """Fields shared by completions and chat completions: llmq's sampling fields (OpenAI's
     names plus vLLM's extras) and OpenAI's own."""
+
+    NULL_IS_DEFAULT = SamplingFields.NULL_IS_DEFAULT | {"n", "stream",
+                                                         "return_tokens_as_token_ids"}
 
     model: str | None = None
     stream: bool = False
@@ -67,6 +72,8 @@ class _Common(SamplingFields):
 
     def problem(self) -> tuple[str, str] | None:
         """(param, message) for fields that are valid alone but not together."""
+        if self.stream and self.prompt_logprobs is not None:   # as vLLM refuses it
+            return "prompt_logprobs", "prompt_logprobs are not available when stream is true"
         return None
 
     @property
@@ -79,6 +86,8 @@ TokenIds = list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
 
 
 class CompletionRequest(_Common):
+    NULL_IS_DEFAULT = _Common.NULL_IS_DEFAULT | {"echo"}
+
     # text, texts, token ids, or lists of token ids (what harnesses send pre-tokenized)
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(None, ge=0)   # 0 with echo: score the prompt only
@@ -92,7 +101,7 @@ class CompletionRequest(_Common):
             return "best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"
         if self.stream and self.ranks_candidates:
             return "best_of", "best_of > n cannot be streamed (the best are known at the end)"
-        return None
+        return super().problem()
 
     @property
     def num_candidates(self) -> int:
@@ -142,7 +151,7 @@ class ChatCompletionRequest(_Common):
     def problem(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs: needs logprobs true"
-        return None
+        return super().problem()
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -199,8 +208,14 @@ def validate_request(model_cls, body: dict):
 
 
 def served_model_names() -> list[str]:
+    """The names a request's `model` may give: the public one, the configured one, and for the
+    default its hub id (what `vllm serve HuggingFaceTB/SmolLM2-135M-Instruct` serves it as,
+    so a client set up for that vLLM server works unchanged)."""
     name = settings().model
-    return [model_id(), name]
+    return [model_id(), name] + ([DEFAULT_HUB_ID] if name == "smollm2" else [])
+
+
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def model_id() -> str:
@@ -223,11 +238,23 @@ def _text_content(content) -> str:
 
 
 # --- routes -----------------------------------------------------------------------------------
+def _model_object() -> dict:
+    return {"id": model_id(), "object": "model", "created": 0, "owned_by": "llmq",
+            "root": settings().model}
+
+
 @bp.get("/v1/models")
 def list_models():
-    return jsonify({"object": "list", "data": [
-        {"id": model_id(), "object": "model", "created": 0, "owned_by": "llmq",
-         "root": settings().model}]})
+    return jsonify({"object": "list", "data": [_model_object()]})
+
+
+@bp.get("/v1/models/<path:name>")
+def retrieve_model(name: str):
+    """client.models.retrieve(name): the model object for any name a request may give."""
+    if name not in served_model_names():
+        raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error",
+                       param="model", code="model_not_found")
+    return jsonify(_model_object())
 
 
 @bp.post("/v1/completions")
@@ -268,7 +295,8 @@ def shape_options(req: _Common) -> dict[str, bool]:
     """How a request's choices are shaped: ChoiceShaper's options (a batch line keeps them)."""
     return {"echo": bool(getattr(req, "echo", False)),
             "wants_logprobs": req.num_logprobs() is not None,
-            "as_ids": req.return_tokens_as_token_ids}
+            "as_ids": req.return_tokens_as_token_ids,
+            "prompt_logprobs": req.prompt_logprobs is not None}
 
 
 def _respond(req: _Common, jobs: list[dict], chat: bool):

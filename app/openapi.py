@@ -86,11 +86,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: its logprob}
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = None   # with "prompt_logprobs" in the request
 
 
 class CompletionOut(BaseModel):
@@ -135,6 +146,7 @@ class ChatCompletionOut(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None   # with "prompt_logprobs" in the request
 
 
 class ModelCard(BaseModel):
@@ -244,6 +256,7 @@ ROUTES: dict[str, tuple[type | None, dict, str]] = {
                                                         "HTTP_404": ErrorOut, **_ERRORS,
                                                         **_FAILED}, "openai"),
     "openai.list_models": (None, {"HTTP_200": ModelList}, "openai"),
+    "openai.retrieve_model": (None, {"HTTP_200": ModelCard, "HTTP_404": ErrorOut}, "openai"),
     "metrics.metrics": (None, {"HTTP_200": None}, "operations"),
     "jobs_list.list_jobs": (None, {"HTTP_200": JobPage, **_ERRORS}, "jobs"),
     # The upload is multipart (file, purpose); documented by its answers.

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -102,6 +102,10 @@ class SamplingFields(BaseModel):
     ranges): /v1/jobs, /v1/generate and the OpenAI routes."""
 
     model_config = ConfigDict(extra="forbid")
+    # Fields with a default that a client may also send as null, meaning that default (OpenAI's
+    # spec makes n, stream and echo nullable, vLLM all of these): a wrapper that forwards
+    # `n=kwargs.get("n")` sends null. Subclasses add their own.
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"min_tokens", "ignore_eos"})
 
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -109,7 +113,7 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1)   # ints past 2**63 overflow the sampler
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)   # vLLM: any int64 (some UIs send -1)
     stop: str | list[str] | None = Field(None, validate_default=True)
     stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = None
     min_tokens: int = Field(0, ge=0)
@@ -124,6 +128,13 @@ class SamplingFields(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.NULL_IS_DEFAULT}
+        return data
 
     @field_validator("logit_bias")
     @classmethod
@@ -185,6 +196,8 @@ class WebhookFields(BaseModel):
 
 class JobRequest(SamplingFields, WebhookFields):
     """Exactly one of prompt, messages or prompts."""
+
+    NULL_IS_DEFAULT = SamplingFields.NULL_IS_DEFAULT | {"stream"}
 
     prompt: str | None = None
     messages: list[Message] | None = None

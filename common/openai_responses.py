@@ -54,6 +54,26 @@ def chat_logprobs(entries: list[dict], as_ids: bool = False) -> dict:
                         for e in entries]}
 
 
+def vllm_prompt_logprobs(entries: list[dict] | None) -> list[dict | None] | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first: nothing predicts it) or
+    {token id: {"logprob", "rank", "decoded_token"}} for the token itself, then the most
+    likely ones (ranked 1, 2, ... as given)."""
+    if entries is None:
+        return None
+    out: list[dict | None] = []
+    for e in entries:
+        if e["logprob"] is None:
+            out.append(None)
+            continue
+        d = {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"],
+                                  "decoded_token": e["token"]}}
+        for rank, t in enumerate(e["top_logprobs"], 1):
+            d.setdefault(str(t["token_id"]), {"logprob": t["logprob"], "rank": rank,
+                                              "decoded_token": t["token"]})
+        out.append(d)
+    return out
+
+
 def usage(jobs: list[dict], n: int = 1) -> dict:
     """Usage summed over a request's sequences; a prompt sampled n times counts once."""
     p = sum(j["usage"]["prompt_tokens"] for j in jobs[::n])
@@ -77,9 +97,11 @@ class ChoiceShaper:
     (completions' text offsets run on across chunks)."""
 
     def __init__(self, jobs: list[dict], chat: bool, echo: bool = False,
-                 wants_logprobs: bool = False, as_ids: bool = False):
+                 wants_logprobs: bool = False, as_ids: bool = False,
+                 prompt_logprobs: bool = False):
         self.jobs, self.chat, self.echo = jobs, chat, echo
         self.wants_logprobs = wants_logprobs
+        self.prompt_logprobs = prompt_logprobs   # vLLM's field: in each choice, or (chat) the body
         self.as_ids = as_ids   # vLLM's return_tokens_as_token_ids
         self.legacy = [LegacyLogprobs(as_ids) for _ in jobs]
 
@@ -138,6 +160,11 @@ def response_body(finals: list[dict], chat: bool, model: str,
         echo_text, echo_entries = shaper.echoed(i, f.get("prompt_logprobs"))
         choices.append(shaper.choice(i, echo_text + f["text"],
                                      echo_entries + f.get("logprobs", []), finish_reason(f)))
-    return {"id": finals[0]["id"], "object": "chat.completion" if chat else "text_completion",
+        if shaper.prompt_logprobs and not chat:
+            choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(f.get("prompt_logprobs"))
+    body = {"id": finals[0]["id"], "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage(finals, n)}
+    if shaper.prompt_logprobs and chat:   # one prompt: vLLM puts it beside the choices
+        body["prompt_logprobs"] = vllm_prompt_logprobs(finals[0].get("prompt_logprobs"))
+    return body

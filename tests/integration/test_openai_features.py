@@ -139,6 +139,31 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client, model):
     assert both["text_offset"][n] == len(PROMPT)
 
 
+def test_vllms_prompt_logprobs_agree_with_echo(client, model):
+    """vLLM's own way to score a prompt (extra_body prompt_logprobs, what lm-eval's vLLM
+    client reads): per prompt token None first, then {token id: {logprob, rank,
+    decoded_token}}, the same numbers echo gives; on chat beside the choices."""
+    echo = client.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True,
+                                     logprobs=1, temperature=0).choices[0].logprobs
+    resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 1})
+    plp = resp.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == resp.usage.prompt_tokens == len(echo.tokens) and plp[0] is None
+    for tok, lp, entry in zip(echo.tokens[1:], echo.token_logprobs[1:], plp[1:]):
+        mine = [v for v in entry.values() if v["decoded_token"] == tok][0]
+        assert mine["logprob"] == approx(lp) and mine["rank"] >= 1
+        assert any(v["rank"] == 1 for v in entry.values())
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+
+
+def test_models_are_retrieved_by_name(client, model):
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
 def test_a_prompt_of_token_ids_is_scored_like_its_text(client, model, default_model_dir):
     """Harnesses send pre-tokenized prompts (lists of token ids, or lists of those)."""
     from transformers import AutoTokenizer

@@ -157,3 +157,60 @@ def test_prompts_of_token_ids(api):
 def test_jobs_take_logprobs(api):
     resp, [p] = post(api, "/v1/jobs", {"prompt": "x", "logprobs": 3, "prompt_logprobs": 0})
     assert resp.status_code == 202 and p["logprobs"] == 3 and p["prompt_logprobs"] == 0
+
+
+def test_null_means_the_default_where_openai_and_vllm_allow_it(api):
+    """A wrapper that forwards `n=kwargs.get("n")` sends null: n, stream, echo, min_tokens,
+    ignore_eos and return_tokens_as_token_ids then take their defaults (they were 400s)."""
+    nulls = {"n": None, "stream": None, "min_tokens": None, "ignore_eos": None,
+             "return_tokens_as_token_ids": None}
+    resp = api.client.post("/v1/chat/completions", json={**CHAT, **nulls})
+    assert resp.status_code in DONE, resp.get_data(as_text=True)
+    [call] = api.celery.calls
+    p = json.loads(api.r.hget(record_key(call["args"][0]), "params"))
+    assert p["min_tokens"] == 0 and p["ignore_eos"] is False
+    resp = api.reset().client.post("/v1/completions", json={"prompt": "x", "echo": None,
+                                                            **nulls})
+    assert resp.status_code in DONE, resp.get_data(as_text=True)
+    resp = api.reset().client.post("/v1/jobs", json={"prompt": "x", "stream": None,
+                                                     "min_tokens": None})
+    assert resp.status_code == 202, resp.get_data(as_text=True)
+    # null stays refused where no default stands behind it
+    resp, calls = post(api.reset(), "/v1/chat/completions", {**CHAT, "messages": None})
+    assert resp.status_code == 400 and calls == []
+
+
+def test_a_negative_seed_is_a_seed(api):
+    _, [p] = post(api, "/v1/completions", {"prompt": "x", "seed": -1})
+    assert p["seed"] == -1
+    resp, calls = post(api.reset(), "/v1/completions", {"prompt": "x", "seed": -2**63 - 1})
+    assert resp.status_code == 400 and calls == []
+
+
+def test_current_openai_fields_that_change_nothing_are_accepted(api, caplog):
+    with caplog.at_level(logging.WARNING, logger="llmq.api"):
+        resp, [p] = post(api, "/v1/chat/completions", {
+            **CHAT, "prompt_cache_key": "k", "safety_identifier": "s", "verbosity": "low",
+            "stream_options": {"include_usage": True, "include_obfuscation": False}})
+    assert resp.status_code in DONE, resp.get_data(as_text=True)
+    assert "prompt_cache_key, safety_identifier, verbosity" in caplog.text
+
+
+def test_prompt_logprobs_are_refused_when_streamed_as_vllm_refuses_them(api):
+    resp = api.client.post("/v1/completions", json={"prompt": "x", "prompt_logprobs": 1,
+                                                    "stream": True})
+    refused(resp, "prompt_logprobs", None)
+    assert api.celery.calls == []
+
+
+def test_a_model_is_retrieved_by_any_name_a_request_may_give(api):
+    listed = api.client.get("/v1/models").get_json()["data"][0]
+    for name in (listed["id"], "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        resp = api.client.get(f"/v1/models/{name}")
+        assert resp.status_code == 200 and resp.get_json() == listed, name
+    resp = api.client.get("/v1/models/gpt-4o")
+    assert resp.status_code == 404 and resp.get_json()["error"]["code"] == "model_not_found"
+    # vLLM's default served name for the default model is accepted in requests too
+    resp, [p] = post(api, "/v1/chat/completions",
+                     {**CHAT, "model": "HuggingFaceTB/SmolLM2-135M-Instruct"})
+    assert resp.status_code in DONE

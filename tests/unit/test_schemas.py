@@ -58,7 +58,7 @@ def test_messages_and_prompts():
     {"prompt": "x", "top_k": -2},
     {"prompt": "x", "min_p": 1.1},
     {"prompt": "x", "repetition_penalty": 0},
-    {"prompt": "x", "seed": -1},
+    {"prompt": "x", "seed": -2**63 - 1},
     {"prompt": "x", "seed": 2**63},
     {"prompt": "x", "stop": ""},
     {"prompt": "x", "stop": ["ok", ""]},
