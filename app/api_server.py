@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
 
 from common.llm_engine import Overloaded, TooLarge
-from common.protocol import EVENT_DONE
+from common.protocol import EVENT_DONE, SamplingParams
 from common.webhook_guard import WebhookURLError
 
 from common.store import SequenceStore, is_seq_id, valid_stream_id
@@ -121,6 +121,18 @@ def inputs_of(req: JobRequest) -> list[dict[str, Any]]:
     return [{"prompt": req.prompt}]
 
 
+def owned_params(req: SamplingFields, default_max_tokens: int,
+                 max_tokens: int | None = None) -> SamplingParams:
+    """The request's sampling parameters as the caller's: every route that queues work (a
+    batch line too) builds them here. Cached prefixes are shared only within a key
+    (cached_tokens would otherwise tell one key what another sent), so the key is put in front
+    of the cache salt; the request's own salt still splits a key's cache further."""
+    params = req.sampling_params(default_max_tokens, max_tokens)
+    if g.owner and not settings().share_prefix_cache:
+        params.cache_salt = g.owner + ("/" + params.cache_salt if params.cache_salt else "")
+    return params
+
+
 def submit(inputs: list[dict[str, Any]], req: SamplingFields,
            default_max_tokens: int | None = None, max_tokens: int | None = None,
            max_tokens_param: str = "max_tokens", n: int = 1) -> list[dict]:
@@ -135,11 +147,7 @@ def submit(inputs: list[dict[str, Any]], req: SamplingFields,
                  default_max_tokens=default_max_tokens, counter=eng.prompt_counter.get(),
                  context_len=eng.context_length(), max_tokens_param=max_tokens_param)
     hook = checked_webhook(req)
-    params = req.sampling_params(default_max_tokens, max_tokens)
-    if g.owner and not s.share_prefix_cache:
-        # Cached prefixes are shared only within a key (cached_tokens would otherwise tell one
-        # key what another sent); the request's own salt still splits a key's cache further.
-        params.cache_salt = g.owner + ("/" + params.cache_salt if params.cache_salt else "")
+    params = owned_params(req, default_max_tokens, max_tokens)
     if n > 1:
         inputs = [{**inp, "params": p} for inp in inputs for p in params.copies(n)]
     if getattr(req, "stream", False):

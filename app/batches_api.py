@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from common.batch_store import (BATCH_TASK, DISPATCH_GRACE_S, BatchStore, line_request_id,
                                 new_batch_id, validation_errors)
 
-from .api_server import APIError, _describe, checked_webhook, engine, parse_json_body, settings
+from .api_server import (APIError, _describe, checked_webhook, engine, owned_params,
+                         parse_json_body, settings)
 from .files_api import file_store
 from .listing import list_params, page_json
 from .openai_api import (ChatCompletionRequest, CompletionRequest, model_id, shape_options,
@@ -149,8 +150,8 @@ def _line_spec(obj: dict, endpoint: str, model_cls, s, seen: set) -> dict:
         raise APIError(400, "a batch line takes n = 1 (and best_of 1)", param="n")
     if len(inputs) != 1:
         raise APIError(400, "a batch line takes one prompt", param="prompt")
-    params = req.sampling_params(options.get("default_max_tokens") or s.default_max_tokens,
-                                 options.get("max_tokens"))
+    params = owned_params(req, options.get("default_max_tokens") or s.default_max_tokens,
+                          options.get("max_tokens"))
     return {"custom_id": custom_id, "input": inputs[0], "params": params.to_dict(),
             "timeout": req.timeout, "priority": req.priority, "shape": shape_options(req)}
 

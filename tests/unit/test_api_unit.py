@@ -1,6 +1,7 @@
 """The Flask app on fakeredis with a recording Celery stub: shapes, errors, auth, readiness."""
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -452,6 +453,26 @@ def test_keys_never_share_cached_prefixes_unless_allowed(tenants):
         resp = shared.client.post("/v1/jobs", json={"prompt": "x"}, headers=auth(key))
         params = shared.r.hget(record_key(resp.get_json()["id"]), "params")
         assert json.loads(params)["cache_salt"] is None
+
+
+def test_batch_lines_carry_their_keys_salt_like_any_request(tenants):
+    """A batch line's sequences are salted with the key that sent the batch (they were not:
+    two keys' batches shared cached prefixes, and cached_tokens told one what the other sent)."""
+    from common.batch_store import BatchStore
+
+    def line_salt(key, **body):
+        line = {"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", **body}}
+        f = tenants.client.post("/v1/files", headers=auth(key), data={
+            "purpose": "batch", "file": (io.BytesIO(json.dumps(line).encode()), "in.jsonl")})
+        b = tenants.client.post("/v1/batches", headers=auth(key), json={
+            "input_file_id": f.get_json()["id"], "endpoint": "/v1/completions",
+            "completion_window": "24h"})
+        assert b.status_code == 200, b.get_data(as_text=True)
+        return BatchStore(tenants.r, 3600).line(b.get_json()["id"], 0)["params"]["cache_salt"]
+
+    job_salt = json.loads(tenants.r.hget(record_key(_job_of(tenants, "k1")), "params"))
+    assert line_salt("k1") == job_salt["cache_salt"] != line_salt("k2")
+    assert line_salt("k1", cache_salt="mine") not in (job_salt["cache_salt"], None)
 
 
 def test_health_routes_show_no_details_without_a_key(tenants):
