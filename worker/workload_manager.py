@@ -189,7 +189,8 @@ class WorkloadManager:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
-        self._freed: list[str] = []   # left the batch since the last step: the model frees them
+        # Left the batch since the last step (the model frees them then): id -> KV blocks held
+        self._freed: dict[str, int] = {}
         # Prompt tokens (prompt + output after a preemption) the model process has yet to
         # compute, of running sequences whose prefill spans steps. Each step's chunk of each is
         # decided here and sent with the step (StepRequest.chunks); the model process computes
@@ -289,7 +290,7 @@ class WorkloadManager:
                     out.first_chunks[seq.seq_id] = chunk
                 used += kv.blocks(seq) if kv else 0
         self._count_held(guard, out)
-        out.freed_seq_ids, self._freed = self._freed, []
+        out.freed_seq_ids, self._freed = list(self._freed), {}
         out.num_steps = self._num_steps(out)
         self.stats.num_steps += 1
         self.stats.num_prefilled += len(out.prefill)
@@ -313,7 +314,8 @@ class WorkloadManager:
         worst = max(s.priority for s in flying)
         rows = self.running + [s for s in in_flight.prefill if s not in self.running]
         kv = self.kv_budget
-        used = sum(kv.blocks(s) for s in rows) if kv else 0
+        # Those that left during the step in flight hold their blocks until the next step.
+        used = sum(kv.blocks(s) for s in rows) + sum(self._freed.values()) if kv else 0
         longest = min(self.long_prefill_tokens or self.max_num_batched_tokens,
                       self.max_num_batched_tokens)
         budget = self.max_num_batched_tokens
@@ -322,7 +324,8 @@ class WorkloadManager:
             if seq.priority >= worst or len(rows) + len(out.prefill) >= self.max_num_seqs:
                 break
             if (seq.num_tokens > min(longest, budget)
-                    or (kv and used + kv.blocks(seq) > kv.num_blocks)):
+                    or (kv and used + kv.blocks(seq) > kv.num_blocks)
+                    or seq.seq_id in self._freed):   # a restart: its old copy is not freed yet
                 continue
             self.waiting.remove(seq)
             out.prefill.append(seq)
@@ -442,7 +445,7 @@ class WorkloadManager:
             used -= kv.blocks(seq)
             seq.state = SequenceState.WAITING
             seq.num_preemptions += 1
-            self._freed.append(seq.seq_id)
+            self._free(seq)
             self._prompt_left.pop(seq.seq_id, None)
             victims.append(seq)
         for seq in victims:   # newest popped first: the oldest victim ends up in front
@@ -455,7 +458,7 @@ class WorkloadManager:
         got = []
         for seq in out.prefill:
             if seq.is_finished:   # aborted while its prefill ran: the model holds its cache
-                self._freed.append(seq.seq_id)
+                self._free(seq)
             else:
                 seq.state = SequenceState.RUNNING
                 self.running.append(seq)
@@ -480,14 +483,19 @@ class WorkloadManager:
         for seq in reversed(seqs):
             seq.state = SequenceState.WAITING
             self.waiting.appendleft(seq)
-        self._freed = []
+        self._freed = {}
         return seqs
+
+    def _free(self, seq: Sequence) -> None:
+        """The model process frees the sequence's cache at the next step; until then its
+        blocks stay taken (interject counts them)."""
+        self._freed[seq.seq_id] = self.kv_budget.blocks(seq) if self.kv_budget else 0
 
     def _remove(self, seq: Sequence) -> None:
         self._prompt_left.pop(seq.seq_id, None)
         if seq in self.running:
             self.running.remove(seq)
-            self._freed.append(seq.seq_id)
+            self._free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
@@ -525,19 +533,25 @@ class WorkloadManager:
         """A full batch makes room for waiting keys below their share: the key furthest above
         its share gives up its newest running sequence, which waits (keeping its tokens) and
         is prefilled again later from prompt and output, as vLLM preempts by recomputation.
-        An idle service still gives one key everything: nobody waits, nobody is preempted."""
+        An idle service still gives one key everything: nobody waits, nobody is preempted.
+        Only waiters of the best waiting priority count, and only against sequences of that
+        priority or worse: the victim would otherwise be admitted again before the waiter (it
+        is of a better priority), and be preempted again, every step."""
         if not self.waiting or len(self.running) < self.max_num_seqs:
             return
+        best = min(s.priority for s in self.waiting)
         held = Counter(s.owner for s in self.running)
-        wanting = Counter(s.owner for s in self.waiting)
+        wanting = Counter(s.owner for s in self.waiting if s.priority == best)
         for owner, num_waiting in wanting.items():
             for _ in range(min(num_waiting, self.key_cap - held[owner])):
                 victim_owner, num_held = max(held.items(), key=lambda kv: kv[1])
                 if num_held <= self.key_cap:
                     return
-                # First of its key when its turn comes.
-                self._give_up_slot(next(s for s in reversed(self.running)
-                                        if s.owner == victim_owner))
+                victim = next((s for s in reversed(self.running)
+                               if s.owner == victim_owner and s.priority >= best), None)
+                if victim is None:
+                    return
+                self._give_up_slot(victim)   # first of its key when its turn comes
                 held[victim_owner] -= 1
                 held[owner] += 1
 
@@ -545,7 +559,7 @@ class WorkloadManager:
         """A running sequence waits again at the front of the queue, keeping its tokens; the
         model process drops its cache, and its next prefill covers prompt and output."""
         self.running.remove(victim)
-        self._freed.append(victim.seq_id)
+        self._free(victim)
         self._prompt_left.pop(victim.seq_id, None)
         victim.state = SequenceState.WAITING
         victim.num_preemptions += 1         # llmq_num_preemptions_total counts it too

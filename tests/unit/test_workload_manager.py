@@ -697,6 +697,29 @@ def test_a_waiting_key_below_its_share_takes_the_newest_slot_of_the_key_above_it
     assert wm.stats.num_preempted == 1
 
 
+def test_a_key_waiting_at_a_worse_priority_takes_no_slot_from_a_better_one():
+    """Key a's interactive sequences (priority 0) hold the batch; key b's batch line (9)
+    waits. b is below its share, but preempting a's newest would only see it admitted again
+    first (its priority is better) and preempted again, every step: it runs on instead."""
+    wm = make_manager(max_num_seqs=2)
+    wm.key_cap = 1
+    a = keyed("a", 2)
+    for s in a:
+        s.priority = 0
+        wm.add(s)
+    step(wm)
+    [b] = keyed("b", 1)
+    b.priority = 9
+    wm.add(b)
+    for _ in range(4):
+        out, _ = step(wm)
+        assert out.freed_seq_ids == [] and out.prefill == []
+    assert wm.stats.num_preempted == 0 and a[1].num_output_tokens == 5
+    wm.abort(a[0], FinishReason.CANCELLED)            # a free slot: b is admitted
+    out, _ = step(wm)
+    assert ids(out.prefill) == [b.seq_id]
+
+
 def test_keys_share_the_batch_then_the_preempted_sequence_resumes_from_its_tokens():
     wm = make_manager(max_num_seqs=4)
     wm.key_cap = 2

@@ -230,6 +230,47 @@ def test_an_interjection_needs_a_free_slot_free_blocks_and_a_one_chunk_prompt():
     assert {long_chat, big_chat, small[1]} <= set(wm.waiting)
 
 
+def test_an_interjection_counts_the_blocks_of_those_that_left_during_the_step_in_flight():
+    """A line cancelled while its decode runs keeps its blocks in the model process until the
+    next step frees them: a newcomer interjected into them failed with KVCacheFull."""
+    wm = interjecting()
+    wm.set_kv_budget(num_blocks=6, block_size=4)
+    lines = [make_seq(7) for _ in range(2)]      # 8 tokens once decoding: 2 blocks each
+    for s in lines:
+        s.priority = 9
+        wm.add(s)
+    step(wm)
+    in_flight = wm.schedule()
+    wm.abort(lines[1], FinishReason.CANCELLED)
+    chat = make_seq(9)                           # 3 blocks: 2 are free until the next step
+    chat.priority = 0
+    wm.add(chat)
+    assert wm.interject(in_flight) is None and chat in wm.waiting
+    wm.update(in_flight, tokens_for(in_flight))
+    nxt = wm.schedule()                          # the next step frees them and takes it
+    assert nxt.freed_seq_ids == [lines[1].seq_id] and ids(nxt.prefill) == [chat.seq_id]
+
+
+def test_a_restarted_copy_is_not_interjected_beside_its_old_copys_cache():
+    """A record restarted here while its old copy decodes in the step in flight: the new copy
+    (same id) waits for the next step, which frees the old copy's cache first (the model
+    process refused a second sequence under one id)."""
+    wm = interjecting()
+    lines, in_flight, chat = lines_in_flight(wm, 2)
+    side = wm.interject(in_flight)               # the chat joins and decodes
+    wm.update(side, tokens_for(side))
+    wm.update(in_flight, tokens_for(in_flight))
+    in_flight = wm.schedule()
+    wm.abort(chat, FinishReason.CANCELLED)       # what a restart does to the old copy
+    again = make_seq(4, seq_id=chat.seq_id)
+    again.priority = 0
+    wm.add(again)
+    assert wm.interject(in_flight) is None
+    wm.update(in_flight, tokens_for(in_flight))
+    nxt = wm.schedule()
+    assert nxt.freed_seq_ids == [chat.seq_id] and ids(nxt.prefill) == [chat.seq_id]
+
+
 def test_interjection_off_leaves_the_newcomer_for_the_next_step():
     wm = WorkloadManager(max_num_seqs=16)
     wm.add(seqs(9, 1)[0])
