@@ -209,15 +209,21 @@ def test_only_a_step_holding_a_worse_priority_is_interjected_into():
     assert later in wm.waiting
 
 
-def test_an_interjection_needs_a_free_slot_free_blocks_and_a_one_chunk_prompt():
-    wm = interjecting(max_num_seqs=3, long_prefill_tokens=16)
+def two_lines_in_6_blocks(wm: WorkloadManager, n_prompt: int):
+    """Two batch lines of n_prompt tokens (5 to 7: 2 blocks of 4 each once decoding) in a
+    6-block cache, their decode in flight."""
     wm.set_kv_budget(num_blocks=6, block_size=4)
-    lines = [make_seq(5) for _ in range(2)]      # 6 tokens once decoding: 2 blocks each
+    lines = [make_seq(n_prompt) for _ in range(2)]
     for s in lines:
         s.priority = 9
         wm.add(s)
     step(wm)
-    in_flight = wm.schedule()
+    return lines, wm.schedule()
+
+
+def test_an_interjection_needs_a_free_slot_free_blocks_and_a_one_chunk_prompt():
+    wm = interjecting(max_num_seqs=3, long_prefill_tokens=16)
+    _, in_flight = two_lines_in_6_blocks(wm, 5)
     long_chat = make_seq(17)                     # more than one chunk: it waits
     long_chat.priority = 0
     big_chat = make_seq(16)                      # one chunk, but 4 blocks: only 2 are free
@@ -234,13 +240,7 @@ def test_an_interjection_counts_the_blocks_of_those_that_left_during_the_step_in
     """A line cancelled while its decode runs keeps its blocks in the model process until the
     next step frees them: a newcomer interjected into them failed with KVCacheFull."""
     wm = interjecting()
-    wm.set_kv_budget(num_blocks=6, block_size=4)
-    lines = [make_seq(7) for _ in range(2)]      # 8 tokens once decoding: 2 blocks each
-    for s in lines:
-        s.priority = 9
-        wm.add(s)
-    step(wm)
-    in_flight = wm.schedule()
+    lines, in_flight = two_lines_in_6_blocks(wm, 7)
     wm.abort(lines[1], FinishReason.CANCELLED)
     chat = make_seq(9)                           # 3 blocks: 2 are free until the next step
     chat.priority = 0
