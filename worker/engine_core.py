@@ -337,7 +337,7 @@ class EngineCore:
                     self._interjected = side   # (first: a failing send still requeues them)
                     self.executor.submit(StepRequest(prefill=self._new_sequences(side),
                                                      interject=True))
-                elif cut and self.scheduler.waiting:
+                elif cut and self.scheduler.would_admit():
                     # A multi-step request's later passes would keep them waiting: it ends
                     # after the pass it is in, and the next step prefills them.
                     self._cut = True

@@ -237,7 +237,7 @@ class WorkloadManager:
         back); at one sequence a pass is a few milliseconds and that turn a sixth of it. So
         while only the running batch decodes (no newcomer, no prompt chunk) and nobody
         waits, the model process runs as many passes back to back as fit in the window; a
-        newcomer that arrives meanwhile cuts them short (the engine sends CutShort) and waits
+        newcomer that arrives meanwhile and could join cuts them short (CutShort) and waits
         for one pass. A big batch's pass is longer
         than the window and goes one a step, as before. Not with a KV budget counted here: the
         blocks of the passes after the first would have to be reserved up front."""
@@ -247,6 +247,17 @@ class WorkloadManager:
                 and not self.waiting and self.kv_budget is None):
             return 1   # (a batch of a new size goes one pass first: its pace is not known)
         return max(1, min(MAX_DECODE_PASSES, int(self.multi_step_window_s / pace[1])))
+
+    def would_admit(self) -> bool:
+        """Whether the next step could take a waiting sequence: a slot is free, or one waits at
+        a better priority than the worst running (it takes that one's slot). Cutting a
+        multi-step request short for a newcomer that cannot join only costs turns."""
+        if not self.waiting:
+            return False
+        if len(self.running) < self.max_num_seqs:
+            return True
+        return (min(s.priority for s in self.waiting)
+                < max((s.priority for s in self.running), default=0))
 
     def schedule(self) -> SchedulerOutput:
         self._preempt()

@@ -575,10 +575,9 @@ def test_the_pace_of_a_pass_is_read_only_off_bursts_that_decoded_the_whole_batch
     run(engine, [a, b])
 
 
-def test_a_newcomer_cuts_a_multi_step_request_short_and_is_prefilled_next(store):
-    """A newcomer that arrives while a multi-step request runs waits for the pass in flight,
-    not for all of the window's passes: the engine asks the model to stop there (CutShort),
-    takes the tokens made so far, and the next step prefills the newcomer."""
+def a_burst_of_passes(store, **settings):
+    """Sequence a decoding alone in a multi-step request held at the gate (its pace known from
+    one pass), b submitted: (engine, executor, backend, a, the stepping thread)."""
     from common.settings import Settings
     from worker.engine_core import EngineCore
 
@@ -587,7 +586,8 @@ def test_a_newcomer_cuts_a_multi_step_request_short_and_is_prefilled_next(store)
     backend = ScriptedBackend({}, multi_step=True, pass_s=0.001)
     executor = GatedExecutor(backend)
     executor.interjects = False   # as llama_cpp: no prefill inside a step
-    engine = EngineCore("w1", Settings(multi_step_window_s=0.05), store, executor, WordTokenizer())
+    engine = EngineCore("w1", Settings(multi_step_window_s=0.05, **settings), store, executor,
+                        WordTokenizer())
     engine.fit_to_model()
     submit(store, "a", max_tokens=60)
     submit(store, "b", max_tokens=3)
@@ -600,6 +600,14 @@ def test_a_newcomer_cuts_a_multi_step_request_short_and_is_prefilled_next(store)
     stepping = threading.Thread(target=engine.step)   # a burst of passes, held at the gate
     stepping.start()
     assert executor.at_gate.wait(10)
+    return engine, executor, backend, a, stepping
+
+
+def test_a_newcomer_cuts_a_multi_step_request_short_and_is_prefilled_next(store):
+    """A newcomer that arrives while a multi-step request runs waits for the pass in flight,
+    not for all of the window's passes: the engine asks the model to stop there (CutShort),
+    takes the tokens made so far, and the next step prefills the newcomer."""
+    engine, executor, backend, a, stepping = a_burst_of_passes(store)
     made = a.num_output_tokens
     b = engine.admit("b")   # rings the bell mid-step
     assert wait_until(lambda: executor.cuts == 1, 10, "the cut")
@@ -612,3 +620,17 @@ def test_a_newcomer_cuts_a_multi_step_request_short_and_is_prefilled_next(store)
     backend.another_pass = lambda: True
     run(engine, [a, b])
     assert store.get_job("b")["status"] == "succeeded" and a.num_output_tokens == 60
+
+
+def test_a_newcomer_that_cannot_join_does_not_cut_the_passes_short(store):
+    """With every slot taken by sequences no worse than it, a newcomer could not join at the
+    next step anyway: the multi-step request keeps its passes (a cut only cost turns)."""
+    engine, executor, backend, a, stepping = a_burst_of_passes(store, max_num_seqs=1)
+    made = a.num_output_tokens
+    b = engine.admit("b")
+    assert wait_until(lambda: b in engine.scheduler.waiting, 10, "b taken in")
+    executor.gate.set()
+    stepping.join(10)
+    assert executor.cuts == 0 and a.num_output_tokens == made + 16
+    run(engine, [a, b])
+    assert store.get_job("b")["status"] == "succeeded"
