@@ -74,7 +74,8 @@ class SamplingParams:
         Unseeded copies each draw from their own random generator."""
         if self.seed is None:
             return [dataclasses.replace(self) for _ in range(n)]
-        return [dataclasses.replace(self, seed=(self.seed + i * 0x9E3779B97F4A7C15) % 2**63)
+        return [dataclasses.replace(self, seed=self.seed if i == 0 else
+                                    (self.seed + i * 0x9E3779B97F4A7C15) % 2**63)
                 for i in range(n)]
 
     @classmethod

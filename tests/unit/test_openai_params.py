@@ -183,6 +183,8 @@ def test_null_means_the_default_where_openai_and_vllm_allow_it(api):
 def test_a_negative_seed_is_a_seed(api):
     _, [p] = post(api, "/v1/completions", {"prompt": "x", "seed": -1})
     assert p["seed"] == -1
+    _, params = post(api.reset(), "/v1/completions", {"prompt": "x", "seed": -1, "n": 2})
+    assert params[0]["seed"] == -1 != params[1]["seed"]   # the first keeps it, as with n 1
     resp, calls = post(api.reset(), "/v1/completions", {"prompt": "x", "seed": -2**63 - 1})
     assert resp.status_code == 400 and calls == []
 
