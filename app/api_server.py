@@ -371,6 +371,8 @@ def _hand_stream_slot_to_response(resp: Response) -> Response:
         return resp
     if resp.is_streamed and resp.mimetype == "text/event-stream":
         resp.response = slot.hold(resp.response)
+        # A HEAD's body is never iterated, so hold()'s own close never runs; this does.
+        resp.call_on_close(slot.close)
     else:
         slot.close()   # an error, or an answer that was not a stream after all
     return resp

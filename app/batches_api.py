@@ -19,10 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from common.batch_store import (BATCH_TASK, DISPATCH_GRACE_S, BatchStore, line_request_id,
                                 new_batch_id, validation_errors)
+from common.llm_engine import TooLarge
+from common.protocol import SequenceRequest
 
 from .api_server import (APIError, _describe, checked_webhook, engine, owned_params,
                          parse_json_body, settings)
-from .files_api import file_store
+from .files_api import file_store, jsonl_lines
+from .limits import check_limits
 from .listing import list_params, page_json
 from .openai_api import (ChatCompletionRequest, CompletionRequest, model_id, shape_options,
                          to_sequences, validate_request)
@@ -95,7 +98,7 @@ def parse_lines(text: str, endpoint: str) -> tuple[list[str], dict[int, dict[str
     line's number in the file)."""
     model_cls, s = ENDPOINTS[endpoint], settings()
     specs, errors, seen = [], {}, set()
-    for number, raw in enumerate(text.splitlines(), start=1):
+    for number, raw in enumerate(jsonl_lines(text), start=1):
         if not raw.strip():
             continue
         index = len(specs)
@@ -105,17 +108,36 @@ def parse_lines(text: str, endpoint: str) -> tuple[list[str], dict[int, dict[str
             if not isinstance(obj, dict):
                 raise APIError(400, "a line must be a JSON object")
             custom_id = obj.get("custom_id")
+            # As parse_json_body: a lone surrogate (\ud800) parses but cannot be stored.
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
             spec = _line_spec(obj, endpoint, model_cls, s, seen)
-        except (ValueError, APIError) as exc:
+        except (ValueError, APIError, RecursionError) as exc:   # (UnicodeError is a ValueError)
             is_api = isinstance(exc, APIError)
-            custom_id = custom_id if isinstance(custom_id, str) else None
+            custom_id = custom_id if isinstance(custom_id, str) and _encodable(custom_id) \
+                else None
             errors[index] = {"custom_id": custom_id,
                              "code": (exc.code if is_api else None) or "invalid_request",
-                             "message": exc.message if is_api else f"not valid JSON: {exc}",
+                             "message": exc.message if is_api else _not_valid(exc),
                              "param": exc.param if is_api else None, "line": number}
             spec = {"custom_id": custom_id, "error": True}
         specs.append(json.dumps(spec, ensure_ascii=False))
     return specs, errors
+
+
+def _not_valid(exc: Exception) -> str:
+    if isinstance(exc, RecursionError):
+        return "not valid JSON: nested too deeply"
+    if isinstance(exc, UnicodeError):
+        return "not valid JSON: a string holds a lone surrogate (not UTF-8)"
+    return f"not valid JSON: {exc}"
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeError:
+        return False
+    return True
 
 
 def error_lines(batch_id: str, errors: dict[int, dict[str, Any]]) -> dict[int, str]:
@@ -150,8 +172,17 @@ def _line_spec(obj: dict, endpoint: str, model_cls, s, seen: set) -> dict:
         raise APIError(400, "a batch line takes n = 1 (and best_of 1)", param="n")
     if len(inputs) != 1:
         raise APIError(400, "a batch line takes one prompt", param="prompt")
-    params = owned_params(req, options.get("default_max_tokens") or s.default_max_tokens,
-                          options.get("max_tokens"))
+    default_max_tokens = options.get("default_max_tokens") or s.default_max_tokens
+    # The route's limits (not its token count: 50,000 lines are read in one request; the
+    # worker refuses a prompt that does not fit its context).
+    check_limits(s, req, inputs, max_tokens=options.get("max_tokens") or req.max_tokens,
+                 default_max_tokens=default_max_tokens,
+                 max_tokens_param=options.get("max_tokens_param", "max_tokens"))
+    params = owned_params(req, default_max_tokens, options.get("max_tokens"))
+    try:
+        engine().check_size([SequenceRequest(seq_id="", params=params, **inputs[0])])
+    except TooLarge as exc:   # the driver could never queue it
+        raise APIError(400, str(exc), code="request_too_large") from None
     return {"custom_id": custom_id, "input": inputs[0], "params": params.to_dict(),
             "timeout": req.timeout, "priority": req.priority, "shape": shape_options(req)}
 

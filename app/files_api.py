@@ -41,6 +41,12 @@ def _allow_large_upload():
         request.max_content_length = settings().file_max_bytes + _MULTIPART_OVERHEAD
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """JSON Lines' lines: split at \n only (str.splitlines also splits at U+2028, U+2029 and
+    U+0085, which JSON leaves raw inside strings), a \r before it dropped."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
 @bp.post("/v1/files")
 def upload_file():
     s = settings()
@@ -59,7 +65,7 @@ def upload_file():
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise APIError(400, "the file must be UTF-8 text (JSON Lines)", param="file") from None
-    num_lines = sum(1 for line in text.splitlines() if line.strip())
+    num_lines = sum(1 for line in jsonl_lines(text) if line.strip())
     if num_lines == 0:
         raise APIError(400, "the file is empty", param="file")
     if num_lines > s.file_max_lines:

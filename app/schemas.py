@@ -91,7 +91,10 @@ class StructuredOutputs(BaseModel):
         if self.json_object:
             return {"type": "json_object"}
         if self.json_ is not None:
-            schema = json.loads(self.json_) if isinstance(self.json_, str) else self.json_
+            try:
+                schema = json.loads(self.json_) if isinstance(self.json_, str) else self.json_
+            except RecursionError:   # (pydantic turns a ValueError into a 400; not this)
+                raise ValueError("json: the schema is nested too deeply") from None
             return {"type": "json_schema", "value": schema}
         kind = next(n for n in ("regex", "choice", "grammar") if getattr(self, n) is not None)
         return {"type": kind, "value": getattr(self, kind)}

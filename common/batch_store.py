@@ -19,6 +19,7 @@ Keys:
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 import uuid
@@ -38,6 +39,11 @@ _TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "comple
 
 
 batch_key = Keys.batch
+
+
+# A batch id's shape; anything else names no batch and must not reach Redis ("<id>:lines" is
+# the batch's list of lines, another type).
+_BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
 
 
 def new_batch_id() -> str:
@@ -170,6 +176,8 @@ class BatchStore:
         return self.get(batch_id, fields["owner"])
 
     def get(self, batch_id: str, owner: str) -> dict | None:
+        if not _BATCH_ID.fullmatch(batch_id):
+            return None
         h = self.record(batch_id)
         if not h or not secrets.compare_digest(h.get("owner", ""), owner):
             return None   # another key's batch does not exist for this caller

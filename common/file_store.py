@@ -14,6 +14,7 @@ Keys:
 """
 from __future__ import annotations
 
+import re
 import secrets
 import time
 import uuid
@@ -26,6 +27,11 @@ from .owner_index import OwnerIndex
 
 file_key = Keys.file
 content_key = Keys.file_content
+
+
+# Every file id has this shape (input files and batch outputs alike); anything else names no
+# file, and must not reach Redis: "<id>:content" is the file's content key, another type.
+_FILE_ID = re.compile(r"file-[0-9a-f]{32}")
 
 
 def new_file_id() -> str:
@@ -91,6 +97,8 @@ class FileStore:
                                keep=lambda f: purpose is None or f["purpose"] == purpose)
 
     def _meta(self, file_id: str, owner: str) -> dict[str, str] | None:
+        if not _FILE_ID.fullmatch(file_id):
+            return None
         meta = self.r.hgetall(file_key(file_id))
         if not meta or not secrets.compare_digest(meta.get("owner", ""), owner):
             return None   # another key's file does not exist for this caller

@@ -117,15 +117,12 @@ class LLMEngine:
                              f"the queue is {cap} (LLMQ_KEY_QUEUE_SHARE); retry later", 2)
         return unfinished
 
-    def _charge_rate_limits(self, reqs: list[SequenceRequest], owner: str) -> str:
-        """Charges the key's minute with its sequences (RPM) and their tokens (TPM: max_tokens
-        plus the prompt, settled with the real counts when each ends). Returns the window
-        charged ("" with no limits set)."""
-        s = self.settings
-        if not (s.rate_limit_rpm or s.rate_limit_tpm):
-            return ""
+    def check_size(self, reqs: list[SequenceRequest]) -> int:
+        """Raises TooLarge for sequences that no minute of the key's rate limits could take;
+        returns the tokens they reserve (also how a batch line is checked when it is read)."""
         from common.store import reserved_tokens
 
+        s = self.settings
         tokens = sum(reserved_tokens(r) for r in reqs)
         if s.rate_limit_tpm and tokens > s.rate_limit_tpm:
             raise TooLarge(f"this request may use {tokens} tokens (prompt + max_tokens), more "
@@ -134,6 +131,16 @@ class LLMEngine:
         if s.rate_limit_rpm and len(reqs) > s.rate_limit_rpm:
             raise TooLarge(f"this request has {len(reqs)} sequences, more than the key's "
                            f"{s.rate_limit_rpm} per minute (LLMQ_RATE_LIMIT_RPM)")
+        return tokens
+
+    def _charge_rate_limits(self, reqs: list[SequenceRequest], owner: str) -> str:
+        """Charges the key's minute with its sequences (RPM) and their tokens (TPM: max_tokens
+        plus the prompt, settled with the real counts when each ends). Returns the window
+        charged ("" with no limits set)."""
+        s = self.settings
+        if not (s.rate_limit_rpm or s.rate_limit_tpm):
+            return ""
+        tokens = self.check_size(reqs)
         hit, retry_after, window = self.store.reserve_usage(
             owner or "anonymous", len(reqs), tokens, s.rate_limit_rpm, s.rate_limit_tpm)
         if hit == "rpm":

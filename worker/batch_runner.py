@@ -20,7 +20,7 @@ from celery import shared_task, signals
 
 from common.batch_store import (BATCH_TASK, DISPATCH_GRACE_S, TERMINAL, batch_object,
                                 line_request_id, line_seq_id, output_file_id)
-from common.llm_engine import Overloaded
+from common.llm_engine import Overloaded, TooLarge
 from common.openai_responses import ChoiceShaper, response_body
 from common.protocol import GENERATE_TASK, SamplingParams, SequenceStatus
 from common.store import job_from_record
@@ -165,6 +165,11 @@ class BatchDriver:
                 except Overloaded:   # the queue is full or the key is over its rate limit
                     self.batches.untake_line(self.batch_id, i)
                     return False
+                except TooLarge as exc:   # more than the key's rate limit allows at all
+                    self.answer_error(i, "invalid_request", str(exc), spec.get("custom_id"))
+                    self.batches.skip_line(self.batch_id, i)
+                    i += 1
+                    continue
             elif rec["status"] == SequenceStatus.QUEUED.value and i not in self.sent():
                 self.queue_again(seq_id)   # created by a driver that died before queueing it
             self.batches.line_sent(self.batch_id, i)

@@ -556,6 +556,19 @@ def test_a_key_holds_at_most_its_streams(tenants):
     assert tenants.r.zcard(owner_streams_key(tenants.r.hget(record_key(jid), "owner"))) == 0
 
 
+def test_a_head_on_a_stream_gives_its_slot_back(tenants):
+    """A HEAD's body is never read, so the slot the body would have given back stayed taken
+    until its lease ran out: `curl -I` twice locked the key out of streaming for a minute."""
+    jid = _job_of(tenants, "k1")
+    tenants.store.request_cancel(jid)
+    for _ in range(3):
+        resp = tenants.client.head(f"/v1/jobs/{jid}/stream", headers=auth("k1"))
+        resp.close()
+        assert resp.status_code == 200
+    resp = tenants.client.get(f"/v1/jobs/{jid}/stream", headers=auth("k1"))
+    assert resp.status_code == 200 and "event: done" in resp.get_data(as_text=True)
+
+
 def test_rate_limits_count_sequences_and_prompt_tokens():
     a = Api(api_keys=("k1", "k2"), rate_limit_rpm=5, rate_limit_tpm=2000)
     post = lambda key, body: a.client.post("/v1/jobs", json=body, headers=auth(key))  # noqa: E731

@@ -11,7 +11,8 @@ import socket
 import fakeredis
 import pytest
 
-from common.batch_store import BatchStore, line_seq_id
+from common.batch_store import BatchStore, line_seq_id, new_batch_id
+from common.file_store import new_file_id
 from common.owner_index import OwnerIndex, UnknownCursor
 from common.settings import Settings
 from common.store import record_key
@@ -127,11 +128,12 @@ def test_a_job_cancelled_before_it_started_sends_completed_only(r):
 
 # --- batches ------------------------------------------------------------------------------------
 def new_batch(store: BatchStore, lines: int = 3) -> str:
-    store.create({"id": "batch_1", "owner": "o", "status": "validating",
-                  "endpoint": "/v1/completions", "input_file_id": "file-1",
+    batch_id = new_batch_id()
+    store.create({"id": batch_id, "owner": "o", "status": "validating",
+                  "endpoint": "/v1/completions", "input_file_id": new_file_id(),
                   "completion_window": "24h", "created_at": 1.0, "expires_at": 9e9},
                  ['{"custom_id": "a"}'] * lines, {})
-    return "batch_1"
+    return batch_id
 
 
 def test_a_line_is_answered_once_whatever_comes_later(r):

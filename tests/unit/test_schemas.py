@@ -100,3 +100,11 @@ def test_min_tokens_equal_to_max_tokens_is_fine():
 def test_message_model_forbids_extra():
     with pytest.raises(ValidationError):
         Message.model_validate({"role": "user", "content": "x", "extra": 1})
+
+
+def test_a_schema_nested_too_deeply_is_invalid_not_a_crash():
+    """json.loads raises RecursionError, which pydantic does not turn into a 400 (it was a
+    500)."""
+    with pytest.raises(ValidationError):
+        JobRequest.model_validate({"prompt": "x", "structured_outputs": {
+            "json": "[" * 100_000 + "]" * 100_000}})
