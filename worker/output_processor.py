@@ -103,7 +103,10 @@ class OutputProcessor:
         string beats the length on the same token (vLLM and OpenAI report "stop")."""
         reason = end_on_token(seq)
         detok = seq.detokenizer
-        delta = detok.step(seq.output_token_ids[-1]) if seq.output_token_ids else ""
+        # A stop token's own text is not output (vLLM's include_stop_str_in_output false);
+        # its logprob and its count are.
+        delta = (detok.step(seq.output_token_ids[-1])
+                 if seq.output_token_ids and reason is not FinishReason.STOP else "")
         if reason is not None:
             delta += detok.flush()
         text = seq.add_text(delta, final=reason is not None)
@@ -116,7 +119,12 @@ class OutputProcessor:
 
     # --- ends decided outside a token ----------------------------------------------------------
     def abort(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        """Ends a sequence wherever it is (cancel, deadline, error); written at the next publish."""
+        """Ends a sequence wherever it is (cancel, deadline, error); written at the next publish.
+        What was held back (the start of a possible stop string, half a character) is text
+        all the same: it goes into the final record and its done event, whose text OpenAI's
+        streams send as their last piece."""
+        if seq.output_token_ids and not seq.is_finished:
+            seq.add_text(seq.detokenizer.flush(), final=True)
         self.scheduler.abort(seq, reason, error)
         self.pending.append(Output(seq, None, seq.num_output_tokens))
 

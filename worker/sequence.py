@@ -111,7 +111,10 @@ class Sequence:
         if self._stops is None:
             self._stops = StopStringMatcher(self.params.stop)
         buf = self.pending_text + delta
-        hit = self._stops.feed(delta)
+        # Stop strings count only once min_tokens are out (vLLM: len(output) > min_tokens)
+        min_tokens = self.params.min_tokens
+        hit = self._stops.feed(delta, stop=not min_tokens
+                               or len(self.output_token_ids) > min_tokens)
         if hit is not None:
             end, length = hit
             emit, self.pending_text = buf[:len(self.pending_text) + end - length], ""

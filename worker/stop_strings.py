@@ -33,19 +33,22 @@ class StopStringMatcher:
         """How many characters at the end of the text may still begin a stop string."""
         return max(self.matched, default=0)
 
-    def feed(self, text: str) -> tuple[int, int] | None:
+    def feed(self, text: str, stop: bool = True) -> tuple[int, int] | None:
         """Reads `text`; at the first stop string it completes, returns (the index in `text`
         just past it, its length); the sequence then ends and nothing more is fed. When several
-        end at the same character, the longest (the one that began first) wins."""
+        end at the same character, the longest (the one that began first) wins. `stop` False
+        (before min_tokens): reads all of `text`, matching on, and reports nothing, so a stop
+        string that begins now and ends after min_tokens is still found."""
         hit: tuple[int, int] | None = None
         for k, s in enumerate(self.stops):
-            end = self._feed_one(k, s, text)
+            end = self._feed_one(k, s, text, stop)
             if end is not None and (hit is None or (end, -len(s)) < (hit[0], -hit[1])):
                 hit = (end, len(s))
         return hit
 
-    def _feed_one(self, k: int, s: str, text: str) -> int | None:
-        """Advances stop string k over `text`; returns where it first completes, if it does."""
+    def _feed_one(self, k: int, s: str, text: str, stop: bool = True) -> int | None:
+        """Advances stop string k over `text`; returns where it first completes, if it does
+        (with `stop`; else it reads on past completions)."""
         m, start = self.matched[k], 0
         if m == 0:
             start = text.find(s[0])         # nothing of it can start before its first character
@@ -54,7 +57,7 @@ class StopStringMatcher:
         if s[m:m + len(text)] == text:      # the held match simply grows (both in C)
             m += len(text)
             self.matched[k] = m if m < len(s) else self.fails[k][m - 1]
-            return len(text) if m == len(s) else None
+            return len(text) if m == len(s) and stop else None
         fail = self.fails[k]
         for i in range(start, len(text)):   # KMP, a character at a time
             c = text[i]
@@ -63,7 +66,9 @@ class StopStringMatcher:
             if s[m] == c:
                 m += 1
                 if m == len(s):
-                    self.matched[k] = fail[m - 1]
-                    return i + 1
+                    m = fail[m - 1]
+                    if stop:
+                        self.matched[k] = m
+                        return i + 1
         self.matched[k] = m
         return None

@@ -61,7 +61,7 @@ def assert_ended_once(store, engine, seq, reason: FinishReason) -> None:
 
 @pytest.mark.parametrize("params, script, reason, text", [
     ({}, [5, EOS], FinishReason.STOP, " w5"),                                   # EOS
-    ({"stop_token_ids": [9]}, [5, 9], FinishReason.STOP, " w5 w9"),             # a stop token
+    ({"stop_token_ids": [9]}, [5, 9], FinishReason.STOP, " w5"),                # a stop token
     ({"stop": [" w6"]}, [5, 6, 8], FinishReason.STOP, " w5"),                   # a stop string
     ({"max_tokens": 3}, [5], FinishReason.LENGTH, " w5 w7 w7"),                 # the length
     ({"max_tokens": 2, "stop": [" w6"]}, [5, 6], FinishReason.STOP, " w5"),     # both at once
@@ -76,6 +76,39 @@ def test_each_end_on_a_token_is_written_once(store, params, script, reason, text
     assert store.get_job("s")["text"] == text
     streamed = "".join(d["text"] for k, d in events(store) if k == "token")
     assert streamed == text   # the pieces add up to the text; no stop string leaks
+
+
+def test_a_stop_string_waits_for_min_tokens_as_stop_tokens_do(store):
+    engine = make_engine(store, ScriptedBackend({"s": [5, 6, 7, 5, 8]}))
+    submit(store, min_tokens=3, stop=[" w5"], max_tokens=10)
+    seq = engine.admit("s")
+    run(engine, [seq])
+    job = store.get_job("s")
+    assert job["text"] == " w5 w6 w7" and job["finish_reason"] == "stop"
+    assert job["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("end", ["cancel", "deadline"])
+def test_text_held_back_for_a_stop_string_is_kept_when_the_sequence_is_stopped(store, end):
+    """" w5 w6" may begin the stop string " w5 w6 w9", so it is held back; a cancel or a
+    deadline then ended the sequence with text "" though it had made those tokens."""
+    engine = make_engine(store, ScriptedBackend({"s": [5, 6, 8, 8, 8, 8]}))
+    submit(store, stop=[" w5 w6 w9"], max_tokens=100)
+    seq = engine.admit("s")
+    while seq.num_output_tokens < 2:
+        engine.step()
+    assert seq.pending_text == " w5 w6"
+    if end == "cancel":
+        store.request_cancel("s")
+    else:
+        seq.deadline = 1.0
+    run(engine, [seq])
+    job = store.get_job("s")
+    made = "".join(f" w{t}" for t in seq.output_token_ids)
+    assert job["text"] == made and job["usage"]["completion_tokens"] == len(seq.output_token_ids)
+    [done] = [d for k, d in events(store) if k == "done"]
+    streamed = "".join(d["text"] for k, d in events(store) if k == "token")
+    assert done["text"] == made and made.startswith(streamed)
 
 
 def test_a_sequence_the_model_fails_ends_once_with_its_error(store):

@@ -190,6 +190,28 @@ def test_stop_string_completed_by_the_last_allowed_token_is_cut():
     assert s.text == "ok " and s.is_cut_at_stop
 
 
+def test_stop_strings_count_only_once_min_tokens_are_out():
+    """vLLM checks stop strings once len(output) > min_tokens: one that ends earlier is text,
+    and one that begins before and ends after is still found."""
+    s = make_seq(1, stop=[" w5", "ab"], min_tokens=3)
+    for token, delta in [(5, " w5"), (6, " w6 a")]:
+        s.append_token(token)
+        s.add_text(delta)
+        assert not s.is_cut_at_stop
+    s.append_token(7)
+    s.add_text("x w5")                                 # token 3: still within min_tokens
+    assert not s.is_cut_at_stop
+    s.append_token(8)
+    assert s.add_text(" w5 w9") == "" and s.is_cut_at_stop   # token 4: the stop counts
+    assert s.text == " w5 w6 ax w5"
+    t = make_seq(1, stop=["ab"], min_tokens=1)
+    t.append_token(5)
+    t.add_text("xa")                                   # "a" may begin "ab": held back
+    t.append_token(6)
+    t.add_text("b")                                    # it ends past min_tokens: found
+    assert t.is_cut_at_stop and t.text == "x"
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_pieces_always_add_up_to_text(seed):
     rng = random.Random(seed)
