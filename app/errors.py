@@ -7,9 +7,7 @@ from typing import Any
 
 from flask import jsonify
 
-# Error codes the worker writes on a record it refused at admission (the prompt itself is bad):
-# the caller's fault, so a 400 wherever the route can still choose its status.
-INPUT_ERROR_CODES = ("context_length_exceeded", "invalid_prompt")
+from common.protocol import INPUT_ERROR_CODES
 
 
 class APIError(Exception):

@@ -39,6 +39,12 @@ class FinishReason(str, enum.Enum):
         }[self]
 
 
+# Error codes the worker writes on a record it refused at admission (the prompt itself is bad):
+# the caller's fault, so a 400 wherever an answer can still choose its status (a route, a batch
+# line's response).
+INPUT_ERROR_CODES = ("context_length_exceeded", "invalid_prompt")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample one sequence. None means "use the model's generation_config default"."""

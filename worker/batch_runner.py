@@ -22,7 +22,7 @@ from common.batch_store import (BATCH_TASK, DISPATCH_GRACE_S, TERMINAL, batch_ob
                                 line_request_id, line_seq_id, output_file_id)
 from common.llm_engine import Overloaded, TooLarge
 from common.openai_responses import ChoiceShaper, response_body
-from common.protocol import GENERATE_TASK, SamplingParams, SequenceStatus
+from common.protocol import GENERATE_TASK, INPUT_ERROR_CODES, SamplingParams, SequenceStatus
 from common.store import job_from_record
 from common.webhook_store import WEBHOOK_TASK, event_body, event_id
 
@@ -202,10 +202,16 @@ class BatchDriver:
             self.batches.answer(self.batch_id, i, True,
                                 self.line(i, job["id"], 200, body, spec.get("custom_id")), used)
         elif job["status"] == SequenceStatus.FAILED.value:
-            error = {"message": (job["error"] or {}).get("message") or "generation failed",
-                     "type": "server_error", "param": None, "code": None}
+            failure = job["error"] or {}
+            message = failure.get("message") or "generation failed"
+            if failure.get("code") in INPUT_ERROR_CODES:   # the worker refused the prompt
+                status, error = 400, {"message": message, "type": "invalid_request_error",
+                                      "param": None, "code": failure["code"]}
+            else:
+                status, error = 500, {"message": message, "type": "server_error",
+                                      "param": None, "code": None}
             self.batches.answer(self.batch_id, i, False,
-                                self.line(i, job["id"], 500, {"error": error}), used)
+                                self.line(i, job["id"], status, {"error": error}), used)
         elif job["finish_reason"] == "timeout":
             self.answer_error(i, "batch_expired", "the batch's completion window ended first",
                               usage=used)

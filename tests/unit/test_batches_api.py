@@ -11,6 +11,7 @@ import pytest
 
 from common.batch_store import BatchStore, line_seq_id
 from common.file_store import FileStore
+from common.protocol import FinishReason
 from common.store import SequenceStore
 from common.webhook_store import WebhookStore
 
@@ -123,14 +124,25 @@ def test_the_driver_answers_a_line_it_can_never_queue_and_goes_on():
     """Settings may differ between API and worker: a line the driver's rate limit refuses
     outright (TooLarge) gets an error line and the lines after it are queued; it was left in
     flight, and every driver after stopped on it until the batch expired."""
+    driver, _seqs, bid = a_driver_past_its_first_submit(
+        Api(), line("a", {"prompt": "x", "max_tokens": 500}) + "\n"
+        + line("b", {"prompt": "x", "max_tokens": 2}), rate_limit_tpm=100)
+    svc = driver.svc
+    assert [c["args"][0] for c in svc.celery.calls] == [line_seq_id(bid, 1)]
+    [err] = [json.loads(x) for x in svc.batches.answered(bid, "err")]
+    assert err["custom_id"] == "a" and "LLMQ_RATE_LIMIT_TPM" in err["error"]["message"]
+    assert svc.batches.inflight(bid)[0] == {1}
+
+
+def a_driver_past_its_first_submit(api: Api, text: str, **settings):
+    """The batch of `text` created through the API, and a driver of it (the worker's part,
+    with `settings`, on the same fakeredis) that has queued what it could of its lines."""
     from worker.batch_runner import BatchDriver
     from worker.services import Services
 
-    api = Api()
-    bid = created(api, line("a", {"prompt": "x", "max_tokens": 500}) + "\n"
-                  + line("b", {"prompt": "x", "max_tokens": 2}))["id"]
+    bid = created(api, text)["id"]
     token = api.celery.calls[0]["args"][1]   # the driver the API dispatched
-    s, celery = make_settings(rate_limit_tpm=100), RecordingCelery()
+    s, celery = make_settings(**settings), RecordingCelery()
     seqs = SequenceStore(api.r)
     svc = Services(s, celery, seqs, seqs.beside(FileStore, s.file_ttl_s),
                    seqs.beside(BatchStore, s.file_ttl_s),
@@ -140,7 +152,24 @@ def test_the_driver_answers_a_line_it_can_never_queue_and_goes_on():
     svc.batches.set_fields(bid, status="in_progress")
     driver.h = svc.batches.record(bid)
     assert driver.submit_more()
-    assert [c["args"][0] for c in celery.calls] == [line_seq_id(bid, 1)]
-    [err] = [json.loads(x) for x in svc.batches.answered(bid, "err")]
-    assert err["custom_id"] == "a" and "LLMQ_RATE_LIMIT_TPM" in err["error"]["message"]
-    assert svc.batches.inflight(bid)[0] == {1}
+    return driver, seqs, bid
+
+
+def test_a_line_whose_prompt_the_worker_refused_answers_400_as_the_route_does(api):
+    """The worker refuses a prompt it cannot run (longer than its context, token ids outside
+    its vocabulary): the route answers 400 with the code; the batch line said 500
+    server_error, as if the server had failed."""
+    driver, seqs, bid = a_driver_past_its_first_submit(
+        api, line("a", {"prompt": "x"}) + "\n" + line("b", {"prompt": "y"}))
+    seqs.finish(line_seq_id(bid, 0), FinishReason.ERROR, error="prompt is 9000 tokens",
+                error_code="context_length_exceeded")
+    seqs.finish(line_seq_id(bid, 1), FinishReason.ERROR, error="the model process died")
+    driver.collect()
+    a, b = sorted((json.loads(x) for x in driver.svc.batches.answered(bid, "err")),
+                  key=lambda x: x["custom_id"])
+    assert a["response"]["status_code"] == 400
+    assert a["response"]["body"]["error"] == {
+        "message": "prompt is 9000 tokens", "type": "invalid_request_error", "param": None,
+        "code": "context_length_exceeded"}
+    assert b["response"]["status_code"] == 500
+    assert b["response"]["body"]["error"]["type"] == "server_error"
