@@ -91,9 +91,11 @@ def deliver(self, event_id_: str) -> dict:
         result = f"HTTP {status}"
     except WebhookUnresolvable as exc:
         result, status = str(exc), None
+        log.info("webhook host unresolvable: %s (%s)", exc, exc.detail,
+                 extra={"event_id": event_id_})
     except WebhookURLError as exc:   # now resolves to a refused address: never sent there
         store.record_attempt(event_id_, f"refused: {exc}", delivered=False)
-        log.warning("webhook refused: %s", exc, extra={"event_id": event_id_})
+        log.warning("webhook refused: %s (%s)", exc, exc.detail, extra={"event_id": event_id_})
         return {**outcome, "outcome": "refused"}
     except (urllib3.exceptions.HTTPError, OSError) as exc:
         result, status = f"error: {exc}", None

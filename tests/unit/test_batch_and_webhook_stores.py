@@ -43,17 +43,44 @@ def test_a_public_host_is_allowed_and_keeps_its_path_and_port():
     assert t.host_header == "hooks.example.com:8443"
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1", "10.0.0.5", "172.16.3.4", "192.168.1.1",
-                                     "169.254.169.254", "100.64.0.1", "0.0.0.0", "::1",
-                                     "fe80::1", "fc00::1", "::ffff:127.0.0.1", "224.0.0.1"])
+@pytest.mark.parametrize("address", [
+    "127.0.0.1", "10.0.0.5", "172.16.3.4", "192.168.1.1", "169.254.169.254", "100.64.0.1",
+    "0.0.0.0", "::1", "fe80::1", "fc00::1", "::ffff:127.0.0.1", "224.0.0.1",
+    # IPv6 forms that a translator turns into a private IPv4 address, whatever this Python's
+    # is_global says of them (it passed all but 6to4 on 3.11.7): NAT64, local-use NAT64,
+    # 6to4, IPv4-compatible, IPv4-translated; and deprecated site-local
+    "64:ff9b::a9fe:a9fe", "64:ff9b:1::a00:5", "2002:a9fe:a9fe::1", "::127.0.0.1",
+    "::ffff:0:7f00:1", "fec0::1"])
 def test_a_host_resolving_to_a_non_public_address_is_refused(address):
-    with pytest.raises(WebhookURLError, match="non-public"):
+    with pytest.raises(WebhookURLError, match="public") as refused:
         check_url("http://hooks.example.com/", resolve=resolver(address))
+    assert address in refused.value.detail
+    with pytest.raises(WebhookURLError):
+        check_url(f"http://[{address}]/" if ":" in address else f"http://{address}/")
+
+
+@pytest.mark.parametrize("address", ["64:ff9b::808:808", "2002:808:808::1", "::ffff:0:808:808",
+                                     "2606:4700:4700::1111"])
+def test_ipv6_forms_of_public_addresses_pass(address):
+    assert check_url("http://hooks.example.com/", resolve=resolver(address)).addresses == (
+        address,)
 
 
 def test_every_address_is_checked_not_just_the_first():
-    with pytest.raises(WebhookURLError, match="10.0.0.1"):
+    with pytest.raises(WebhookURLError) as refused:
         check_url("http://hooks.example.com/", resolve=resolver("93.184.216.34", "10.0.0.1"))
+    assert "10.0.0.1" in refused.value.detail
+
+
+def test_the_refusal_tells_the_caller_nothing_of_what_a_name_resolves_to():
+    """The message reaches any key (a 400 at submit, the job's webhook attempts): "does not
+    resolve" against "resolves to 10.0.0.5" told it which internal names exist and where."""
+    with pytest.raises(WebhookUnresolvable) as unknown:
+        check_url("http://nosuch.internal/", resolve=resolver())
+    with pytest.raises(WebhookURLError) as internal:
+        check_url("http://redis.internal/", resolve=resolver("10.0.0.5"))
+    assert (str(unknown.value).replace("nosuch", "redis") == str(internal.value)
+            and "10.0.0.5" not in str(internal.value))
 
 
 def test_an_allowed_host_may_be_private_and_nothing_else_is():
