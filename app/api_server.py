@@ -334,7 +334,10 @@ class StreamSlot:
             for chunk in chunks:
                 if time.monotonic() - renewed > self.lease_s / 3:   # keep-alives come often
                     renewed = time.monotonic()
-                    self.store.renew_stream(self.owner, self.token, self.lease_s)
+                    try:
+                        self.store.renew_stream(self.owner, self.token, self.lease_s)
+                    except redis.RedisError:
+                        pass   # Redis is down: the stream itself says so, or rides it out
                 yield chunk
         finally:
             if hasattr(chunks, "close"):

@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Annotated, Any, Iterator, Literal
 
+import redis
 from flask import Blueprint, Response, g, jsonify, stream_with_context
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -25,6 +26,9 @@ from .waiting import cancel_all, wait_or_cancel
 
 bp = Blueprint("openai", __name__)
 log = logging.getLogger("llmq.api")
+
+# How long an OpenAI stream waits out a Redis it cannot read before it ends with an error chunk.
+REDIS_OUTAGE_S = 30.0
 
 # Fields of vLLM's (and OpenAI's) request bodies beyond the ones the models below take.
 # Refused: they would change the output and llmq does not implement them, so a value other
@@ -74,6 +78,8 @@ class _Common(SamplingFields):
         """(param, message) for fields that are valid alone but not together."""
         if self.stream and self.prompt_logprobs is not None:   # as vLLM refuses it
             return "prompt_logprobs", "prompt_logprobs are not available when stream is true"
+        if self.stream_options is not None and not self.stream:   # as OpenAI and vLLM refuse it
+            return "stream_options", "stream_options are only allowed when stream is true"
         return None
 
     @property
@@ -304,7 +310,8 @@ def _respond(req: _Common, jobs: list[dict], chat: bool):
     if req.stream:
         gen = _stream_chunks(req, jobs, ChoiceShaper(jobs, chat, **shape_options(req)))
         return Response(stream_with_context(gen), mimetype="text/event-stream",
-                        headers={**headers, "Cache-Control": "no-cache"})
+                        headers={**headers, "Cache-Control": "no-cache",
+                                 "X-Accel-Buffering": "no"})
     try:
         # A sequence that failed fails the request (its status and error, see failure_of).
         finals = wait_or_cancel([j["id"] for j in jobs], fail_fast=True)
@@ -343,8 +350,12 @@ class SentText:
         return self._catch_up(self.rerun)
 
     def rest(self, final_text: str) -> str:
-        """At the end: what the client still lacks (only a re-run can leave anything)."""
-        return self._catch_up(final_text) if self.was_reset else ""
+        """At the end: what the client still lacks. A re-run's text past what was sent, or the
+        tail the worker held back (the start of a possible stop string, half a character)
+        when the sequence ended otherwise: cancelled, timed out, failed."""
+        if self.was_reset:
+            return self._catch_up(final_text)
+        return final_text[len(self.sent):] if final_text.startswith(self.sent) else ""
 
     def _catch_up(self, text: str) -> str:
         n = min(len(text), len(self.sent))
@@ -410,31 +421,50 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
             yield chunk(i, text, entries)
 
     sub = eng.streams.subscribe({c.seq_id: c.after for c in choices})
+    keepalive_s, wrote, redis_down_since = settings().sse_keepalive_s, time.monotonic(), None
     try:
         if chat and not continuous:   # the role goes out at once (continuous: with usage)
             for i in range(len(choices)):
                 yield from start(i, None)
         while not all(c.done for c in choices):
-            events = sub.read(1.0)
+            try:
+                events = sub.read(1.0)
+                redis_down_since = None
+            except redis.RedisError:
+                # The hub's reader reconnects and the streams keep every event: wait it out
+                # (keep-alives go on), up to a bound.
+                redis_down_since = redis_down_since or time.monotonic()
+                if time.monotonic() - redis_down_since > REDIS_OUTAGE_S:
+                    raise
+                events = []
             if not events:
-                if client_gone() or any(eng.store.get_record(c.seq_id) is None
-                                        for c in choices if not c.done):
+                if time.monotonic() - wrote >= keepalive_s:
+                    # A comment line (clients skip it): a queued stream, or a completion
+                    # before its first token, still writes, so its slot lease is renewed and
+                    # proxies keep the connection.
+                    wrote = time.monotonic()
+                    yield ": keep-alive\n\n"
+                if client_gone() or redis_down_since is None and any(
+                        eng.store.get_record(c.seq_id) is None for c in choices if not c.done):
                     return   # gone, or expired underneath us
                 continue
+            wrote = time.monotonic()
             for seq_id, entry_id, kind, data in events:
                 i = by_id[seq_id]
                 c = choices[i]
                 c.after = entry_id
                 if kind == EVENT_RESET:   # a lost worker's sequence runs again from its prompt
                     c.text.reset()
+                    c.num_tokens = 0      # the re-run's tokens are counted from its first
                 elif kind == EVENT_TOKEN:
                     if not c.started:
                         yield from start(i, data.get("prompt_logprobs"))
-                    c.num_tokens += 1
-                    catching_up = c.text.rerun is not None
                     piece = c.text.piece(data["text"])
-                    # A re-run's tokens that repeat what was sent carry logprobs already sent.
-                    entries = [] if catching_up else (data.get("logprobs") or [])
+                    # A re-run's tokens up to the entries already sent repeat them: only the
+                    # entries past those go out (by position, not by text: the token that
+                    # crosses what was sent brings text and its entry both).
+                    entries = (data.get("logprobs") or [])[max(0, c.num_entries - c.num_tokens):]
+                    c.num_tokens += 1
                     c.num_entries += len(entries)
                     if piece or (entries and shaper.wants_logprobs):
                         yield chunk(i, piece, entries)
@@ -460,6 +490,11 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
         # The status line went out with the first chunk: the error is the last chunk, as vLLM
         # sends it (the openai client raises APIError from it).
         yield err.sse_chunk()
+        yield "data: [DONE]\n\n"
+    except redis.RedisError as exc:   # Redis gone past REDIS_OUTAGE_S: ended, not cut off
+        log.warning("stream ended: redis unavailable: %s", exc)
+        yield APIError(503, "the service lost its connection to Redis; retry the request",
+                       "server_error", code="service_unavailable").sse_chunk()
         yield "data: [DONE]\n\n"
     finally:
         # The client went away, the server is stopping, or a sequence failed or diverged:

@@ -6,12 +6,14 @@ import itertools
 import json
 import subprocess
 import sys
+import threading
 
 import fakeredis
 import pytest
+import redis
 
 from common.protocol import FinishReason
-from common.store import CANCELLED_KEY, TokenDelta
+from common.store import CANCELLED_KEY, Finish, TokenDelta
 
 from .factories import RecordingCelery, make_settings
 
@@ -327,6 +329,125 @@ def test_openai_stream_whose_rerun_differs_ends_with_an_error_and_cancels(api):
     assert _stream_text(datas, False) == "Hello"
     assert datas[-2]["error"]["code"] == "stream_diverged" and datas[-1] == "[DONE]"
     assert api.r.sismember(CANCELLED_KEY, api.seq_ids()[0])   # the engine stops it
+
+
+def _cancelled_with_a_held_back_tail(store, seq_id):
+    """stop=["world"]: "Hello" goes out, " wor" is held back (it may begin the stop string),
+    then the job is cancelled: the worker writes the tail into the final text (its abort)."""
+    _, a = store.start(seq_id, "w1")
+    store.publish_deltas([TokenDelta(seq_id, "Hello", "Hello", 1, a),
+                          TokenDelta(seq_id, "", "Hello", 2, a)])
+    store.finish(seq_id, FinishReason.CANCELLED, text="Hello wor", completion_tokens=2)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_cancelled_stream_sends_the_text_held_back_for_a_stop_string(api, chat):
+    api.reset(_cancelled_with_a_held_back_tail)
+    path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+                  if chat else ("/v1/completions", {"prompt": "x"}))
+    datas = stream_datas(api.client.post(path, json={**body, "stop": ["world"],
+                                                     "stream": True}))
+    assert _stream_text(datas, chat) == "Hello wor"
+    assert datas[-2]["choices"][0]["finish_reason"] == "abort"
+
+
+TOKENS = ["Hello", " wor", "ld", "!"]
+
+
+def _entry(i: int) -> dict:
+    return {"token_id": 100 + i, "token": TOKENS[i], "logprob": -0.1 * (i + 1), "rank": 1,
+            "top_logprobs": []}
+
+
+def _lost_and_rerun_the_same_with_logprobs(store, seq_id):
+    """Greedy: "Hello", " wor" stream with their entries, the worker is lost, and the re-run
+    makes the same tokens and goes on."""
+    _, first = store.start(seq_id, "w1")
+    for i in range(2):
+        store.publish_deltas([TokenDelta(seq_id, TOKENS[i], "".join(TOKENS[:i + 1]), i + 1,
+                                         first, logprobs=[_entry(i)])])
+    assert store.reclaim("w1") == [seq_id]
+    _, second = store.start(seq_id, "w2")
+    for i in range(4):
+        store.publish_deltas([TokenDelta(seq_id, TOKENS[i], "".join(TOKENS[:i + 1]), i + 1,
+                                         second, logprobs=[_entry(i)])])
+    store.finish_many([Finish(seq_id, FinishReason.STOP, text="".join(TOKENS),
+                              completion_tokens=4, logprobs=[_entry(i) for i in range(4)])])
+
+
+def test_a_streams_logprobs_after_a_reset_are_each_tokens_once(api):
+    """The re-run's token that crosses what was sent went out without its entry, and the
+    finish chunk sent the last entry twice: Hello, wor, !, !"""
+    api.reset(_lost_and_rerun_the_same_with_logprobs)
+    datas = stream_datas(api.client.post("/v1/completions", json={
+        "prompt": "x", "logprobs": 1, "stream": True}))
+    chunks = [c for d in datas if isinstance(d, dict) and "choices" in d for c in d["choices"]]
+    assert "".join(c["text"] for c in chunks) == "Hello world!"
+    assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == TOKENS
+
+
+def test_stream_options_without_stream_is_a_400(api):
+    """As OpenAI and vLLM answer it; it was accepted and ignored."""
+    err = error_of(api.client.post("/v1/completions", json={
+        "prompt": "x", "stream_options": {"include_usage": True}}), 400)
+    assert err["param"] == "stream_options"
+
+
+def test_a_queued_openai_stream_writes_keep_alives(default_model_dir):
+    """A stream writes at least every LLMQ_SSE_KEEPALIVE: its slot lease is renewed on writes
+    (LLMQ_KEY_MAX_STREAMS) and proxies drop silent connections. A queued completions stream
+    wrote nothing at all until its first token."""
+    api = Api(model=default_model_dir, sse_keepalive_s=0.05).reset()
+    # (only a bound for the failing case: the test client reads the first chunk before it
+    # returns, and the stream would wait for its queued job forever)
+    guard = threading.Timer(10, lambda: [api.store.finish(i, FinishReason.CANCELLED)
+                                         for i in api.seq_ids()])
+    guard.start()
+    try:
+        resp = api.client.post("/v1/completions", json={"prompt": "x", "stream": True},
+                               buffered=False)
+        first = next(iter(resp.response))
+    finally:
+        guard.cancel()
+    seq_id = resp.headers["X-Request-Id"]
+    assert first.decode().startswith(":"), first
+    assert resp.headers["X-Accel-Buffering"] == "no"
+    api.store.finish(seq_id, FinishReason.CANCELLED)
+    body = b"".join(resp.response).decode()
+    assert body.rstrip().endswith("data: [DONE]")
+
+
+def test_an_openai_stream_rides_out_a_redis_outage_then_ends_with_an_error_chunk(
+        api, monkeypatch):
+    """The hub hands its reader's Redis error to every subscriber; the stream was cut off
+    (no error chunk, no [DONE]: the SDK raised RemoteProtocolError) at the first one, and a
+    reconnect of the hub's reader ended every OpenAI stream of the process."""
+    from app import openai_api
+    from common.stream_hub import Subscription
+
+    reads = []
+    real_read = Subscription.read
+
+    def flaky(self, timeout_s):
+        reads.append(1)
+        if len(reads) <= 2:
+            raise redis.ConnectionError("Connection reset by peer")
+        return real_read(self, timeout_s)
+
+    api.reset(_lost_and_rerun)   # a stream that finishes once it can read
+    monkeypatch.setattr(Subscription, "read", flaky)
+    datas = stream_datas(api.client.post("/v1/completions", json={"prompt": "x",
+                                                                   "stream": True}))
+    assert _stream_text(datas, False) == "Hello world!" and datas[-1] == "[DONE]"
+
+    monkeypatch.setattr(openai_api, "REDIS_OUTAGE_S", 0.0)
+    reads.clear()
+    api.reset()   # stays queued
+    monkeypatch.setattr(Subscription, "read", lambda self, timeout_s: (_ for _ in ()).throw(
+        redis.ConnectionError("Connection refused")))
+    datas = stream_datas(api.client.post("/v1/completions", json={"prompt": "x",
+                                                                   "stream": True}))
+    assert datas[-2]["error"]["code"] == "service_unavailable" and datas[-1] == "[DONE]"
 
 
 def test_stream_resumed_at_its_done_event_ends_with_204(api):
