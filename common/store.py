@@ -7,7 +7,8 @@ Keys (all names are built in common/keys.py, and read and written only by the st
   llmq:cancelled           set     ids whose cancellation was asked for; the engine polls it
   llmq:workers             zset    worker name -> last engine heartbeat (unix seconds)
   llmq:worker:<name>       hash    what that worker reports (model, device, counters)
-  llmq:running:<name>      set     ids a worker started and has not finished
+  llmq:running:<name>      set     ids a worker started and has not finished, and ids it took
+                                   back (from a dead worker) and has not yet sent again
   llmq:rate:<owner>:<min>  hash    a key's sequences and tokens in one minute (rate limits)
   llmq:owner:<owner>:seqs  zset    a key's unfinished sequences -> created (its queue share)
   llmq:owner:<owner>:streams zset  a key's open SSE streams -> lease end (its stream cap)
@@ -77,14 +78,19 @@ def reserved_tokens(req: SequenceRequest) -> int:
 
 
 # Moves a record to "running" unless it already finished, or another live worker runs it (a
-# late redelivery). Returns the status it had and the attempt number (0 = do not run); a
-# sequence found "running" under this worker's own name was lost by its previous life.
+# late redelivery). Returns the status it had and the attempt number (0 = do not run). A
+# sequence found "running" under this worker's own name is a second message for the attempt its
+# engine runs now (ARGV[5]; a stuck peer's hand-back and the reaper's re-send of one message can
+# both reach this worker): skipped, not restarted. Any other was lost by its previous life.
 _START = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {'missing', 0} end
 if st ~= 'queued' and st ~= 'running' then return {st, 0} end
 if st == 'running' then
   local w = redis.call('HGET', KEYS[1], 'worker')
+  if w == ARGV[2] and ARGV[5] ~= '' and redis.call('HGET', KEYS[1], 'attempts') == ARGV[5] then
+    return {'running-here', 0}
+  end
   if w and w ~= '' and w ~= ARGV[2] then
     local beat = redis.call('ZSCORE', KEYS[2], w)
     if beat and tonumber(beat) > tonumber(ARGV[3]) then return {'running-elsewhere', 0} end
@@ -99,9 +105,13 @@ return {st, n}
 
 # Takes back the sequences a dead worker had (once: the ZREM decides who reclaims): each it was
 # running goes back to "queued" with a reset event; each whose message it had received but not
-# started is still "queued" (its message sits unacknowledged until kombu's visibility timeout).
-# The caller queues them all again, once each. KEYS: the worker's running set, workers, its
-# held set. ARGV: worker, stale cutoff (or 'force'), reset reason, maxlen, held too ('1'),
+# started is still "queued" (its message sits unacknowledged until kombu's visibility timeout),
+# and so is each it had itself taken back from another and not yet sent again (in its running
+# set). The caller queues them all again, once each; with a sender (ARGV[7]), they move to the
+# sender's running set and each leaves it only once its message is sent (_RESENT): a send that
+# fails part-way leaves the rest there, for the sender's next reap or whoever reaps the sender.
+# KEYS: the worker's running set, workers, its held set, the sender's running set. ARGV: worker,
+# stale cutoff (or 'force'), reset reason, maxlen, held too ('1'), events ttl, sender ('1'),
 # then record, events and channel keys as prefix and suffix pairs (the ids are read here).
 _RECLAIM = """
 if ARGV[2] ~= 'force' then
@@ -113,29 +123,47 @@ end
 local function key(i, id) return ARGV[i] .. id .. ARGV[i + 1] end
 local out, seen = {}, {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local rec = key(6, id)
-  if redis.call('HGET', rec, 'status') == 'running' and redis.call('HGET', rec, 'worker') == ARGV[1] then
+  local rec = key(8, id)
+  local st = redis.call('HGET', rec, 'status')
+  if st == 'running' and redis.call('HGET', rec, 'worker') == ARGV[1] then
     redis.call('HSET', rec, 'status', 'queued', 'text', '', 'completion_tokens', 0, 'worker', '')
     -- The same payload as the reset a start writes (SequenceStore.reset_data): the run to come.
     local data = string.format('"attempt": %d, "reason": %s',
                                tonumber(redis.call('HGET', rec, 'attempts') or '0') + 1, ARGV[3])
-    redis.call('XADD', key(8, id), 'MAXLEN', '~', ARGV[4], '*', 'event', 'reset',
+    redis.call('XADD', key(10, id), 'MAXLEN', '~', ARGV[4], '*', 'event', 'reset',
                'data', '{' .. data .. '}')
-    redis.call('PUBLISH', key(10, id), '{"reset": true, ' .. data .. '}')
+    -- (the stream may start here: no token was published yet)
+    redis.call('EXPIRE', key(10, id), ARGV[6])
+    redis.call('PUBLISH', key(12, id), '{"reset": true, ' .. data .. '}')
+    table.insert(out, id)
+    seen[id] = true
+  elseif st == 'queued' then
     table.insert(out, id)
     seen[id] = true
   end
 end
 if ARGV[5] == '1' then
   for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
-    if not seen[id] and redis.call('HGET', key(6, id), 'status') == 'queued' then
+    if not seen[id] and redis.call('HGET', key(8, id), 'status') == 'queued' then
       table.insert(out, id)
     end
   end
   redis.call('DEL', KEYS[3])
 end
 redis.call('DEL', KEYS[1])
+if ARGV[7] == '1' then
+  for _, id in ipairs(out) do redis.call('SADD', KEYS[4], id) end
+end
 return out
+"""
+
+# A sequence taken back has its new message: it leaves the sender's running set, unless the
+# sender has started it since (its own consumer may take the new message first).
+# KEYS: record, the sender's running set. ARGV: sender, id.
+_RESENT = """
+if redis.call('HGET', KEYS[1], 'status') == 'running'
+   and redis.call('HGET', KEYS[1], 'worker') == ARGV[1] then return 0 end
+return redis.call('SREM', KEYS[2], ARGV[2])
 """
 
 # Finishes a record if its status is one of ARGV[1] (comma separated): writes the fields, appends
@@ -337,6 +365,7 @@ class SequenceStore:
         self.stream_maxlen = stream_maxlen
         self._start = client.register_script(_START)
         self._reclaim = client.register_script(_RECLAIM)
+        self._resent = client.register_script(_RESENT)
         self._finish = client.register_script(_FINISH)
         self._publish = client.register_script(_PUBLISH)
         self._reserve = client.register_script(_RESERVE)
@@ -509,11 +538,15 @@ class SequenceStore:
         """The Celery priority a sequence was queued at (None: the default)."""
         return _num(self.r.hget(record_key(seq_id), "priority"), int)
 
-    def start(self, seq_id: str, worker: str, stale_s: float = 15.0) -> tuple[str, int]:
-        """Marks a sequence running. Returns (previous status, attempt); attempt 0 = do not run."""
+    def start(self, seq_id: str, worker: str, stale_s: float = 15.0,
+              running: int | None = None) -> tuple[str, int]:
+        """Marks a sequence running. Returns (previous status, attempt); attempt 0 = do not run.
+        `running`: the attempt of it this worker's engine runs now, if any (a second message
+        for it is skipped)."""
         prev, attempt = self._start(
             keys=[record_key(seq_id), WORKERS_KEY, running_key(worker)],
-            args=[_now(), worker, time.time() - stale_s, seq_id])
+            args=[_now(), worker, time.time() - stale_s, seq_id,
+                  "" if running is None else int(running)])
         if prev == SequenceStatus.RUNNING.value and attempt:
             # A redelivered sequence restarts from scratch: readers drop what they have.
             self._append(self.r, seq_id, EVENT_RESET, reset_data(int(attempt), "worker lost"))
@@ -528,17 +561,24 @@ class SequenceStore:
         self.r.srem(held_key(worker), seq_id)
 
     def reclaim(self, worker: str, stale_s: float | None = None, held: bool = True,
-                reason: str = "worker lost") -> list[str]:
+                reason: str = "worker lost", sender: str | None = None) -> list[str]:
         """Sequences of a dead worker (or, with stale_s None, this worker's own): those it ran
         are put back to queued with a reset event and, with `held`, those whose message it held
         unstarted (still queued) are added. The caller queues them all again. A live worker
         handing back at shutdown leaves `held` out: its tasks still hold those messages, and
-        should it die before it has queued them again, a peer finds them there."""
+        should it die before it has queued them again, a peer finds them there. With `sender`
+        (the worker that queues them again), each waits in its running set until `resent`."""
         cutoff = "force" if stale_s is None else str(time.time() - stale_s)
         return list(self._reclaim(
-            keys=[running_key(worker), WORKERS_KEY, held_key(worker)],
+            keys=[running_key(worker), WORKERS_KEY, held_key(worker),
+                  running_key(sender or worker)],
             args=[worker, cutoff, json.dumps(reason), self.stream_maxlen, "1" if held else "0",
+                  self.pending_ttl_s, "1" if sender else "0",
                   *Keys.around(record_key), *Keys.around(events_key), *Keys.around(channel)]))
+
+    def resent(self, sender: str, seq_id: str) -> None:
+        """A sequence `sender` took back has its new message (see reclaim)."""
+        self._resent(keys=[record_key(seq_id), running_key(sender)], args=[sender, seq_id])
 
     def stale_workers(self, stale_s: float) -> list[str]:
         return self.r.zrangebyscore(WORKERS_KEY, "-inf", time.time() - stale_s)
@@ -745,8 +785,8 @@ class SequenceStore:
         pipe.execute()
 
     def running_ids(self, name: str) -> set[str]:
-        """What a worker has taken and not finished (its reclaimable sequences): started, or
-        received and not yet started."""
+        """What a worker has taken and not finished (its reclaimable sequences): started,
+        received and not yet started, or taken back and not yet sent again."""
         return self.r.sunion(running_key(name), held_key(name))
 
     def remove_worker(self, name: str) -> None:

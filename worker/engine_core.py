@@ -37,6 +37,12 @@ HANDBACK_TIMEOUT_S = 5.0
 FAIR_HANDBACK_S = 0.25   # a task thread waits this long before handing an over-share key's back
 
 
+class NotSentBack(Exception):
+    """A sequence this engine does not take now could not be queued again (the broker or Redis
+    away): its task must keep its own message instead (worker/tasks.py rejects it back to the
+    queue). Acknowledged, it would leave the record queued with no message at all."""
+
+
 class StepTiming:
     """Where a worker's steps spend their time, as running totals (seconds) in its heartbeat:
     `step_s` from submitting a step to its result, of which `model_prefill_s` and
@@ -206,8 +212,10 @@ class EngineCore:
             except RedisError as exc:   # Redis restarting: the message is not acked yet
                 log.warning("redis unavailable admitting: %s", exc, extra={"seq_id": seq_id})
                 self._stop.wait(min(5.0, 0.2 * (attempt + 1)))
+            except NotSentBack as exc:
+                return self._keep_message(seq_id, f"could not queue it again: {exc}")
         else:
-            raise RuntimeError("redis unavailable for too long")
+            return self._keep_message(seq_id, "redis unavailable for too long")
         if seq is None:
             return {"seq_id": seq_id, "skipped": True}
         seq.done.wait(timeout_s)
@@ -216,11 +224,18 @@ class EngineCore:
         return {"seq_id": seq_id, "finish_reason": seq.finish_reason and seq.finish_reason.value,
                 "completion_tokens": seq.num_output_tokens}
 
+    @staticmethod
+    def _keep_message(seq_id: str, why: str) -> dict:
+        """Neither run here nor queued again: the task keeps its message (a task that failed
+        would have it acknowledged, and the record would wait `queued` for nothing)."""
+        log.error("%s; the message goes back to the queue", why, extra={"seq_id": seq_id})
+        return {"seq_id": seq_id, "stranded": True}
+
     def admit(self, seq_id: str, priority: int | None = None) -> Sequence | None:
         """Hands the sequence to the input processor (in the caller's thread) and queues it,
         unless this engine should not take it now."""
         if self._draining.is_set():
-            self._send_back(seq_id)   # shutting down: another worker takes it
+            self._decline(seq_id)   # shutting down: another worker takes it
             return None
         if not self.liveness.advancing():
             # The engine is stuck mid-step and its heartbeat has gone quiet, so other workers
@@ -229,18 +244,21 @@ class EngineCore:
             # the only worker).
             log.warning("engine stuck: handing a sequence back", extra={"seq_id": seq_id})
             self._stop.wait(1.0)
-            self._send_back(seq_id)
+            self._decline(seq_id)
             return None
         owner = self.store.owner_of(seq_id)
         if not self._reserve(owner):
             # This key already has its share of a full worker: the task thread is worth more
             # to another key's sequence (docs/security.md). Back to the queue, behind others.
             self._stop.wait(FAIR_HANDBACK_S)
-            self.requeue(seq_id, 9)
+            self._decline(seq_id, behind=True)
             return None
         seq = None
         try:
-            seq = self.inputs.process(seq_id)
+            # The copy this engine runs, if any: a second message for it is skipped (a stuck
+            # peer's hand-back and the reaper's re-send of one message can both come here).
+            current = self.output.admitted.get(seq_id)
+            seq = self.inputs.process(seq_id, current.attempt if current else None)
         except Rejected as exc:
             self.output.reject(exc)
         finally:
@@ -258,6 +276,17 @@ class EngineCore:
         """Queues a sequence again (handed back, or taken from a dead worker) at the priority
         it was queued at."""
         self.requeue(seq_id, self.store.priority_of(seq_id))
+
+    def _decline(self, seq_id: str, behind: bool = False) -> None:
+        """Queues again a sequence this engine does not take now, at its priority or, `behind`,
+        behind the others. Raises NotSentBack if it cannot."""
+        try:
+            if behind:
+                self.requeue(seq_id, 9)
+            else:
+                self._send_back(seq_id)
+        except Exception as exc:  # noqa: BLE001 - kombu's OperationalError, or a RedisError
+            raise NotSentBack(f"{type(exc).__name__}: {exc}") from exc
 
     def _reserve(self, owner: str) -> bool:
         """Counts a sequence toward its key's share from the moment it passes the fair-share
@@ -429,11 +458,15 @@ class EngineCore:
         self.output.abort_all()
         handed_back: set[str] = set()
         try:
-            handed = self.store.reclaim(self.name, held=False, reason="handed back")
+            # Each stays in the running set until it is sent: this name stays registered
+            # (stop) and a peer's reaper sends what this could not.
+            handed = self.store.reclaim(self.name, held=False, reason="handed back",
+                                        sender=self.name)
             self._stall("handback")
             for seq_id in handed:
                 self._send_back(seq_id)
                 handed_back.add(seq_id)
+                self.store.resent(self.name, seq_id)
                 log.info("handed back at shutdown", extra={"seq_id": seq_id})
         except Exception as exc:  # noqa: BLE001 - RedisError, or kombu's OperationalError
             self._strand([s for s in self.output.admitted.values()

@@ -37,11 +37,13 @@ class InputProcessor:
         self.executor = executor   # read for its model's description (`info`), nothing else
         self.tokenizer = tokenizer
 
-    def process(self, seq_id: str) -> Sequence | None:
+    def process(self, seq_id: str, running: int | None = None) -> Sequence | None:
         """Starts the record here and returns its Sequence; None when there is nothing to run
-        (finished, cancelled while queued, expired, or run by a live peer). Raises Rejected
-        for an input that cannot run (the caller ends its record)."""
-        _prev, attempt = self.store.start(seq_id, self.name, self.settings.worker_stale_s)
+        (finished, cancelled while queued, expired, run by a live peer, or already run here:
+        `running` is the attempt of it this engine runs). Raises Rejected for an input that
+        cannot run (the caller ends its record)."""
+        _prev, attempt = self.store.start(seq_id, self.name, self.settings.worker_stale_s,
+                                          running)
         if not attempt:
             return None
         req = self.store.load_request(seq_id)

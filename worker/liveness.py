@@ -27,17 +27,30 @@ class Liveness:
         self._progress = time.monotonic()
         self._step_started: float | None = None
         self._beating_since: float | None = None   # start of the current run of good beats
+        self._unsent: dict[str, None] = {}   # taken back, new message not yet sent (in order)
 
     def start(self) -> None:
         threading.Thread(target=self._beat_loop, name="llmq-heartbeat", daemon=True).start()
         self.beat()
 
     def take_back_own(self) -> None:
-        """Whatever this worker name was running before a crash is ours to run again."""
-        for seq_id in self.store.reclaim(self.name):
-            log.warning("re-queueing a sequence lost by this worker's previous run",
-                        extra={"seq_id": seq_id})
+        """Whatever this worker name was running before a crash is ours to run again (and what
+        its previous run took back from dead workers and had not sent again yet)."""
+        self._send_again(self.store.reclaim(self.name, sender=self.name),
+                         "re-queueing a sequence lost by this worker's previous run")
+
+    def _send_again(self, taken: list[str], why: str = "", *args) -> None:
+        """Sends a new message for each sequence taken back (and each an earlier call could not
+        send), in order. Each stays in this worker's running set until its message is sent: a
+        send that fails (the broker away) leaves the rest there, for this worker's next reap,
+        or for whoever takes its sequences back should it die first."""
+        for seq_id in taken:
+            log.warning(why, *args, extra={"seq_id": seq_id})
+            self._unsent[seq_id] = None
+        for seq_id in list(self._unsent):
             self.requeue(seq_id)
+            del self._unsent[seq_id]   # sent; the set entry below is only bookkeeping
+            self.store.resent(self.name, seq_id)
 
     # --- what the engine reports ----------------------------------------------------------------
     def progress(self) -> None:
@@ -93,11 +106,11 @@ class Liveness:
                 log.warning("reaping failed: %s", exc)
 
     def reap_dead_workers(self) -> None:
-        """Takes back what workers that stopped heart-beating were running."""
+        """Takes back what workers that stopped heart-beating were running (after sending what
+        an earlier reap took back and could not send)."""
+        self._send_again([])
         for name in self.store.stale_workers(self.settings.worker_stale_s):
-            if name == self.name:
-                continue
-            for seq_id in self.store.reclaim(name, self.settings.worker_stale_s):
-                log.warning("re-queueing a sequence of dead worker %s", name,
-                            extra={"seq_id": seq_id})
-                self.requeue(seq_id)
+            if name != self.name:
+                self._send_again(
+                    self.store.reclaim(name, self.settings.worker_stale_s, sender=self.name),
+                    "re-queueing a sequence of dead worker %s", name)

@@ -63,9 +63,10 @@ def test_worker_killed_during_its_hand_back_at_shutdown(world):
     wait_until(lambda: len(running_with_tokens(r, ids, 5)) == 3, 60, "all three running")
     w1.signal(signal.SIGTERM)
     wait_until(lambda: _stalled(w1, "handback"), 60, "w1 to begin its hand-back")
-    # The records went back to queued, and not one new message was sent yet.
+    # The records went back to queued, and not one new message was sent yet: each waits in
+    # the running set (as in the held set) until its message is sent.
     assert [record(r, i)["status"] for i in ids] == ["queued"] * 3
-    assert not r.exists(running_key(w1.hostname))
+    assert r.smembers(running_key(w1.hostname)) == set(ids)
     killed_at = time.time()
     kill_hard(w1)
 

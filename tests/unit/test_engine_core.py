@@ -8,9 +8,11 @@ import time
 
 import fakeredis
 import pytest
+from kombu.exceptions import OperationalError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common import metrics
-from common.protocol import FinishReason, SamplingParams, SequenceRequest
+from common.protocol import GENERATE_TASK, FinishReason, SamplingParams, SequenceRequest
 from common.keys import Keys
 from common.store import SequenceStore
 
@@ -239,6 +241,12 @@ def test_a_decode_step_writes_its_tokens_and_looks_for_cancels_in_one_round_trip
     assert_ended_once(store, engine, seq, FinishReason.CANCELLED)
 
 
+def taken_for_dead(store, worker: str = "w1") -> list[str]:
+    """A peer's reaper takes the worker's sequences back: queued again, each with a reset."""
+    store.r.zadd(Keys.workers, {worker: 0})   # its last beat, long ago
+    return store.reclaim(worker, stale_s=15)
+
+
 def test_restart_of_a_record_on_the_same_worker_streams_only_the_new_copy(store):
     """Bug 1's seam: this worker was taken for dead and the record restarted here while the old
     copy still runs, its last token not yet published. The old copy stops, writes nothing;
@@ -250,6 +258,7 @@ def test_restart_of_a_record_on_the_same_worker_streams_only_the_new_copy(store)
     engine.step()                       # " w5" sampled
     engine.step()                       # " w5" published, " w6" sampled (pending)
     assert engine.output.has_pending
+    assert taken_for_dead(store) == ["s"]
     new = engine.admit("s")             # attempt 2, same worker name
     run(engine, [old, new])
     assert old.done.is_set() and old.is_closed and old.finish_reason is FinishReason.CANCELLED
@@ -259,6 +268,28 @@ def test_restart_of_a_record_on_the_same_worker_streams_only_the_new_copy(store)
     rec = store.get_record("s")
     assert (rec["text"], rec["completion_tokens"], rec["attempts"]) == (" w5 w6 w8", "3", "2")
     assert_ended_once(store, engine, new, FinishReason.LENGTH)
+
+
+def test_a_second_message_for_the_sequence_this_engine_runs_is_skipped(store):
+    """A stuck worker's held message comes back twice: the reaper's re-send, and that worker's
+    own hand-back. When both reach this worker, the second must not restart the copy running
+    here (a reset, its tokens thrown away, attempts + 1): it is skipped."""
+    sent = []
+    engine = make_engine(store, ScriptedBackend({"s": [5, 6, 8]}),
+                         requeue=lambda seq_id, priority=None: sent.append(seq_id))
+    submit(store, max_tokens=3)
+    store.hold("stuck", "s")                 # the stuck worker received it
+    store.r.zadd(Keys.workers, {"stuck": 0})   # and its heartbeat stopped long ago
+    engine.liveness.reap_dead_workers()      # message 1: the reaper's re-send
+    assert sent == ["s"]                     # (message 2: the stuck worker hands it back)
+    seq = engine.admit("s")
+    engine.step()
+    engine.step()                            # " w5" published
+    assert engine.admit("s") is None
+    run(engine, [seq])
+    assert [k for k, _d in events(store)] == ["token", "token", "token", "done"]
+    assert store.get_record("s")["attempts"] == "1"
+    assert_ended_once(store, engine, seq, FinishReason.LENGTH)
 
 
 def test_a_model_crash_mid_step_resumes_from_the_tokens_made(store):
@@ -337,6 +368,57 @@ def test_drain_hands_the_batch_back_and_new_work_goes_back_too(store):
         engine.stop()
 
 
+def broker_away(seq_id, priority=None):
+    raise OperationalError("Error 111 connecting to redis:6379. Connection refused.")
+
+
+@pytest.mark.parametrize("why", ["draining", "stuck", "over its key's share", "redis away"])
+def test_a_sequence_that_cannot_be_queued_again_keeps_its_message(store, monkeypatch, why):
+    """A task that gives its sequence back (the engine draining or stuck, its key over its
+    share) and cannot send the new message, or that cannot reach Redis at all, must not fail:
+    Celery acknowledges a failed task's message, and the record would wait `queued` with no
+    message. It rejects the message back to the queue instead."""
+    from worker import tasks  # noqa: F401 - registers the task
+    from worker.celery_app import celery
+
+    engine = make_engine(store, requeue=broker_away, max_num_seqs=2)
+    for seq_id, owner in (("s", "o"), ("o-first", "o"), ("p-first", "p")):
+        store.create([SequenceRequest(seq_id=seq_id, prompt_token_ids=[3, 4], owner=owner,
+                                      params=SamplingParams(max_tokens=50))])
+    engine._stop.set()   # (no pause before a hand-back or between tries: no loop runs)
+    if why == "draining":
+        engine._draining.set()
+    elif why == "stuck":
+        engine.liveness._progress -= engine.settings.worker_stale_s
+    elif why == "over its key's share":   # a full worker, half of it o's
+        assert engine.admit("o-first") and engine.admit("p-first")
+    else:
+        def unreachable(seq_id, priority=None):
+            raise RedisConnectionError("Error 111 connecting to redis:6379.")
+        monkeypatch.setattr(engine, "admit", unreachable)
+    celery.llmq_engine = engine
+    try:
+        result = celery.tasks[GENERATE_TASK].apply(args=["s"])
+    finally:
+        celery.llmq_engine = None
+    assert result.state == "REJECTED" and result.result.requeue
+    assert store.get_job("s")["status"] == "queued"
+    assert engine._reserved == []
+
+
+def test_a_task_that_reaches_a_worker_without_an_engine_keeps_its_message(store):
+    """(Starting up, or the engine failed to start): it raised RuntimeError, and Celery
+    acknowledged the message of the failed task."""
+    from worker import tasks  # noqa: F401 - registers the task
+    from worker.celery_app import celery
+
+    store.create([SequenceRequest(seq_id="s", prompt_token_ids=[3, 4])])
+    assert celery.llmq_engine is None
+    result = celery.tasks[GENERATE_TASK].apply(args=["s"])
+    assert result.state == "REJECTED" and result.result.requeue
+    assert store.get_job("s")["status"] == "queued"
+
+
 def test_a_sequence_handed_back_keeps_its_priority(store):
     """Bug 10: every way a sequence goes back to the queue (the hand-back at drain, a task
     arriving while draining or while the engine is stuck, a dead worker's reaped sequence)
@@ -389,12 +471,12 @@ def test_task_threads_checking_at_once_do_not_take_a_keys_share_twice(store, mon
     together = threading.Barrier(5, timeout=1.0)
     process = engine.inputs.process
 
-    def slow_process(seq_id):
+    def slow_process(seq_id, running=None):
         try:
             together.wait()
         except threading.BrokenBarrierError:
             pass
-        return process(seq_id)
+        return process(seq_id, running)
 
     monkeypatch.setattr(engine.inputs, "process", slow_process)
     monkeypatch.setattr("worker.engine_core.FAIR_HANDBACK_S", 0.0)
@@ -559,6 +641,7 @@ def test_a_restart_that_arrives_while_the_old_copys_prefill_is_in_flight_drops_t
     stepping = threading.Thread(target=engine.step)   # old's prefill, held at the gate
     stepping.start()
     assert executor.at_gate.wait(10)
+    assert taken_for_dead(store) == ["s"]
     new = engine.admit("s")                           # attempt 2, rings the bell mid-step
     assert wait_until(lambda: new in engine.scheduler.waiting, 10, "the new copy taken in")
     executor.gate.set()

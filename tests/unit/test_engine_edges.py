@@ -115,6 +115,7 @@ def test_restart_on_the_same_worker_drops_the_old_copys_pending_delta(store, tok
     out = engine.scheduler.schedule()
     engine.output.update(out, StepResult(token_ids={"s": world}))
     stale, engine.output.pending = engine.output.pending, []   # not yet published
+    assert store.reclaim("w1") == ["s"]       # taken for dead: queued again, with a reset
     assert engine.admit("s") is not None      # the record restarted here: attempt 2
     assert step(engine, {"s": hi}, pending=stale) == []
     events = store.read_events("s")
