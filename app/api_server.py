@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request, stream_with_context
@@ -43,6 +45,7 @@ def _authenticate():
     g.owner, g.has_key = "", False
     keys = settings().api_keys
     if not keys:
+        _refuse_foreign_names()
         return None
     header = request.headers.get("Authorization", "")
     given = header[7:].strip() if header.lower().startswith("bearer ") else ""
@@ -56,6 +59,38 @@ def _authenticate():
                        {"WWW-Authenticate": "Bearer"})
     g.owner = owner_id(given)
     return None
+
+
+_LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+
+
+def _refuse_foreign_names() -> None:
+    """Without keys, a loopback bind is the only protection, and a browser on this machine can
+    get around it: a page whose name re-resolves to 127.0.0.1 (DNS rebinding) is same-origin
+    with the API and reads its jobs and files, and a cross-site form posts jobs without a
+    preflight. Both carry a foreign name (Host, Origin), which a local client never does.
+    A non-loopback LLMQ_HOST without keys is the operator's choice of an open API."""
+    s = settings()
+    if "*" in s.allowed_hosts or not _is_loopback(s.host) or request.path in _OPEN_PATHS:
+        return
+    names = {"Host": request.host}
+    if origin := request.headers.get("Origin"):
+        names["Origin"] = urlsplit(origin).netloc or origin   # ("null" from sandboxed pages)
+    for header, value in names.items():
+        name = urlsplit(f"//{value}").hostname or ""
+        if name not in _LOOPBACK_NAMES and not name.endswith(".localhost") \
+                and name not in s.allowed_hosts:
+            raise APIError(403, f"this server has no API keys and answers only local names; "
+                           f"{header} {value[:100]!r} is not one (set LLMQ_API_KEYS, or list "
+                           "the name in LLMQ_ALLOWED_HOSTS)", "permission_error",
+                           code="host_not_allowed")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
 
 
 def owner_id(key: str) -> str:
@@ -152,9 +187,11 @@ def submit(inputs: list[dict[str, Any]], req: SamplingFields,
         inputs = [{**inp, "params": p} for inp in inputs for p in params.copies(n)]
     if getattr(req, "stream", False):
         take_stream_slot()
-    jobs = eng.submit(inputs, params, g.owner, req.timeout, req.priority)
-    submit_hooks.after_submit(current_app.extensions["llmq"], g.owner, jobs, hook)
-    return jobs
+    # Indexed and hooked before the messages go: a failure there is a 503 with nothing queued
+    # (after them, the 503 came for jobs that ran anyway, and a retry ran them twice).
+    ext, owner = current_app.extensions["llmq"], g.owner
+    return eng.submit(inputs, params, owner, req.timeout, req.priority,
+                      before_queue=lambda jobs: submit_hooks.index_and_hook(ext, owner, jobs, hook))
 
 
 def checked_webhook(req) -> tuple[str, list[str]] | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 
-from common.file_store import FileStore
+from common.file_store import FileStore, StorageFull
 
 from .api_server import APIError, settings
 from .listing import list_params, page_json
@@ -71,8 +71,26 @@ def upload_file():
     if num_lines > s.file_max_lines:
         raise APIError(400, f"the file has {num_lines} lines; at most {s.file_max_lines} "
                             "(LLMQ_FILE_MAX_LINES)", param="file")
-    obj = file_store().put(g.owner, purpose, upload.filename or "upload.jsonl", text)
+    try:
+        obj = file_store().put(g.owner, purpose, upload.filename or "upload.jsonl", text,
+                               max_bytes=s.file_max_bytes_per_key,
+                               max_files=s.file_max_files_per_key)
+    except StorageFull as full:
+        raise storage_full(full) from None
     return jsonify(obj)
+
+
+def storage_full(full: StorageFull) -> APIError:
+    """OpenAI answers a file past its storage quota with a 400 invalid_request_error ("You have
+    exceeded your file storage quota ... Please delete old files"): not a 429, since waiting
+    frees nothing unless files expire."""
+    cap, var = ((settings().file_max_bytes_per_key, "LLMQ_FILE_MAX_BYTES_PER_KEY")
+                if full.limit == "bytes" else
+                (settings().file_max_files_per_key, "LLMQ_FILE_MAX_FILES_PER_KEY"))
+    return APIError(400, f"this file would take your key's files to {full.would_hold} "
+                         f"{full.limit}; at most {cap} ({var}): delete files you no longer "
+                         "need, or wait for them to expire", param="file",
+                    code="storage_limit_exceeded")
 
 
 @bp.get("/v1/files")

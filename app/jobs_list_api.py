@@ -9,7 +9,7 @@ from flask import Blueprint, Flask, current_app, g, request
 
 from common.owner_index import OwnerIndex
 from common.protocol import SequenceStatus
-from common.store import job_from_record
+from common.store import job_from_record, record_key
 from common.webhook_store import WebhookStore
 
 from .api_server import APIError
@@ -31,12 +31,21 @@ def list_jobs():
                        + ", ".join(s.value for s in SequenceStatus), param="status")
     index, owner = jobs_index(), g.owner
 
+    def mine(rec):
+        return bool(rec) and (rec.get("owner") or "") == owner
+
     def load(ids):
-        return [job_from_record(rec) if rec and rec.get("owner", "") == owner else None
+        return [job_from_record(rec) if mine(rec) else None
                 for rec in current_app.extensions["llmq"]["store"].get_records(ids)]
 
+    def peek(ids):
+        # A filter reads each record's owner and status first, and whole records (the text of
+        # every job passed over) only for the jobs it keeps.
+        return [h if mine(h) else None for h in index.fields(record_key, ids, "owner", "status")]
+
     return page_json(index.page, owner, load, after, limit,
-                     keep=lambda job: status is None or job["status"] == status)
+                     keep=lambda job: status is None or job["status"] == status,
+                     peek=peek if status is not None else None)
 
 
 def init_app(app: Flask) -> None:

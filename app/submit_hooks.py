@@ -21,8 +21,10 @@ def checked_webhook(req, settings) -> tuple[str, list[str]] | None:
     return url, list(req.webhook_events)
 
 
-def after_submit(extensions: dict, owner: str, jobs: list[dict],
+def index_and_hook(extensions: dict, owner: str, jobs: list[dict],
                  hook: tuple[str, list[str]] | None) -> None:
+    """Runs once the records exist and before their messages are sent (LLMEngine.submit's
+    before_queue), so a job is never queued unlisted or without its webhook."""
     extensions["jobs_index"].add(owner, {j["id"]: j["created_at"] for j in jobs})
     if hook is not None:
         extensions["webhooks"].register_jobs([j["id"] for j in jobs], *hook)

@@ -12,7 +12,7 @@ import logging
 import secrets
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from celery import Celery
 
@@ -64,10 +64,14 @@ class LLMEngine:
 
     def submit(self, inputs: list[dict[str, Any]], params: SamplingParams, owner: str = "",
                timeout_s: float | None = None, priority: int | None = None,
-               seq_ids: list[str] | None = None) -> list[dict[str, Any]]:
+               seq_ids: list[str] | None = None,
+               before_queue: Callable[[list[dict[str, Any]]], None] | None = None
+               ) -> list[dict[str, Any]]:
         """One sequence per input ({"prompt": str} or {"messages": [...]}, optionally with
         its own "params", as n > 1 gives each copy its own seed), queued in order.
         `seq_ids` names them (a batch line's id is derived from its batch), else new ids.
+        `before_queue(jobs)` runs between the records and their messages (the caller's own
+        bookkeeping): when it fails, nothing is queued, as when the broker fails.
 
         Raises Overloaded (-> 429) when the queue is full or the caller is over its rate limit;
         nothing is written in that case, and nothing accepted is ever dropped."""
@@ -82,16 +86,19 @@ class LLMEngine:
         charged_to = self._charge_rate_limits(reqs, owner)
         jobs = self.store.create(reqs, model=self.settings.model, charged_to=charged_to)
         try:
+            if before_queue is not None:
+                before_queue(jobs)
             for req in reqs:
                 self.celery.send_task(GENERATE_TASK, args=[req.seq_id], task_id=req.seq_id,
                                       queue=self.settings.queue, priority=req.priority)
         except Exception:
-            # The broker went away mid-batch: end what was not queued instead of leaving
-            # records that no worker will ever take; the caller gets a 503.
+            # The broker (or Redis) went away mid-batch: end what was not queued instead of
+            # leaving records that no worker will ever take; the caller gets a 503.
             for req in reqs:
                 try:
                     self.store.finish(req.seq_id, FinishReason.ERROR,
-                                      error="could not queue the sequence (broker unavailable)",
+                                      error="could not queue the sequence (broker or Redis "
+                                            "unavailable)",
                                       only_if=(SequenceStatus.QUEUED,))
                 except Exception:  # noqa: BLE001 - Redis itself is down: the TTL cleans up
                     break
@@ -105,13 +112,19 @@ class LLMEngine:
         keys, past one key's share of it. Returns the key's unfinished sequences (0 without
         keys)."""
         s, n = self.settings, len(reqs)
+        keyed = bool(owner and s.api_keys)
+        cap = max(1, int(s.max_queued * s.key_queue_share)) if keyed else s.max_queued
+        if n > cap:   # no retry could take it: a 400, not an endless 429
+            raise TooLarge(f"this request has {n} sequences, more than "
+                           + (f"a key's share of the queue, {cap} (LLMQ_KEY_QUEUE_SHARE of "
+                              if keyed else "the queue holds (")
+                           + f"LLMQ_MAX_QUEUED={s.max_queued})")
         depth = self.store.queue_depth(s.queue)
         if depth + n > s.max_queued:
             raise Overloaded(f"the queue is full ({depth} sequences waiting); retry later", 2)
-        if not (owner and s.api_keys):
+        if not keyed:
             return 0
         unfinished = self.store.unfinished_of(owner)
-        cap = max(1, int(s.max_queued * s.key_queue_share))
         if unfinished + n > cap:
             raise Overloaded(f"this key has {unfinished} unfinished sequences, its share of "
                              f"the queue is {cap} (LLMQ_KEY_QUEUE_SHARE); retry later", 2)

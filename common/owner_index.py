@@ -21,18 +21,27 @@ class UnknownCursor(ValueError):
     """`after` names no entry of the caller's list."""
 
 
+# A page passes over at most this many entries it does not return (filtered out, or expired)
+# before it answers: a filter that matches few of a long index must not read all of it in one
+# request. Reaching it, the page answers what it found with has_more and, as last_id, the last
+# entry it looked at, for `after` to go on from (docs/api.md).
+PAGE_SCAN = 1000
+
+
 @dataclass(frozen=True)
 class Page:
-    """One page of a list: the objects and whether more follow."""
+    """One page of a list: the objects and whether more follow. `cursor` is where the next
+    page starts when that is past the last object (a page cut short by PAGE_SCAN)."""
 
     data: list[dict[str, Any]]
     has_more: bool
+    cursor: str | None = None
 
     def as_json(self) -> dict[str, Any]:
+        last = self.cursor or (self.data[-1]["id"] if self.data else None)
         return {"object": "list", "data": self.data,
                 "first_id": self.data[0]["id"] if self.data else None,
-                "last_id": self.data[-1]["id"] if self.data else None,
-                "has_more": self.has_more}
+                "last_id": last, "has_more": self.has_more}
 
 
 class OwnerIndex:
@@ -55,11 +64,25 @@ class OwnerIndex:
     def remove(self, owner: str, item_id: str) -> None:
         self.r.zrem(index_key(owner, self.kind), item_id)
 
+    def fields(self, key_of: Callable[[str], str], ids: list[str],
+               *names: str) -> list[dict[str, str] | None]:
+        """Some fields of each id's hash, in one round trip (None for a hash that is gone): what
+        a filter needs, without reading whole objects (a job's text)."""
+        pipe = self.r.pipeline(transaction=False)
+        for i in ids:
+            pipe.hmget(key_of(i), *names)
+        return [dict(zip(names, vals)) if any(v is not None for v in vals) else None
+                for vals in (pipe.execute() if ids else [])]
+
     def page(self, owner: str, load: Callable[[list[str]], list[dict | None]],
              after: str | None = None, limit: int = 20,
-             keep: Callable[[dict], bool] = lambda _obj: True, chunk: int = 200) -> Page:
+             keep: Callable[[dict], bool] = lambda _obj: True, chunk: int = 200,
+             peek: Callable[[list[str]], list[dict | None]] | None = None,
+             scan: int = PAGE_SCAN) -> Page:
         """The objects after `after` (newest first). `load` reads a chunk of ids (None for an
-        expired one, dropped from the index here); `keep` filters (a status filter)."""
+        expired one, dropped from the index here); `keep` filters (a status filter). With
+        `peek` (a cheaper read of what `keep` needs), `keep` judges what `peek` read and only
+        the ids kept are loaded. At most `scan` entries are passed over (see PAGE_SCAN)."""
         key = index_key(owner, self.kind)
         start = 0
         if after:
@@ -68,15 +91,30 @@ class OwnerIndex:
                 raise UnknownCursor(f"'after' is not one of your {self.kind}: {after!r}")
             start = rank + 1
         out: list[dict] = []
+        passed, cursor = 0, after
         while len(out) <= limit:
-            ids = self.r.zrevrange(key, start, start + chunk - 1)
+            # Never read more entries than the page can still return or pass over.
+            room = limit + 1 - len(out) + scan - passed
+            ids = self.r.zrevrange(key, start, start + min(chunk, room) - 1)
             if not ids:
                 break
             start += len(ids)
-            objs = load(ids)
-            gone = [i for i, o in zip(ids, objs) if o is None]
+            seen = (peek or load)(ids)
+            gone = [i for i, o in zip(ids, seen) if o is None]
             if gone:
                 self.r.zrem(key, *gone)
                 start -= len(gone)
-            out += [o for o in objs if o is not None and keep(o)]
+            kept = [(i, o) for i, o in zip(ids, seen) if o is not None and keep(o)]
+            if peek is not None and kept:
+                # Judged again as loaded: one that changed (or went) between the reads is
+                # skipped (a gone one is dropped from the index by the next list).
+                kept = [(i, o) for (i, _), o in zip(kept, load([i for i, _ in kept]))
+                        if o is not None and keep(o)]
+            out += [o for _i, o in kept]
+            passed += len(ids) - len(kept)
+            cursor = next((i for i, o in zip(reversed(ids), reversed(seen)) if o is not None),
+                          cursor)
+            if passed >= scan and len(out) <= limit:
+                more = bool(self.r.zrevrange(key, start, start))
+                return Page(out, more, cursor if more else None)
         return Page(out[:limit], len(out) > limit)

@@ -52,6 +52,8 @@ _NON_NEGATIVE = (
     ("max_stop", "LLMQ_MAX_STOP"), ("rate_limit_rpm", "LLMQ_RATE_LIMIT_RPM"),
     ("rate_limit_tpm", "LLMQ_RATE_LIMIT_TPM"), ("key_max_streams", "LLMQ_KEY_MAX_STREAMS"),
     ("test_step_delay_s", "LLMQ_TEST_STEP_DELAY"), ("port", "LLMQ_PORT"),
+    ("file_max_bytes_per_key", "LLMQ_FILE_MAX_BYTES_PER_KEY"),
+    ("file_max_files_per_key", "LLMQ_FILE_MAX_FILES_PER_KEY"),
     # 0: no drain, the batch is handed back at once (a fault test kills the worker mid-hand-back)
     ("shutdown_grace_s", "LLMQ_SHUTDOWN_GRACE"),
 )
@@ -161,12 +163,19 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = field(default_factory=tuple)
+    # Without keys on a loopback bind: the Host and Origin names answered besides loopback's
+    # ("*": any), so a web page cannot reach the API through DNS rebinding or a cross-site form.
+    allowed_hosts: tuple[str, ...] = field(default_factory=tuple)
     wait_timeout_s: float = 600.0
     sse_keepalive_s: float = 15.0
     # Files and batches (kept in Redis: every API replica and worker reads them).
     file_max_bytes: int = 32 * 1024 * 1024
     file_max_lines: int = 50_000
     file_ttl_s: int = 30 * 24 * 3600
+    # One key's live files, all in the Redis memory every key shares (0 = no cap). The count
+    # also bounds the work of summing them at each upload.
+    file_max_bytes_per_key: int = 1024 * 1024 * 1024
+    file_max_files_per_key: int = 10_000
     batch_priority: int = 9          # Celery priority of batch lines (0 first ... 9 last)
     batch_max_inflight: int = 32     # batch lines queued or running at once, all batches together
     # Webhooks (Standard Webhooks signatures).
@@ -266,6 +275,8 @@ class Settings:
             port=_int("LLMQ_PORT", d.port),
             # "key1, key2" is the natural way to write a list: spaces are not part of a key.
             api_keys=tuple(k.strip() for k in _env("LLMQ_API_KEYS", "").split(",") if k.strip()),
+            allowed_hosts=tuple(h.strip().lower() for h in _env(
+                "LLMQ_ALLOWED_HOSTS", "").split(",") if h.strip()),
             key_queue_share=_float("LLMQ_KEY_QUEUE_SHARE", d.key_queue_share),
             key_batch_share=_float("LLMQ_KEY_BATCH_SHARE", d.key_batch_share),
             key_max_streams=_int("LLMQ_KEY_MAX_STREAMS", d.key_max_streams),
@@ -278,6 +289,8 @@ class Settings:
             file_max_bytes=_int("LLMQ_FILE_MAX_BYTES", d.file_max_bytes),
             file_max_lines=_int("LLMQ_FILE_MAX_LINES", d.file_max_lines),
             file_ttl_s=_int("LLMQ_FILE_TTL", d.file_ttl_s),
+            file_max_bytes_per_key=_int("LLMQ_FILE_MAX_BYTES_PER_KEY", d.file_max_bytes_per_key),
+            file_max_files_per_key=_int("LLMQ_FILE_MAX_FILES_PER_KEY", d.file_max_files_per_key),
             batch_priority=_int("LLMQ_BATCH_PRIORITY", d.batch_priority),
             batch_max_inflight=_int("LLMQ_BATCH_MAX_INFLIGHT", d.batch_max_inflight),
             webhook_secret=_env("LLMQ_WEBHOOK_SECRET", d.webhook_secret),

@@ -46,18 +46,20 @@ def event_body(event_type: str, data: dict[str, Any]) -> str:
                       ensure_ascii=False, separators=(",", ":"))
 
 
-# Finds due job events and marks them dispatching. KEYS: watch. ARGV: registration prefix,
-# record prefix, now, redispatch-before (a "d:" mark older than this is retried).
+# Finds due job events and marks them dispatching. A registration with nothing left that can
+# become due goes: a job that ended (for good: an ended record never runs again) without
+# starting never makes `started` due, and a `started`-only registration would otherwise stay in
+# the watch set, scanned here every 0.5 s by every worker, until it expired.
+# KEYS: watch. ARGV: registration prefix, record prefix, now, redispatch-before (a "d:" mark
+# older than this is retried).
 _DUE = """
 local out = {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local hook = ARGV[1] .. id
   local events = redis.call('HGET', hook, 'events')
   local rec = redis.call('HMGET', ARGV[2] .. id, 'status', 'started_at')
-  if not events or not rec[1] then
-    redis.call('SREM', KEYS[1], id)
-    redis.call('DEL', hook)
-  else
+  local open = false
+  if events and rec[1] then
     local ended = rec[1] == 'succeeded' or rec[1] == 'failed' or rec[1] == 'cancelled'
     local started = rec[2] and rec[2] ~= ''
     for ev in string.gmatch(events, '[^,]+') do
@@ -69,7 +71,13 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
         table.insert(out, id)
         table.insert(out, ev)
       end
+      -- Still to send: due (or being dispatched), or not yet due while the job can get there.
+      if st ~= 'sent' and (due or not ended) then open = true end
     end
+  end
+  if not open then
+    redis.call('SREM', KEYS[1], id)
+    redis.call('DEL', hook)
   end
 end
 return out

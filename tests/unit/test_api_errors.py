@@ -158,6 +158,37 @@ def test_openai_routes_share_the_job_routes_limits(api, path, body, param):
     assert api.celery.calls == []
 
 
+@pytest.mark.parametrize("keys", [(), ("k1",)])
+def test_more_sequences_than_the_queue_could_ever_hold_is_400_not_an_endless_429(keys):
+    """LLMQ_MAX_QUEUED=100: a key's share is 50, so 60 prompts got 429 Retry-After: 2 on an
+    empty queue, forever; without keys, 120 did."""
+    api = Api(api_keys=keys, max_queued=100, max_prompts=128).reset()
+    n = 60 if keys else 120
+    err = error_of(api.client.post("/v1/jobs", headers={"Authorization": "Bearer k1"}, json={
+        "prompts": [f"p{i}" for i in range(n)], "max_tokens": 4}), 400)
+    assert err["code"] == "request_too_large" and "LLMQ_MAX_QUEUED" in err["message"]
+    assert api.celery.calls == []
+    ok = api.client.post("/v1/jobs", headers={"Authorization": "Bearer k1"}, json={
+        "prompts": [f"p{i}" for i in range(50)], "max_tokens": 4})
+    assert ok.status_code == 202, ok.get_data(as_text=True)
+
+
+def test_a_submission_whose_bookkeeping_fails_queues_nothing(api, monkeypatch):
+    """The jobs index (GET /v1/jobs) and webhook registration were written after the messages
+    were sent: a Redis error there answered 503 "retry shortly" for jobs that ran anyway, and
+    a retry ran them twice."""
+    def blip(*_args, **_kwargs):
+        raise redis.ConnectionError("blip")
+
+    monkeypatch.setattr(api.app.extensions["llmq"]["jobs_index"], "add", blip)
+    resp = api.client.post("/v1/jobs", json={"prompts": ["a", "b"]})
+    assert resp.status_code == 503 and resp.headers["Retry-After"]
+    assert api.celery.calls == []
+    records = [k for k in api.r.scan_iter("llmq:seq:*") if api.r.type(k) == "hash"]
+    # ended, not left queued with no message
+    assert [api.r.hget(k, "status") for k in records] == ["failed", "failed"]
+
+
 def test_min_tokens_over_the_default_max_tokens_says_so(api):
     err = error_of(api.client.post("/v1/completions", json={"prompt": "hi", "min_tokens": 17}),
                    400)

@@ -609,3 +609,36 @@ def test_a_keys_share_of_the_queue_leaves_room_for_others():
     assert [c["priority"] for c in b.celery.calls] == [None, None, 5, 7, None]
     # Each record keeps the priority it was queued at (bug 10: a hand-back queues it the same).
     assert [b.store.priority_of(c["args"][0]) for c in b.celery.calls] == [None, None, 5, 7, None]
+
+
+def test_a_filtered_job_list_reads_a_bounded_number_of_records(monkeypatch):
+    """`?status=running&limit=1` read every record of the key's index, whole (text and all),
+    looking for one match: a page now looks at most at PAGE_SCAN jobs past those it returns,
+    reads whole only those it returns, and says where to go on."""
+    PAGE_SCAN = 1000    # docs/api.md (common.owner_index.PAGE_SCAN)
+    a = Api(api_keys=("k1",), max_queued=10_000, key_queue_share=1.0)
+    ids = []
+    for _ in range(PAGE_SCAN // 50 + 2):
+        resp = a.client.post("/v1/jobs", json={"prompts": ["x"] * 50}, headers=auth("k1"))
+        ids += [j["id"] for j in resp.get_json()["jobs"]]
+    a.r.hset(record_key(ids[0]), "status", "running")    # the oldest: last in the list
+    looked, whole = [], []
+    zrevrange, get_records = a.r.zrevrange, a.store.get_records
+    monkeypatch.setattr(a.r, "zrevrange", lambda *args: (
+        lambda got: (looked.extend(got), got)[1])(zrevrange(*args)))
+    monkeypatch.setattr(a.store, "get_records", lambda seq_ids: (
+        whole.extend(seq_ids), get_records(seq_ids))[1])
+    pages, after = [], None
+    while True:
+        looked.clear(), whole.clear()
+        resp = a.client.get("/v1/jobs", headers=auth("k1"), query_string={
+            "status": "running", "limit": 1, **({"after": after} if after else {})})
+        assert resp.status_code == 200, resp.get_json()
+        page = resp.get_json()
+        assert len(whole) == len(page["data"]) and len(looked) <= PAGE_SCAN + 3
+        pages.append(page)
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert len(pages) == 2 and pages[0]["data"] == [] and pages[0]["last_id"] in ids
+    assert [j["id"] for j in pages[1]["data"]] == [ids[0]]

@@ -13,7 +13,7 @@ import pytest
 
 from common.batch_store import BatchStore, line_seq_id, new_batch_id
 from common.file_store import new_file_id
-from common.owner_index import OwnerIndex, UnknownCursor
+from common.owner_index import OwnerIndex, UnknownCursor, index_key
 from common.settings import Settings
 from common.store import record_key
 from common.webhook_guard import WebhookUnresolvable, WebhookURLError, check_url
@@ -153,6 +153,24 @@ def test_a_job_cancelled_before_it_started_sends_completed_only(r):
     assert not r.sismember(WATCH_KEY, "s1")
 
 
+@pytest.mark.parametrize("status", ["cancelled", "failed"])
+def test_a_started_only_registration_of_a_job_that_ended_unstarted_leaves_the_watch_set(
+        r, status):
+    # Nothing of it can ever be due: kept, every worker's scan would read it until it expired.
+    store = WebhookStore(r, 3600)
+    r.hset(record_key("s1"), mapping={"status": "queued", "started_at": ""})
+    r.hset(record_key("s2"), mapping={"status": "running", "started_at": "1.0"})
+    store.register_jobs(["s1", "s2"], "http://h/", ["started"])
+    assert store.due_job_events() == [("s2", "started", "http://h/")]
+    assert r.smembers(WATCH_KEY) == {"s1", "s2"}   # s1 may start yet; s2's is being sent
+    r.hset(record_key("s1"), "status", status)
+    r.hset(record_key("s2"), "status", "succeeded")
+    assert store.due_job_events() == []
+    assert r.smembers(WATCH_KEY) == {"s2"} and not r.exists(registration_key("s1"))
+    store.job_event_sent("s2", "started")
+    assert r.smembers(WATCH_KEY) == set()
+
+
 # --- batches ------------------------------------------------------------------------------------
 def new_batch(store: BatchStore, lines: int = 3) -> str:
     batch_id = new_batch_id()
@@ -227,6 +245,45 @@ def test_pages_run_newest_first_and_skip_what_expired(r):
     assert index.page("other", load).data == []
     with pytest.raises(UnknownCursor):
         index.page("other", load, after="id3")
+
+
+def test_a_filtered_page_passes_over_a_bounded_number_of_entries_and_says_where_to_go_on(r):
+    # A filter that matches few of many read the whole index in one request.
+    index = OwnerIndex(r, "things", 10**10)
+    index.add("o", {f"id{i}": float(i) for i in range(20)})
+    wanted, gone, read = {"id17", "id2"}, {"id9"}, []
+
+    def load(ids):
+        read.extend(ids)
+        return [None if i in gone else {"id": i} for i in ids]
+
+    def walk(**kw):
+        pages, after = [], None
+        while True:
+            read.clear()
+            page = index.page("o", load, after=after, limit=1, scan=5, chunk=4,
+                              keep=lambda x: x["id"] in wanted, **kw)
+            assert len(read) <= 1 + 1 + 5     # the page, one to tell if more follow, the scan
+            pages.append(page.as_json())
+            if not page.has_more:
+                return pages
+            after = page.as_json()["last_id"]
+
+    pages = walk()
+    # Cut short, a page's last_id is the last entry it looked at, past its data (if any).
+    assert [(p["data"], p["last_id"], p["has_more"]) for p in pages] == [
+        ([{"id": "id17"}], "id13", True), ([], "id6", True), ([{"id": "id2"}], "id2", False)]
+    assert r.zrank(index_key("o", "things"), "id9") is None            # gone: dropped
+    # With a peek (what the filter needs, read cheaply), only what it keeps is loaded.
+    peeked = []
+
+    def peek(ids):
+        peeked.extend(ids)
+        return [None if i in gone else {"id": i} for i in ids]
+
+    pages = walk(peek=peek)
+    assert [p["data"] for p in pages if p["data"]] == [[{"id": "id17"}], [{"id": "id2"}]]
+    assert len(peeked) == 20 - 1
 
 
 # --- the routes' refusals (Flask app on fakeredis) ------------------------------------------------

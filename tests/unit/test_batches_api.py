@@ -10,7 +10,7 @@ import json
 import pytest
 
 from common.batch_store import BatchStore, line_seq_id
-from common.file_store import FileStore
+from common.file_store import FileStore, StorageFull, content_key, file_key
 from common.protocol import FinishReason
 from common.store import SequenceStore
 from common.webhook_store import WebhookStore
@@ -173,3 +173,68 @@ def test_a_line_whose_prompt_the_worker_refused_answers_400_as_the_route_does(ap
         "code": "context_length_exceeded"}
     assert b["response"]["status_code"] == 500
     assert b["response"]["body"]["error"]["type"] == "server_error"
+
+
+# --- a key's storage --------------------------------------------------------------------------
+def post_file(api, text: str, headers=K1):
+    return api.client.post("/v1/files", headers=headers, data={
+        "purpose": "batch", "file": (io.BytesIO(text.encode("utf-8")), "in.jsonl")})
+
+
+def test_a_keys_files_are_capped_and_only_its_live_files_count():
+    """Files live in the Redis memory every key shares, 30 days each: one key could upload
+    until Redis was full. A file deleted, or expired, gives its room back."""
+    text = line("a", {"prompt": "x" * 200})
+    size = len(text.encode())
+    api = Api(api_keys=("k1", "k2"), file_max_bytes_per_key=3 * size)
+    fids = [upload(api, text) for _ in range(3)]
+    err = assert_error(post_file(api, text), 400, "invalid_request_error")
+    assert err["code"] == "storage_limit_exceeded" and err["param"] == "file"
+    assert "LLMQ_FILE_MAX_BYTES_PER_KEY" in err["message"]
+    upload(api, text, K2)                                 # another key's room is its own
+    assert api.client.delete(f"/v1/files/{fids[0]}", headers=K1).status_code == 200
+    upload(api, text)
+    # Expired: Redis drops the file's keys; its entry in the key's index stays until pruned.
+    api.r.delete(file_key(fids[1]), content_key(fids[1]))
+    upload(api, text)
+    assert_error(post_file(api, text), 400)
+    few = Api(api_keys=("k1",), file_max_files_per_key=2)
+    upload(few, "x"), upload(few, "y")
+    err = assert_error(post_file(few, "z"), 400)
+    assert err["code"] == "storage_limit_exceeded"
+    assert "LLMQ_FILE_MAX_FILES_PER_KEY" in err["message"]
+
+
+def test_a_batchs_output_files_count_toward_its_key_but_are_never_refused():
+    text = line("a", {"prompt": "x"})
+    size = len(text.encode())
+    api = Api(api_keys=("k1",), file_max_bytes_per_key=2 * size)
+    driver, seqs, bid = a_driver_past_its_first_submit(api, text)
+    seqs.finish(line_seq_id(bid, 0), FinishReason.STOP, text="y" * (4 * size))
+    driver.collect()
+    assert driver.finalize("completed") == "completed"    # past the cap: written all the same
+    batch = api.client.get(f"/v1/batches/{bid}", headers=K1).get_json()
+    out = api.client.get(f"/v1/files/{batch['output_file_id']}/content", headers=K1)
+    assert out.status_code == 200 and "y" * (4 * size) in out.get_data(as_text=True)
+    err = assert_error(post_file(api, text), 400)        # 1 input + the output: no room left
+    assert err["code"] == "storage_limit_exceeded"
+
+
+def test_uploads_at_once_cannot_each_take_the_same_room(monkeypatch):
+    """Another replica's upload lands between this one's count and its write: the write is
+    refused (the owner's index is watched) and the count taken again."""
+    import fakeredis
+
+    files = FileStore(fakeredis.FakeRedis(decode_responses=True), 3600)
+    usage = files.usage
+
+    def another_upload_lands(owner):
+        counted = usage(owner)
+        monkeypatch.setattr(files, "usage", usage)    # once
+        files.put(owner, "batch", "b.jsonl", "b" * 10)
+        return counted
+
+    monkeypatch.setattr(files, "usage", another_upload_lands)
+    with pytest.raises(StorageFull):
+        files.put("o", "batch", "a.jsonl", "a" * 10, max_bytes=15)
+    assert files.usage("o") == (1, 10)

@@ -192,10 +192,14 @@ def test_a_negative_seed_is_a_seed(api):
 def test_current_openai_fields_that_change_nothing_are_accepted(api, caplog):
     with caplog.at_level(logging.WARNING, logger="llmq.api"):
         resp, [p] = post(api, "/v1/chat/completions", {
-            **CHAT, "prompt_cache_key": "k", "safety_identifier": "s", "verbosity": "low",
-            "stream_options": {"include_usage": True, "include_obfuscation": False}})
+            **CHAT, "prompt_cache_key": "k", "safety_identifier": "s", "verbosity": "low"})
     assert resp.status_code in DONE, resp.get_data(as_text=True)
     assert "prompt_cache_key, safety_identifier, verbosity" in caplog.text
+    # (stream_options go with stream only, as OpenAI and vLLM have it)
+    resp = api.client.post("/v1/chat/completions", json={
+        **CHAT, "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False}})
+    assert resp.status_code == 200, resp.get_data(as_text=True)
 
 
 def test_prompt_logprobs_are_refused_when_streamed_as_vllm_refuses_them(api):
