@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Flask, current_app, g, request
 
-from common.owner_index import OwnerIndex
+from common.owner_index import PAGE_SCAN, OwnerIndex
 from common.protocol import SequenceStatus
 from common.store import job_from_record, record_key
 from common.webhook_store import WebhookStore
@@ -45,7 +45,7 @@ def list_jobs():
 
     return page_json(index.page, owner, load, after, limit,
                      keep=lambda job: status is None or job["status"] == status,
-                     peek=peek if status is not None else None)
+                     peek=peek if status is not None else None, scan=PAGE_SCAN)
 
 
 def init_app(app: Flask) -> None:

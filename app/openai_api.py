@@ -429,7 +429,10 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
         while not all(c.done for c in choices):
             try:
                 events = sub.read(1.0)
-                redis_down_since = None
+                if not events and any(eng.store.get_record(c.seq_id) is None
+                                      for c in choices if not c.done):
+                    return   # expired underneath us
+                redis_down_since = None   # (Redis answered)
             except redis.RedisError:
                 # The hub's reader reconnects and the streams keep every event: wait it out
                 # (keep-alives go on), up to a bound.
@@ -444,9 +447,8 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
                     # proxies keep the connection.
                     wrote = time.monotonic()
                     yield ": keep-alive\n\n"
-                if client_gone() or redis_down_since is None and any(
-                        eng.store.get_record(c.seq_id) is None for c in choices if not c.done):
-                    return   # gone, or expired underneath us
+                if client_gone():
+                    return
                 continue
             wrote = time.monotonic()
             for seq_id, entry_id, kind, data in events:

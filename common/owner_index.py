@@ -21,10 +21,12 @@ class UnknownCursor(ValueError):
     """`after` names no entry of the caller's list."""
 
 
-# A page passes over at most this many entries it does not return (filtered out, or expired)
-# before it answers: a filter that matches few of a long index must not read all of it in one
-# request. Reaching it, the page answers what it found with has_more and, as last_id, the last
-# entry it looked at, for `after` to go on from (docs/api.md).
+# A page of GET /v1/jobs passes over at most this many entries it does not return (filtered
+# out, or expired) before it answers: a filter that matches few of a long index must not read
+# all of it in one request. Reaching it, the page answers what it found with has_more and, as
+# last_id, the last entry it looked at, for `after` to go on from (docs/api.md). Files and
+# batches are not bounded so: the openai SDK pages them from the last object's id and stops at
+# an empty page, and LLMQ_FILE_MAX_FILES_PER_KEY already bounds a key's files.
 PAGE_SCAN = 1000
 
 
@@ -78,11 +80,12 @@ class OwnerIndex:
              after: str | None = None, limit: int = 20,
              keep: Callable[[dict], bool] = lambda _obj: True, chunk: int = 200,
              peek: Callable[[list[str]], list[dict | None]] | None = None,
-             scan: int = PAGE_SCAN) -> Page:
+             scan: int | None = None) -> Page:
         """The objects after `after` (newest first). `load` reads a chunk of ids (None for an
         expired one, dropped from the index here); `keep` filters (a status filter). With
         `peek` (a cheaper read of what `keep` needs), `keep` judges what `peek` read and only
-        the ids kept are loaded. At most `scan` entries are passed over (see PAGE_SCAN)."""
+        the ids kept are loaded. With `scan`, at most that many entries are passed over (see
+        PAGE_SCAN)."""
         key = index_key(owner, self.kind)
         start = 0
         if after:
@@ -94,8 +97,8 @@ class OwnerIndex:
         passed, cursor = 0, after
         while len(out) <= limit:
             # Never read more entries than the page can still return or pass over.
-            room = limit + 1 - len(out) + scan - passed
-            ids = self.r.zrevrange(key, start, start + min(chunk, room) - 1)
+            room = chunk if scan is None else min(chunk, limit + 1 - len(out) + scan - passed)
+            ids = self.r.zrevrange(key, start, start + room - 1)
             if not ids:
                 break
             start += len(ids)
@@ -114,7 +117,7 @@ class OwnerIndex:
             passed += len(ids) - len(kept)
             cursor = next((i for i, o in zip(reversed(ids), reversed(seen)) if o is not None),
                           cursor)
-            if passed >= scan and len(out) <= limit:
+            if scan is not None and passed >= scan and len(out) <= limit:
                 more = bool(self.r.zrevrange(key, start, start))
                 return Page(out, more, cursor if more else None)
         return Page(out[:limit], len(out) > limit)

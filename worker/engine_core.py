@@ -279,13 +279,14 @@ class EngineCore:
 
     def _decline(self, seq_id: str, behind: bool = False) -> None:
         """Queues again a sequence this engine does not take now, at its priority or, `behind`,
-        behind the others. Raises NotSentBack if it cannot."""
+        behind the others. Raises NotSentBack if the broker refuses it; a RedisError (the
+        priority's read) goes to run_sequence's retries, as any other of admit's."""
+        priority = 9 if behind else self.store.priority_of(seq_id)
         try:
-            if behind:
-                self.requeue(seq_id, 9)
-            else:
-                self._send_back(seq_id)
-        except Exception as exc:  # noqa: BLE001 - kombu's OperationalError, or a RedisError
+            self.requeue(seq_id, priority)
+        except RedisError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - kombu's OperationalError, and the like
             raise NotSentBack(f"{type(exc).__name__}: {exc}") from exc
 
     def _reserve(self, owner: str) -> bool:

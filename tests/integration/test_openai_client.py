@@ -348,7 +348,7 @@ def test_disconnecting_a_waiting_request_cancels(stack):
     body = json.dumps({"prompt": prompt, **LONG}).encode()
     sock = socket.create_connection((host, int(port)), timeout=10)
     try:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Type: application/json\r\nContent-Length: "
                      + str(len(body)).encode() + b"\r\n\r\n" + body)
         seq_id = wait_until(lambda: _find_seq_by_prompt(stack, prompt), 10,

@@ -159,7 +159,7 @@ def _post_and_hang_up(stack, path: str, body: dict, prompt: str, num: int) -> li
     data = json.dumps(body).encode()
     sock = socket.create_connection((host, int(port)), timeout=10)
     try:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json"
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
                      f"\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
         ids = [wait_until(lambda i=i: _find_seq_by_prompt(stack, f"{prompt} {i}"), 10,
                           f"sequence {i} to be created") for i in range(num)]

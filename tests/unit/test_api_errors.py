@@ -458,20 +458,31 @@ def test_an_openai_stream_rides_out_a_redis_outage_then_ends_with_an_error_chunk
 
     reads = []
     real_read = Subscription.read
+    store = api.app.extensions["llmq"]["engine"].store
+    real_get = store.get_record
 
     def flaky(self, timeout_s):
         reads.append(1)
         if len(reads) <= 2:
             raise redis.ConnectionError("Connection reset by peer")
+        if len(reads) <= 4:
+            return []   # the hub's reader sleeping between its tries: Redis is still down
         return real_read(self, timeout_s)
+
+    def down_while_flaky(seq_id):
+        if len(reads) <= 4:
+            raise redis.ConnectionError("Connection refused")
+        return real_get(seq_id)
 
     api.reset(_lost_and_rerun)   # a stream that finishes once it can read
     monkeypatch.setattr(Subscription, "read", flaky)
+    monkeypatch.setattr(store, "get_record", down_while_flaky)
     datas = stream_datas(api.client.post("/v1/completions", json={"prompt": "x",
                                                                    "stream": True}))
     assert _stream_text(datas, False) == "Hello world!" and datas[-1] == "[DONE]"
 
     monkeypatch.setattr(openai_api, "REDIS_OUTAGE_S", 0.0)
+    monkeypatch.setattr(store, "get_record", real_get)
     reads.clear()
     api.reset()   # stays queued
     monkeypatch.setattr(Subscription, "read", lambda self, timeout_s: (_ for _ in ()).throw(

@@ -247,6 +247,24 @@ def test_pages_run_newest_first_and_skip_what_expired(r):
         index.page("other", load, after="id3")
 
 
+def test_files_and_batches_pages_are_not_cut_short_so_the_sdk_pages_them_all(r):
+    """The openai SDK asks for the next page after the last object's id and stops at an empty
+    page: a page cut short (one file, has_more, last_id past it) made it re-read the same
+    entries, get nothing and stop with 1 of 7 files. Only GET /v1/jobs bounds its pages."""
+    index = OwnerIndex(r, "files", 10**10)
+    index.add("o", {f"f{i}": float(i) for i in range(1300)})
+    wanted = {"f1299", "f5", "f3"}          # the batch files among 1,297 batch outputs
+    seen, after = [], None
+    while True:
+        page = index.page("o", lambda ids: [{"id": i} for i in ids], after=after, limit=20,
+                          keep=lambda x: x["id"] in wanted)
+        seen += [o["id"] for o in page.data]
+        if not page.data or not page.has_more:
+            break
+        after = page.data[-1]["id"]          # as the SDK goes on
+    assert seen == ["f1299", "f5", "f3"]
+
+
 def test_a_filtered_page_passes_over_a_bounded_number_of_entries_and_says_where_to_go_on(r):
     # A filter that matches few of many read the whole index in one request.
     index = OwnerIndex(r, "things", 10**10)

@@ -406,6 +406,28 @@ def test_a_sequence_that_cannot_be_queued_again_keeps_its_message(store, monkeyp
     assert engine._reserved == []
 
 
+def test_a_hand_back_that_meets_redis_restarting_is_tried_again(store, monkeypatch):
+    """A RedisError reading the sequence's priority for its hand-back rejected the message at
+    once, and kombu could not reject it while Redis was away: the record waited `queued`
+    until the visibility timeout. It is retried as any Redis error while admitting."""
+    requeued = []
+    engine = make_engine(store, requeue=lambda seq_id, priority=None: requeued.append(seq_id))
+    submit(store)
+    engine._stop.set()   # (no pause between tries)
+    engine._draining.set()
+    real, calls = store.priority_of, []
+
+    def restarting(seq_id):
+        calls.append(seq_id)
+        if len(calls) == 1:
+            raise RedisConnectionError("Error 111 connecting to redis:6379.")
+        return real(seq_id)
+
+    monkeypatch.setattr(store, "priority_of", restarting)
+    result = engine.run_sequence("s")
+    assert not result.get("stranded") and requeued == ["s"] and len(calls) == 2
+
+
 def test_a_task_that_reaches_a_worker_without_an_engine_keeps_its_message(store):
     """(Starting up, or the engine failed to start): it raised RuntimeError, and Celery
     acknowledged the message of the failed task."""
