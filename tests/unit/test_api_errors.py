@@ -448,6 +448,47 @@ def test_a_queued_openai_stream_writes_keep_alives(default_model_dir):
     assert body.rstrip().endswith("data: [DONE]")
 
 
+def test_the_openai_sdk_reads_a_stream_through_its_keep_alives(default_model_dir, monkeypatch):
+    """The official client skips SSE comment lines: a stream that waited (keep-alives first)
+    reads as any other, and stream_options without stream is its BadRequestError."""
+    import httpx
+    import openai
+
+    from app import openai_api
+
+    api = Api(model=default_model_dir, sse_keepalive_s=0.05).reset()
+    written, kept_alive, passes = [], [], []
+
+    def recording(environ, start_response):   # what the server wrote, as it wrote it
+        for part in api.app.wsgi_app(environ, start_response):
+            written.append(part)
+            yield part
+
+    def first_token_after_a_keep_alive():   # (asked on each idle pass of the stream)
+        passes.append(1)
+        if not kept_alive and any(p.startswith(b": keep-alive") for p in written):
+            kept_alive.append(len(passes))
+        if kept_alive == [len(passes)] or len(passes) == 3 and not kept_alive:
+            # its token comes after a keep-alive (after 3 passes without: the failing case)
+            [seq_id] = api.seq_ids()
+            _, a = api.store.start(seq_id, "w1")
+            api.store.publish_deltas([TokenDelta(seq_id, "Hi", "Hi", 1, a)])
+            api.store.finish(seq_id, FinishReason.STOP, text="Hi", completion_tokens=1)
+        return False
+
+    monkeypatch.setattr(openai_api, "client_gone", first_token_after_a_keep_alive)
+    client = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="unused", http_client=(
+        httpx.Client(transport=httpx.WSGITransport(app=recording))))
+    model = client.models.list().data[0].id
+    chunks = list(client.completions.create(model=model, prompt="x", stream=True))
+    assert kept_alive and "".join(c.choices[0].text for c in chunks) == "Hi"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt="x",
+                                  stream_options={"include_usage": True})
+    assert refused.value.body["param"] == "stream_options"
+
+
 def test_an_openai_stream_rides_out_a_redis_outage_then_ends_with_an_error_chunk(
         api, monkeypatch):
     """The hub hands its reader's Redis error to every subscriber; the stream was cut off
