@@ -281,9 +281,11 @@ class EngineCore:
         """Queues again a sequence this engine does not take now, at its priority or, `behind`,
         behind the others. Raises NotSentBack if the broker refuses it; a RedisError (the
         priority's read) goes to run_sequence's retries, as any other of admit's."""
-        priority = 9 if behind else self.store.priority_of(seq_id)
         try:
-            self.requeue(seq_id, priority)
+            if behind:
+                self.requeue(seq_id, 9)
+            else:
+                self._send_back(seq_id)
         except RedisError:
             raise
         except Exception as exc:  # noqa: BLE001 - kombu's OperationalError, and the like
