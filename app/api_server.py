@@ -191,7 +191,8 @@ def submit(inputs: list[dict[str, Any]], req: SamplingFields,
     # (after them, the 503 came for jobs that ran anyway, and a retry ran them twice).
     ext, owner = current_app.extensions["llmq"], g.owner
     return eng.submit(inputs, params, owner, req.timeout, req.priority,
-                      before_queue=lambda jobs: submit_hooks.index_and_hook(ext, owner, jobs, hook))
+                      before_queue=lambda jobs: submit_hooks.index_and_hook(ext, owner, jobs, hook),
+                      unqueue=lambda ids: submit_hooks.unindex_and_unhook(ext, owner, ids, hook))
 
 
 def checked_webhook(req) -> tuple[str, list[str]] | None:

@@ -28,3 +28,12 @@ def index_and_hook(extensions: dict, owner: str, jobs: list[dict],
     extensions["jobs_index"].add(owner, {j["id"]: j["created_at"] for j in jobs})
     if hook is not None:
         extensions["webhooks"].register_jobs([j["id"] for j in jobs], *hook)
+
+
+def unindex_and_unhook(extensions: dict, owner: str, seq_ids: list[str],
+                       hook: tuple[str, list[str]] | None) -> None:
+    """Takes index_and_hook back for a submission refused after it ran (LLMEngine.submit's
+    unqueue): a job the client was told was not accepted is neither listed nor reported."""
+    if hook is not None:
+        extensions["webhooks"].unregister_jobs(seq_ids)
+    extensions["jobs_index"].remove(owner, *seq_ids)

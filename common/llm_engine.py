@@ -18,7 +18,7 @@ from celery import Celery
 
 from common.protocol import (EVENT_DONE, GENERATE_TASK, FinishReason, SamplingParams,
                              SequenceRequest, SequenceStatus)
-from common.store import SequenceStore
+from common.store import Finish, SequenceStore
 from common.stream_hub import StreamHub
 
 from .prompt_counter import LazyPromptCounter
@@ -65,13 +65,17 @@ class LLMEngine:
     def submit(self, inputs: list[dict[str, Any]], params: SamplingParams, owner: str = "",
                timeout_s: float | None = None, priority: int | None = None,
                seq_ids: list[str] | None = None,
-               before_queue: Callable[[list[dict[str, Any]]], None] | None = None
+               before_queue: Callable[[list[dict[str, Any]]], None] | None = None,
+               unqueue: Callable[[list[str]], None] | None = None
                ) -> list[dict[str, Any]]:
         """One sequence per input ({"prompt": str} or {"messages": [...]}, optionally with
         its own "params", as n > 1 gives each copy its own seed), queued in order.
         `seq_ids` names them (a batch line's id is derived from its batch), else new ids.
         `before_queue(jobs)` runs between the records and their messages (the caller's own
-        bookkeeping): when it fails, nothing is queued, as when the broker fails.
+        bookkeeping): when it fails, nothing is queued, as when the broker fails. When the
+        submission fails after it, `unqueue(seq_ids)` takes that bookkeeping back before the
+        records are ended (a refused job is neither listed nor reported to its webhook), and
+        `before_queue` is run again for any that a worker took in the meantime.
 
         Raises Overloaded (-> 429) when the queue is full or the caller is over its rate limit;
         nothing is written in that case, and nothing accepted is ever dropped."""
@@ -92,20 +96,32 @@ class LLMEngine:
                 self.celery.send_task(GENERATE_TASK, args=[req.seq_id], task_id=req.seq_id,
                                       queue=self.settings.queue, priority=req.priority)
         except Exception:
-            # The broker (or Redis) went away mid-batch: end what was not queued instead of
-            # leaving records that no worker will ever take; the caller gets a 503.
-            for req in reqs:
-                try:
-                    self.store.finish(req.seq_id, FinishReason.ERROR,
-                                      error="could not queue the sequence (broker or Redis "
-                                            "unavailable)",
-                                      only_if=(SequenceStatus.QUEUED,))
-                except Exception:  # noqa: BLE001 - Redis itself is down: the TTL cleans up
-                    break
+            self._refused(jobs, before_queue, unqueue)
             raise
         for job in jobs:
             log.info("sequence queued", extra={"seq_id": job["id"], "owner": owner or None})
         return jobs
+
+    def _refused(self, jobs: list[dict[str, Any]], before_queue, unqueue) -> None:
+        """The broker (or Redis) went away mid-submission, which answers 503: the records are
+        ended instead of left queued with no worker ever to take them, and the caller's
+        bookkeeping is taken back first, so a refused job is neither listed nor reported to a
+        webhook (its dispatcher would see it end). A message already sent that a worker took
+        meanwhile runs: its bookkeeping is put back."""
+        ids = [job["id"] for job in jobs]
+        try:
+            if unqueue is not None:
+                unqueue(ids)
+            ended = self.store.finish_many([
+                Finish(seq_id, FinishReason.ERROR, only_if=(SequenceStatus.QUEUED,),
+                       error="could not queue the sequence (broker or Redis unavailable)")
+                for seq_id in ids])
+            taken = [job for job, done in zip(jobs, ended) if not done]
+            if taken and unqueue is not None and before_queue is not None:
+                before_queue(taken)
+        except Exception:  # noqa: BLE001 - Redis itself is down: the TTLs clean up
+            log.warning("could not end the sequences of a refused submission",
+                        extra={"seq_ids": ids}, exc_info=True)
 
     def _admission_control(self, reqs: list[SequenceRequest], owner: str) -> int:
         """Refuses (429) what the queue cannot take: past LLMQ_MAX_QUEUED in all, or, with API

@@ -63,8 +63,9 @@ class OwnerIndex:
         if pipe is None:
             p.execute()
 
-    def remove(self, owner: str, item_id: str) -> None:
-        self.r.zrem(index_key(owner, self.kind), item_id)
+    def remove(self, owner: str, *item_ids: str) -> None:
+        if item_ids:
+            self.r.zrem(index_key(owner, self.kind), *item_ids)
 
     def fields(self, key_of: Callable[[str], str], ids: list[str],
                *names: str) -> list[dict[str, str] | None]:

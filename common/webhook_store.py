@@ -116,6 +116,15 @@ class WebhookStore:
         pipe.sadd(WATCH_KEY, *seq_ids)
         pipe.execute()
 
+    def unregister_jobs(self, seq_ids: list[str]) -> None:
+        """Takes registrations back (a submission refused after they were written)."""
+        if not seq_ids:
+            return
+        pipe = self.r.pipeline(transaction=True)
+        pipe.srem(WATCH_KEY, *seq_ids)
+        pipe.delete(*(registration_key(seq_id) for seq_id in seq_ids))
+        pipe.execute()
+
     def due_job_events(self, redispatch_after_s: float = 60.0) -> list[tuple[str, str, str]]:
         """(seq_id, event, url) of job events to queue now, marked dispatching."""
         now = time.time()

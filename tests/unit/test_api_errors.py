@@ -189,6 +189,47 @@ def test_a_submission_whose_bookkeeping_fails_queues_nothing(api, monkeypatch):
     assert [api.r.hget(k, "status") for k in records] == ["failed", "failed"]
 
 
+def test_a_submission_the_broker_refuses_midway_is_not_listed_nor_reported():
+    """The broker fails at the second message: the 503 said nothing was accepted, but the
+    records stayed in GET /v1/jobs (as failed) and each fired a `completed` webhook."""
+    api = Api(webhook_secret="whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").reset()
+    sent = []
+
+    def flaky(store, seq_id):
+        sent.append(seq_id)
+        if len(sent) == 2:
+            raise redis.ConnectionError("broker gone")
+
+    api.celery.outcome = flaky
+    resp = api.client.post("/v1/jobs", json={"prompts": ["a", "b", "c"],
+                                             "webhook": "http://93.184.216.34/hook"})
+    assert resp.status_code == 503, resp.get_data(as_text=True)
+    assert len(sent) == 2
+    assert [api.status(s) for s in sent] == ["failed", "failed"]   # the one sent is ended too
+    assert api.client.get("/v1/jobs").get_json()["data"] == []
+    assert api.app.extensions["llmq"]["webhooks"].due_job_events() == []
+
+    # A worker that took a sent message before the failure runs it: it stays listed, hooked.
+    sent.clear()
+
+    def taken_then_gone(store, seq_id):
+        sent.append(seq_id)
+        if len(sent) == 1:
+            store.start(seq_id, "w1")
+        else:
+            raise redis.ConnectionError("broker gone")
+
+    api.celery.outcome = taken_then_gone
+    resp = api.client.post("/v1/jobs", json={"prompts": ["a", "b"],
+                                             "webhook": "http://93.184.216.34/hook"})
+    assert resp.status_code == 503
+    assert [j["id"] for j in api.client.get("/v1/jobs").get_json()["data"]] == [sent[0]]
+    assert api.status(sent[0]) == "running" and api.status(sent[1]) == "failed"
+    api.store.finish(sent[0], FinishReason.STOP, text="done")
+    assert [e[:2] for e in api.app.extensions["llmq"]["webhooks"].due_job_events()] == [
+        (sent[0], "completed")]
+
+
 def test_min_tokens_over_the_default_max_tokens_says_so(api):
     err = error_of(api.client.post("/v1/completions", json={"prompt": "hi", "min_tokens": 17}),
                    400)
