@@ -138,6 +138,7 @@ class EngineCore:
         self._idle = threading.Event()
         self._admitting = threading.Lock()   # the fair-share check and its reservation
         self._reserved: list[str] = []       # owners of sequences past the check, not admitted
+        self._arriving: set[str] = set()     # ids a task thread is admitting now
         self._thread: threading.Thread | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -253,6 +254,19 @@ class EngineCore:
             self._stop.wait(FAIR_HANDBACK_S)
             self._decline(seq_id, behind=True)
             return None
+        with self._admitting:
+            # A second message for an id another task thread is admitting at this moment: the
+            # record's start cannot tell the two apart yet (neither copy is admitted), and both
+            # would run, the second restarting the first's stream. Skipped, as below.
+            duplicate = seq_id in self._arriving
+            if duplicate:
+                self._reserved.remove(owner)
+            else:
+                self._arriving.add(seq_id)
+        if duplicate:
+            log.info("a second message for a sequence being admitted: skipped",
+                     extra={"seq_id": seq_id})
+            return None
         seq = None
         try:
             # The copy this engine runs, if any: a second message for it is skipped (a stuck
@@ -264,6 +278,7 @@ class EngineCore:
         finally:
             with self._admitting:   # from reserved to admitted in one move: counted once
                 self._reserved.remove(owner)
+                self._arriving.discard(seq_id)
                 if seq is not None:
                     self.output.track(seq)
         if seq is not None:

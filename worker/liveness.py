@@ -27,7 +27,9 @@ class Liveness:
         self._progress = time.monotonic()
         self._step_started: float | None = None
         self._beating_since: float | None = None   # start of the current run of good beats
-        self._unsent: dict[str, None] = {}   # taken back, new message not yet sent (in order)
+        # Taken back and not yet marked sent, in order: True once its new message is sent
+        # (then only the running set's mark is left to write).
+        self._unsent: dict[str, bool] = {}
 
     def start(self) -> None:
         threading.Thread(target=self._beat_loop, name="llmq-heartbeat", daemon=True).start()
@@ -46,11 +48,15 @@ class Liveness:
         or for whoever takes its sequences back should it die first."""
         for seq_id in taken:
             log.warning(why, *args, extra={"seq_id": seq_id})
-            self._unsent[seq_id] = None
-        for seq_id in list(self._unsent):
-            self.requeue(seq_id)
-            del self._unsent[seq_id]   # sent; the set entry below is only bookkeeping
+            self._unsent.setdefault(seq_id, False)
+        for seq_id, sent in list(self._unsent.items()):
+            if not sent:
+                self.requeue(seq_id)
+                self._unsent[seq_id] = True
+            # A Redis error here is retried with the next call, without a second message (the
+            # id left in the running set had a later reap of this name send it once more).
             self.store.resent(self.name, seq_id)
+            del self._unsent[seq_id]
 
     # --- what the engine reports ----------------------------------------------------------------
     def progress(self) -> None:

@@ -292,6 +292,38 @@ def test_a_second_message_for_the_sequence_this_engine_runs_is_skipped(store):
     assert_ended_once(store, engine, seq, FinishReason.LENGTH)
 
 
+def test_a_second_message_arriving_while_the_first_is_admitted_is_skipped(store):
+    """Two task threads receive the same id at once: the second read the admitted map before
+    the first had put its copy there, started the record again (a reset, attempts 2) and both
+    copies ran."""
+    engine = make_engine(store, ScriptedBackend({"s": [5, 6, 8]}))
+    submit(store, max_tokens=3)
+    inside, release, calls = threading.Event(), threading.Event(), []
+    process = engine.inputs.process
+
+    def slow_first(seq_id, attempt=None):
+        calls.append(seq_id)
+        if len(calls) == 1:   # the first thread, between its start and its admission
+            seq = process(seq_id, attempt)
+            inside.set()
+            release.wait(5)
+            return seq
+        return process(seq_id, attempt)
+
+    engine.inputs.process = slow_first
+    first = []
+    t = threading.Thread(target=lambda: first.append(engine.admit("s")))
+    t.start()
+    assert inside.wait(5)
+    assert engine.admit("s") is None   # the second message
+    release.set()
+    t.join(5)
+    assert calls == ["s"] and first[0] is not None
+    run(engine, first)
+    assert store.get_record("s")["attempts"] == "1"
+    assert_ended_once(store, engine, first[0], FinishReason.LENGTH)
+
+
 def test_a_model_crash_mid_step_resumes_from_the_tokens_made(store):
     script = {"s": [5, 6, 8, 9]}
     engine = make_engine(store, ScriptedBackend(script, crash_at=(3,)))

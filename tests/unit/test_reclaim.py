@@ -116,3 +116,30 @@ def test_a_reset_event_written_by_a_reclaim_expires_with_its_record(store):
     running(store, "dead", "s")
     assert store.reclaim("dead") == ["s"]
     assert 0 < store.r.ttl(record_key("s")) and 0 < store.r.ttl(events_key("s")) <= 3000
+
+
+def test_a_send_whose_mark_fails_is_marked_at_the_next_reap_and_not_sent_again(store,
+                                                                              monkeypatch):
+    """The new message went, then Redis failed marking it sent: the id stayed in the reaper's
+    running set for good, and a later reap of the reaper would queue it a second time."""
+    import redis
+
+    running(store, "dead", "a", "b")
+    dead(store, "dead")
+    broker = Broker()
+    reaper = liveness(store, "w1", broker)
+    resent, calls = store.resent, []
+
+    def flaky(sender, seq_id):
+        calls.append(seq_id)
+        if len(calls) == 1:
+            raise redis.ConnectionError("blip")
+        resent(sender, seq_id)
+
+    monkeypatch.setattr(store, "resent", flaky)
+    with pytest.raises(redis.ConnectionError):
+        reaper.reap_dead_workers()
+    assert len(broker.sent) == 1 and store.running_ids("w1") == {"a", "b"}
+    reaper.reap_dead_workers()                               # the next beat's reap
+    assert sorted(broker.sent) == ["a", "b"]                 # the first not sent twice
+    assert store.running_ids("w1") == set()
