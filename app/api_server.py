@@ -42,23 +42,34 @@ def settings():
 # --- auth -------------------------------------------------------------------------------------
 @bp.before_app_request
 def _authenticate():
-    g.owner, g.has_key = "", False
-    keys = settings().api_keys
-    if not keys:
+    g.owner, g.has_key, g.metrics_key = "", False, False
+    s = settings()
+    if not s.api_keys:
         _refuse_foreign_names()
         return None
     header = request.headers.get("Authorization", "")
     given = header[7:].strip() if header.lower().startswith("bearer ") else ""
     # Compare against every key in constant time, so timing tells nothing about which matched.
-    matched = [hmac.compare_digest(given.encode(), k.encode()) for k in keys]
-    g.has_key = bool(given) and any(matched)
+    g.has_key = bool(given) and _any_matches(given, s.api_keys)
+    g.metrics_key = bool(given) and _any_matches(given, s.metrics_keys)
     if request.path in _OPEN_PATHS or request.path.startswith("/static/"):
-        return None   # open; a valid key only shows more (no Redis round trip for the owner)
+        return None   # open; a metrics key only shows more (no Redis round trip for the owner)
+    if request.path == "/metrics":
+        if g.metrics_key:
+            return None
+        if g.has_key:   # the figures sum every key's traffic: one tenant would read the others'
+            raise APIError(403, "this key may not read /metrics: it shows every key's traffic; "
+                                "the server's scraper uses a key in LLMQ_METRICS_KEYS",
+                           "permission_error")
     if not g.has_key:
         raise APIError(401, "missing or invalid API key", "authentication_error",
                        {"WWW-Authenticate": "Bearer"})
     g.owner = owner_id(given)
     return None
+
+
+def _any_matches(given: str, keys: tuple[str, ...]) -> bool:
+    return any([hmac.compare_digest(given.encode(), k.encode()) for k in keys])
 
 
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
@@ -111,8 +122,9 @@ def owner_id(key: str) -> str:
 
 
 def authenticated() -> bool:
-    """Whether this request may see service details: a valid key, or no keys configured."""
-    return g.get("has_key", False) or not settings().api_keys
+    """Whether this request may see service details (the workers and their counters, which
+    reveal every key's load): a metrics key, or no keys configured."""
+    return g.get("metrics_key", False) or not settings().api_keys
 
 
 # --- parsing ----------------------------------------------------------------------------------
@@ -300,7 +312,7 @@ def healthz():
 def readyz():
     ready, workers = _readiness()
     body: dict[str, Any] = {"status": "ready" if ready else "unavailable"}
-    if authenticated():   # why, and who: only for a key (or with no keys configured)
+    if authenticated():   # why, and who: only for a metrics key (or with no keys configured)
         if workers is None:
             body["reason"] = "redis unavailable"
         elif not ready:

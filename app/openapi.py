@@ -257,7 +257,9 @@ ROUTES: dict[str, tuple[type | None, dict, str]] = {
                                                         **_FAILED}, "openai"),
     "openai.list_models": (None, {"HTTP_200": ModelList}, "openai"),
     "openai.retrieve_model": (None, {"HTTP_200": ModelCard, "HTTP_404": ErrorOut}, "openai"),
-    "metrics.metrics": (None, {"HTTP_200": None}, "operations"),
+    # 403: a tenant's key (only LLMQ_METRICS_KEYS read the service's figures)
+    "metrics.metrics": (None, {"HTTP_200": None, "HTTP_401": ErrorOut, "HTTP_403": ErrorOut},
+                        "operations"),
     "jobs_list.list_jobs": (None, {"HTTP_200": JobPage, **_ERRORS}, "jobs"),
     # The upload is multipart (file, purpose); documented by its answers.
     "files.upload_file": (None, {"HTTP_200": FileOut, **_ERRORS}, "files"),

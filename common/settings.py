@@ -163,6 +163,9 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = field(default_factory=tuple)
+    # Keys that read the server's own figures (/metrics, /readyz's workers), which sum every
+    # tenant's traffic: a Prometheus scraper's, not a tenant's (docs/security.md).
+    metrics_keys: tuple[str, ...] = field(default_factory=tuple)
     # Without keys on a loopback bind: the Host and Origin names answered besides loopback's
     # ("*": any), so a web page cannot reach the API through DNS rebinding or a cross-site form.
     allowed_hosts: tuple[str, ...] = field(default_factory=tuple)
@@ -275,6 +278,8 @@ class Settings:
             port=_int("LLMQ_PORT", d.port),
             # "key1, key2" is the natural way to write a list: spaces are not part of a key.
             api_keys=tuple(k.strip() for k in _env("LLMQ_API_KEYS", "").split(",") if k.strip()),
+            metrics_keys=tuple(k.strip() for k in _env("LLMQ_METRICS_KEYS", "").split(",")
+                               if k.strip()),
             allowed_hosts=tuple(h.strip().lower() for h in _env(
                 "LLMQ_ALLOWED_HOSTS", "").split(",") if h.strip()),
             key_queue_share=_float("LLMQ_KEY_QUEUE_SHARE", d.key_queue_share),

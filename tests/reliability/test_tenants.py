@@ -20,14 +20,15 @@ KEYS = ("key-a", "key-b")
 
 # --- health without secrets -------------------------------------------------------------------
 def test_health_routes_are_bare_and_fail_fast_when_redis_hangs(world):
-    api = world.api(api_keys=KEYS, health_timeout_s=1.0)
+    api = world.api(api_keys=KEYS, metrics_keys=("scraper",), health_timeout_s=1.0)
     r = world.client()
     r.zadd("llmq:workers", {"w1@private-host": time.time()})
     r.hset("llmq:worker:w1@private-host", mapping={"model_loaded": 1, "prefill_tokens": 16})
     resp = api.request("GET", "/health")
     assert resp.status_code == 200 and resp.content == b""
     assert api.request("GET", "/readyz").json() == {"status": "ready"}
-    assert "private-host" in api.with_key("key-a").request("GET", "/readyz").text
+    assert api.with_key("key-a").request("GET", "/readyz").json() == {"status": "ready"}
+    assert "private-host" in api.with_key("scraper").request("GET", "/readyz").text
     world.redis_server.proc.send_signal(signal.SIGSTOP)   # frozen: accepts, never answers
     try:
         for path in ("/health", "/readyz"):

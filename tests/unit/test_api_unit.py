@@ -388,7 +388,8 @@ def test_api_side_does_not_import_torch():
 # --- tenants (docs/security.md) ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def _tenant_api():
-    return Api(api_keys=("k1", "k2"), key_max_streams=2, owner_secret="s1")
+    return Api(api_keys=("k1", "k2"), metrics_keys=("scraper",), key_max_streams=2,
+               owner_secret="s1")
 
 
 @pytest.fixture
@@ -483,11 +484,28 @@ def test_health_routes_show_no_details_without_a_key(tenants):
     resp = client.get("/readyz")
     assert resp.status_code == 200 and resp.get_json() == {"status": "ready"}
     assert resp.get_json() == client.get("/readyz", headers=auth("wrong")).get_json()
-    detailed = client.get("/readyz", headers=auth("k1")).get_json()
+    # A tenant's key shows no more: the workers' counters sum every key's traffic.
+    assert resp.get_json() == client.get("/readyz", headers=auth("k1")).get_json()
+    detailed = client.get("/readyz", headers=auth("scraper")).get_json()
     assert [w["name"] for w in detailed["workers"]] == ["w1@secret-host"]
     tenants.r.flushall()
     assert client.get("/health").status_code == 503 and client.get("/health").get_data() == b""
     assert client.get("/readyz").get_json() == {"status": "unavailable"}
+
+
+def test_metrics_are_for_the_metrics_key_not_a_tenants(tenants):
+    """Any tenant's key read /metrics: the prefill and request counters sum every key's
+    traffic, so one key could watch another's load."""
+    client = tenants.client
+    err = client.get("/metrics", headers=auth("k1"))
+    assert err.status_code == 403 and err.get_json()["error"]["type"] == "permission_error"
+    assert "LLMQ_METRICS_KEYS" in err.get_json()["error"]["message"]
+    assert client.get("/metrics").status_code == 401
+    ok = client.get("/metrics", headers=auth("scraper"))
+    assert ok.status_code == 200 and "llmq_queue_depth" in ok.get_data(as_text=True)
+    # The scraper's key is not a tenant's: it queues and reads nothing.
+    assert client.post("/v1/jobs", json={"prompt": "x"}, headers=auth("scraper")).status_code == 401
+    assert client.get("/v1/jobs", headers=auth("scraper")).status_code == 401
 
 
 @pytest.mark.parametrize("path", ["/v1/jobs/{id}:events", "/v1/jobs/{id}:events/stream",
