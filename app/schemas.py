@@ -171,12 +171,13 @@ class SamplingFields(BaseModel):
     def sampling_params(self, default_max_tokens: int, max_tokens: int | None = None
                         ) -> SamplingParams:
         """The engine's parameters; max_tokens overrides the field (OpenAI's
-        max_completion_tokens). top_k -1 and 0 both mean off, as in vLLM and OpenAI clients."""
+        max_completion_tokens). top_k -1 and 0 both mean off, as in vLLM and OpenAI clients:
+        0, which the worker keeps (None would take the model's generation_config top_k)."""
         return SamplingParams(
             max_tokens=next(m for m in (max_tokens, self.max_tokens, default_max_tokens)
                             if m is not None),   # 0 is a value (echo with max_tokens 0)
             temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k if self.top_k not in (None, -1, 0) else None,
+            top_k=0 if self.top_k in (-1, 0) else self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, seed=self.seed,
             stop=list(self.stop), stop_token_ids=list(self.stop_token_ids or []),
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, cache_salt=self.cache_salt,

@@ -42,7 +42,7 @@ class FinishReason(str, enum.Enum):
 # Error codes the worker writes on a record it refused at admission (the prompt itself is bad):
 # the caller's fault, so a 400 wherever an answer can still choose its status (a route, a batch
 # line's response).
-INPUT_ERROR_CODES = ("context_length_exceeded", "invalid_prompt")
+INPUT_ERROR_CODES = ("context_length_exceeded", "invalid_prompt", "invalid_sampling_params")
 
 
 @dataclass(slots=True)

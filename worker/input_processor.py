@@ -48,6 +48,7 @@ class InputProcessor:
             return None
         req = self.store.load_request(seq_id)
         ids = self._checked_token_ids(seq_id, req, attempt)
+        self._check_token_params(seq_id, req.params, attempt)
         self.store.set_prompt_tokens(seq_id, len(ids))
         log.info("sequence admitted", extra={"seq_id": seq_id, "attempt": attempt,
                                              "prompt_tokens": len(ids)})
@@ -82,6 +83,17 @@ class InputProcessor:
         if not ids:
             raise Rejected(seq_id, attempt, "prompt is empty after tokenization")
         return ids
+
+    def _check_token_params(self, seq_id: str, p: SamplingParams, attempt: int) -> None:
+        """Token ids in the parameters must be the model's, as vLLM checks them: an id past
+        the vocabulary failed the sampler (a 500) or was silently dropped."""
+        vocab = self.executor.info.vocab_size
+        for name, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", p.logit_bias)):
+            bad = sorted(t for t in ids or () if not 0 <= t < vocab)
+            if bad:
+                raise Rejected(seq_id, attempt,
+                               f"{name} has token ids outside the model's vocabulary "
+                               f"[0, {vocab}): {bad[:5]}", "invalid_sampling_params")
 
     def _tokenize(self, req: SequenceRequest) -> list[int]:
         if req.prompt_token_ids is not None:

@@ -78,7 +78,10 @@ class Sampler:
             # 64 x 49,152 matrix is a fresh 12 MB every step, ~2% of a decode step on CPU;
             # the conversion is exact, so the tokens are the same).
             return greedy_tokens(logits).tolist(), [None] * len(states)
-        logits = logits.float()
+        # A copy, even when the logits are float32 already: the edits below are made in place,
+        # and a batch whose sampling failed is sampled again row by row from the same logits
+        # (ModelWorker._prefill_pass), which must find them as the model made them.
+        logits = logits.to(torch.float32, copy=True)
         self._mask(logits, states)
         # Log-probabilities of the raw distribution (after the grammar mask, which decides what
         # may be sampled at all; before penalties and temperature), as vLLM's default.
@@ -86,13 +89,10 @@ class Sampler:
         raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         for i, st in enumerate(states):
             p = st.params
-            if p.presence_penalty or p.frequency_penalty:
-                out_ids = st.output_token_ids
-                if out_ids:
-                    ids, counts = torch.unique(torch.tensor(out_ids, device=logits.device),
-                                               return_counts=True)
-                    logits[i, ids] -= p.frequency_penalty * counts + p.presence_penalty
-            if p.logit_bias:   # (ids past this model's vocabulary have no logit to bias)
+            # vLLM's order: the bias, then the repetition penalty (on prompt and output), then
+            # the frequency and presence penalties (on the output): combined, the order decides
+            # the logit, and a greedy pick with it.
+            if p.logit_bias:   # (the worker admits only ids of this vocabulary)
                 bias = {t: b for t, b in p.logit_bias.items() if 0 <= t < logits.shape[-1]}
                 ids = torch.tensor(list(bias), device=logits.device, dtype=torch.long)
                 logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device)
@@ -101,6 +101,12 @@ class Sampler:
                 seen = logits[i, ids]
                 logits[i, ids] = torch.where(seen > 0, seen / p.repetition_penalty,
                                              seen * p.repetition_penalty)
+            if p.presence_penalty or p.frequency_penalty:
+                out_ids = st.output_token_ids
+                if out_ids:
+                    ids, counts = torch.unique(torch.tensor(out_ids, device=logits.device),
+                                               return_counts=True)
+                    logits[i, ids] -= p.frequency_penalty * counts + p.presence_penalty
             if st.num_output_tokens < p.min_tokens and st.stop_token_ids:
                 blocked = logits[i].clone()
                 blocked[list(st.stop_token_ids)] = float("-inf")

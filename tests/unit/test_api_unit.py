@@ -100,7 +100,9 @@ def test_default_max_tokens_and_top_k_normalisation(api):
     client, r, celery, store = api
     job = client.post("/v1/jobs", json={"prompt": "x", "top_k": -1}).get_json()
     params = store.load_request(job["id"]).params
-    assert params.max_tokens == 256 and params.top_k is None
+    assert params.max_tokens == 256 and params.top_k == 0   # off, not unset (the model's)
+    job = client.post("/v1/jobs", json={"prompt": "x"}).get_json()
+    assert store.load_request(job["id"]).params.top_k is None
 
 
 def test_post_messages(api):

@@ -66,6 +66,24 @@ def test_prompt_rejected_at_admission_is_counted_as_error(store):
     assert success(store) == {"error": 1}
 
 
+@pytest.mark.parametrize("params", [{"stop_token_ids": [7, 50_000]},
+                                    {"logit_bias": {-1: 1.0, 3: 2.0}}])
+def test_token_ids_past_the_vocabulary_in_the_params_are_bad_input(store, params):
+    """A stop token id past the vocabulary failed the sampler (with min_tokens: a 500) and a
+    logit_bias id past it was dropped without a word; vLLM refuses both as bad input."""
+    from common.protocol import SamplingParams
+
+    engine = make_engine(store, max_model_len=64)
+    store.create([SequenceRequest(seq_id="s", prompt_token_ids=[3, 4, 5],
+                                  params=SamplingParams(min_tokens=2, **params))])
+    assert engine.admit("s") is None
+    job = store.get_job("s")
+    assert job["status"] == "failed"
+    assert job["error"]["code"] == "invalid_sampling_params"
+    assert next(iter(params)) in job["error"]["message"]
+    assert "50000" in job["error"]["message"] or "-1" in job["error"]["message"]
+
+
 def test_cancel_of_a_queued_job_is_counted_once(store):
     submit(store, "q")
     store.request_cancel("q")

@@ -108,3 +108,18 @@ def test_a_schema_nested_too_deeply_is_invalid_not_a_crash():
     with pytest.raises(ValidationError):
         JobRequest.model_validate({"prompt": "x", "structured_outputs": {
             "json": "[" * 100_000 + "]" * 100_000}})
+
+
+@pytest.mark.parametrize("off", [-1, 0])
+def test_an_explicit_top_k_off_stays_off_over_the_models_default(off):
+    """top_k -1 (or 0) became None, which the worker reads as unset and fills from the model's
+    generation_config (Qwen2.5 ships top_k 20): the client's "off" sampled with top-k 20."""
+    import types
+
+    from worker.input_processor import InputProcessor
+
+    info = types.SimpleNamespace(generation_defaults={"temperature": 0.7, "top_k": 20},
+                                 max_model_len=4096)
+    processor = InputProcessor("w", None, None, types.SimpleNamespace(info=info), None)
+    assert processor._resolve(SamplingFields(top_k=off).sampling_params(16), 10).top_k == 0
+    assert processor._resolve(SamplingFields().sampling_params(16), 10).top_k == 20

@@ -254,3 +254,27 @@ def test_failing_prefill_sampling_fails_that_sequence_alone(tiny_model):
     assert set(worker.states) == {"good", "running"}
     res = worker.step(StepRequest(decode_seq_ids=["running", "good"]))
     assert set(res.token_ids) == {"running", "good"} and not res.errors
+
+
+# --- the order of the edits, and a second try over the same logits ------------------------------
+def test_bias_then_repetition_then_presence_as_vllm():
+    """llmq subtracted the presence penalty before dividing by the repetition penalty: token 5
+    (logit 1, in the output) came to (1 - 2) x 1.5 = -1.5 below token 0's -1.4, where vLLM
+    makes it 1 / 1.5 - 2 = -1.33 and keeps it."""
+    p = SamplingParams(temperature=0.0, presence_penalty=2.0, repetition_penalty=1.5)
+    logits = torch.full((1, 10), -5.0)
+    logits[0, 5], logits[0, 0] = 1.0, -1.4
+    assert Sampler()(logits, [state(p, token_ids=[9, 5], num_output_tokens=1)]) == [5]
+
+
+def test_sampling_leaves_float32_logits_as_the_model_made_them():
+    """A batch whose sampling fails is sampled again row by row from the same logits
+    (ModelWorker._prefill_pass): float32 logits were edited in place by the first try, so a
+    row's logit_bias (and penalties) counted twice on the second."""
+    logits = torch.zeros(2, 50)
+    logits[:, 0] = 10.0
+    before = logits.clone()
+    biased = state(SamplingParams(temperature=0.0, logit_bias={3: 6.0}), token_ids=[1])
+    Sampler()(logits, [biased, state(GREEDY)])
+    assert torch.equal(logits, before)
+    assert Sampler()(logits[:1], [biased]) == [0]   # 10 > 6: as the first time
