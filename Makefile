@@ -127,7 +127,8 @@ soak: setup
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
 compose-check:
-	docker-compose -f docker-compose.yml config -q && echo "docker-compose.yml is valid"
+	REDIS_PASSWORD=$${REDIS_PASSWORD:-compose-check} docker-compose -f docker-compose.yml config -q \
+	  && echo "docker-compose.yml is valid"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

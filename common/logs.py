@@ -37,7 +37,8 @@ def configure(component: str, level: str | None = None, stream=None) -> None:
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter(component))
     root.handlers = [handler]
-    root.setLevel(level or os.environ.get("LLMQ_LOG_LEVEL", "INFO"))
+    # (upper-cased: Celery's --loglevel takes "debug", and the same variable feeds both)
+    root.setLevel((level or os.environ.get("LLMQ_LOG_LEVEL", "INFO")).upper())
 
 
 def use_json(handlers, component: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -15,10 +16,13 @@ def _env(name: str, default: str) -> str:
 def _number(kind: type, name: str, default):
     raw = _env(name, str(default))
     try:
-        return kind(raw.strip())
+        value = kind(raw.strip())
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") \
             from None
+    if not math.isfinite(value):   # nan passed every range check; inf waits forever
+        raise ValueError(f"{name}={raw!r} is not a finite number")
+    return value
 
 
 def _int(name: str, default: int) -> int:
@@ -205,6 +209,12 @@ class Settings:
                 if getattr(self, name) < floor:
                     raise ValueError(f"{var}={getattr(self, name)!r} must be "
                                      f"{'>= 0' if floor == 0 else '> 0'}")
+        if self.worker_heartbeat_s >= self.worker_stale_s:
+            # Peers would judge a live worker dead between two of its beats and take its work.
+            raise ValueError(f"LLMQ_WORKER_HEARTBEAT={self.worker_heartbeat_s!r} must be less "
+                             f"than LLMQ_WORKER_STALE={self.worker_stale_s!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"LLMQ_PORT={self.port!r} must be a port number (1..65535)")
         for name, var in (("key_queue_share", "LLMQ_KEY_QUEUE_SHARE"),
                           ("key_batch_share", "LLMQ_KEY_BATCH_SHARE")):
             if not 0 < getattr(self, name) <= 1:

@@ -21,6 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("LLMQ_WORKER_HEARTBEAT", "two"),      # not a number
     ("LLMQ_PORT", "80x"),
     ("LLMQ_KEY_BATCH_SHARE", "1.5"),       # a share, (0, 1]
+    ("LLMQ_SHUTDOWN_GRACE", "nan"),        # nan passed every range check
+    ("LLMQ_MAX_STEP", "inf"),
+    ("LLMQ_WORKER_HEARTBEAT", "30"),       # beats further apart than a peer waits (15 s)
+    ("LLMQ_PORT", "99999"),
 ])
 def test_bad_setting_names_its_variable(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
@@ -53,3 +57,22 @@ def test_a_zero_grace_is_a_valid_setting(monkeypatch):
     """LLMQ_SHUTDOWN_GRACE=0 hands the batch back at once (the kill-mid-hand-back test uses it)."""
     monkeypatch.setenv("LLMQ_SHUTDOWN_GRACE", "0")
     assert Settings.from_env().shutdown_grace_s == 0
+
+
+def test_a_lower_case_log_level_as_celery_takes_it(monkeypatch):
+    """LLMQ_LOG_LEVEL feeds Celery's --loglevel, which takes "debug": the API and the model
+    process stopped at start on it (ValueError: Unknown level: 'debug')."""
+    import io
+    import logging
+
+    from common import logs
+
+    monkeypatch.setenv("LLMQ_LOG_LEVEL", "debug")
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        logs.configure("test", stream=io.StringIO())
+        assert root.level == logging.DEBUG
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
