@@ -112,8 +112,11 @@ class InputProcessor:
         d = self.executor.info.generation_defaults
         room = self.executor.info.max_model_len - num_prompt_tokens
         # (replace: fields this does not resolve, such as logprobs, pass through as they are)
+        max_tokens = max(min(1, p.max_tokens), min(p.max_tokens, room))   # 0: echo only
         return dataclasses.replace(
-            p, max_tokens=max(min(1, p.max_tokens), min(p.max_tokens, room)),   # 0: echo only
+            p, max_tokens=max_tokens,
+            # no more than the room left: vLLM refuses min_tokens past max_tokens
+            min_tokens=min(p.min_tokens, max_tokens),
             temperature=p.temperature if p.temperature is not None else d.get("temperature", 0.0),
             top_p=p.top_p if p.top_p is not None else d.get("top_p"),
             top_k=p.top_k if p.top_k is not None else d.get("top_k"),
@@ -121,4 +124,4 @@ class InputProcessor:
             repetition_penalty=(p.repetition_penalty if p.repetition_penalty is not None
                                 else d.get("repetition_penalty")),
             seed=p.seed, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-            min_tokens=p.min_tokens, ignore_eos=p.ignore_eos, cache_salt=p.cache_salt)
+            ignore_eos=p.ignore_eos, cache_salt=p.cache_salt)

@@ -152,17 +152,27 @@ class ModelManager:
     def describe(self, model, tokenizer, device: str, dtype) -> ModelInfo:
         cfg = model.config
         gen = getattr(model, "generation_config", None)
-        eos = set()
-        for src in (getattr(gen, "eos_token_id", None), cfg.eos_token_id, tokenizer.eos_token_id):
-            if src is None:
-                continue
-            eos.update(src if isinstance(src, (list, tuple)) else [src])
         max_len = (getattr(cfg, "max_position_embeddings", None)
                    or getattr(cfg, "n_positions", None) or 2048)
         return ModelInfo(
-            name=self.model, path=self.resolve(), eos_token_ids=tuple(sorted(eos)),
+            name=self.model, path=self.resolve(),
+            eos_token_ids=eos_token_ids(getattr(gen, "eos_token_id", None), cfg.eos_token_id,
+                                        tokenizer.eos_token_id),
             max_model_len=int(max_len), vocab_size=int(cfg.vocab_size), device=str(device),
             dtype=str(dtype).replace("torch.", ""), generation_defaults=generation_defaults(gen))
+
+
+def eos_token_ids(*sources) -> tuple[int, ...]:
+    """The ids that end a sequence: every id the sources name (generation_config's
+    eos_token_id, the model config's, the tokenizer's, a backend's own; each an id, a list of
+    them or None), as transformers' generate stops on any of them. Every backend takes the
+    same union, so a model stops on the same tokens whichever runs it (Llama 3's and Qwen's
+    instruct models list several)."""
+    eos: set[int] = set()
+    for src in sources:
+        if src is not None:
+            eos.update(int(x) for x in (src if isinstance(src, (list, tuple)) else [src]))
+    return tuple(sorted(x for x in eos if x >= 0))
 
 
 def generation_defaults(gen) -> dict:

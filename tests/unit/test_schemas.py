@@ -123,3 +123,18 @@ def test_an_explicit_top_k_off_stays_off_over_the_models_default(off):
     processor = InputProcessor("w", None, None, types.SimpleNamespace(info=info), None)
     assert processor._resolve(SamplingFields(top_k=off).sampling_params(16), 10).top_k == 0
     assert processor._resolve(SamplingFields().sampling_params(16), 10).top_k == 20
+
+
+def test_min_tokens_is_cut_with_max_tokens_to_the_room_left():
+    """An unset max_tokens is cut to the context's room, min_tokens was not: vLLM refuses
+    min_tokens past max_tokens, so the sequence failed on the vLLM backend."""
+    import types
+
+    from worker.input_processor import InputProcessor
+
+    info = types.SimpleNamespace(generation_defaults={}, max_model_len=100)
+    processor = InputProcessor("w", None, None, types.SimpleNamespace(info=info), None)
+    p = SamplingFields(min_tokens=50).sampling_params(256)
+    resolved = processor._resolve(p, 95)
+    assert (resolved.max_tokens, resolved.min_tokens) == (5, 5)
+    assert processor._resolve(p, 10).min_tokens == 50

@@ -26,3 +26,14 @@ def test_layer_kernels_setting_picks_the_fused_ops_or_torchs(tiny_model_dir, mon
     monkeypatch.delenv("LLMQ_LAYER_KERNELS")
     on = ModelWorker.load(Settings.from_env(model=tiny_model_dir, device="cpu", dtype="float32"))
     assert (on.llama.kernels is not None) == (cpu_kernels.load() is not None)
+
+
+def test_every_backend_ends_on_every_eos_id_the_model_names():
+    """vLLM's backend took the tokenizer's EOS alone and llama.cpp's its vocabulary's: a model
+    whose generation_config lists more (Llama 3 and Qwen instruct models) ran past them there,
+    and stopped on them in the transformers backend. All three now take this union."""
+    from worker.model_manager import eos_token_ids
+
+    assert eos_token_ids([2, 0], 2, None) == (0, 2)
+    assert eos_token_ids(None, (7,), 3, -1) == (3, 7)   # llama.cpp answers -1 for none
+    assert eos_token_ids(None, None) == ()

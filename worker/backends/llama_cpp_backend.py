@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..messages import NewSequence, StepRequest, StepResult
-from ..model_manager import ModelInfo, ModelManager, generation_defaults
+from ..model_manager import ModelInfo, ModelManager, eos_token_ids, generation_defaults
 from ..sampler import Sampler, SamplingState, prompt_logprobs
 from ..structured_output import Grammars
 from . import BackendUnavailable
@@ -112,13 +112,14 @@ class LlamaCppBackend:
             raise RuntimeError("llama.cpp could not create a context (out of memory?)")
         tok = mm.load_tokenizer()
         vocab = lib.llama_model_get_vocab(model)
-        eos = {int(lib.llama_vocab_eos(vocab))}
-        eos.update(x for x in [tok.eos_token_id] if x is not None)
+        gen = mm.generation_config()
+        eos = eos_token_ids(int(lib.llama_vocab_eos(vocab)), tok.eos_token_id,
+                            getattr(gen, "eos_token_id", None))
         info = ModelInfo(
-            name=settings.model, path=path, eos_token_ids=tuple(sorted(e for e in eos if e >= 0)),
+            name=settings.model, path=path, eos_token_ids=eos,
             max_model_len=per_seq, vocab_size=int(lib.llama_vocab_n_tokens(vocab)),
             device="cuda" if gpu else "cpu", dtype=_gguf_type(path),
-            generation_defaults=generation_defaults(mm.generation_config()),
+            generation_defaults=generation_defaults(gen),
             kv_cache_dtype="float16", kernels="llama.cpp")   # (llama.cpp's default cache type)
         log.info("llama.cpp loaded %s: %d sequences x %d tokens of context, %d threads",
                  path, settings.max_num_seqs, per_seq, threads)

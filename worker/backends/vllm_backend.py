@@ -25,7 +25,7 @@ import time
 from collections import deque
 
 from ..messages import NewSequence, StepRequest, StepResult, TokenLogprobs
-from ..model_manager import ModelInfo, ModelManager, generation_defaults
+from ..model_manager import ModelInfo, ModelManager, eos_token_ids, generation_defaults
 from . import BackendUnavailable
 
 log = logging.getLogger("llmq.vllm")
@@ -89,12 +89,16 @@ class VllmBackend:
         tok = mm.load_tokenizer()
         cfg = engine.model_config
         cache = engine.vllm_config.cache_config
+        gen = mm.generation_config()
         info = ModelInfo(
             name=settings.model, path=path,
-            eos_token_ids=tuple(x for x in [tok.eos_token_id] if x is not None),
+            # (vLLM's own EOS handling is off, ignore_eos: llmq ends sequences on this set)
+            eos_token_ids=eos_token_ids(getattr(gen, "eos_token_id", None),
+                                        getattr(cfg.hf_config, "eos_token_id", None),
+                                        tok.eos_token_id),
             max_model_len=int(cfg.max_model_len), vocab_size=int(cfg.get_vocab_size()),
             device=device, dtype=str(cfg.dtype).replace("torch.", ""),
-            generation_defaults=generation_defaults(mm.generation_config()),
+            generation_defaults=generation_defaults(gen),
             kernels=f"vLLM ({device})")
         info = dataclasses.replace(info, kv_cache_dtype=(
             info.dtype if cache.cache_dtype == "auto" else str(cache.cache_dtype)))
