@@ -145,15 +145,32 @@ setsid .venv/bin/celery -A worker.celery_app flower --address=127.0.0.1 --port="
 flower+=($!)
 echo "api:    http://$LLMQ_HOST:$LLMQ_PORT (log $RUN/api.log)"
 echo "flower: http://127.0.0.1:$FLOWER_PORT (log $RUN/flower.log)"
+# died NAME LOG PID...: true (and says why, with the log's end) when every PID has exited.
+died() {
+  local name=$1 log=$2; shift 2
+  alive "$@" && return 1
+  echo; echo "$name exited before the service was ready; the end of $log:"
+  tail -n 15 "$log" | sed 's/^/  /'
+}
+ready=0
 if [ "$stopping" = 0 ]; then
   echo -n "waiting for a worker to load the model"
   for _ in $(seq 600); do
     [ "$stopping" = 1 ] && break
-    curl -sf "http://$LLMQ_HOST:$LLMQ_PORT/readyz" >/dev/null 2>&1 && { echo " - ready."; break; }
+    curl -sf -m 3 "http://$LLMQ_HOST:$LLMQ_PORT/readyz" >/dev/null 2>&1 && { echo " - ready."; ready=1; break; }
+    # A part that cannot start (a port in use, a model that does not load) is said at once,
+    # not after ten minutes of dots.
+    if died "the API" "$RUN/api.log" "${api[@]}" \
+       || died "the worker" "$RUN/worker0.log" "${workers[@]}"; then
+      stop_in_order
+      exit 1
+    fi
     echo -n "."; sleep 1
   done
 fi
-if [ "$stopping" = 0 ]; then
+if [ "$stopping" = 0 ] && [ "$ready" = 0 ]; then
+  echo; echo "not ready after 600 s: see the logs in $RUN/ (it keeps running; Ctrl-C stops it)"
+elif [ "$stopping" = 0 ]; then
   echo "try: curl -s http://$LLMQ_HOST:$LLMQ_PORT/v1/generate -d '{\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}]}'"
   echo "Ctrl-C stops everything (the workers get up to ${grace_s} s to finish their batch)."
 fi

@@ -170,3 +170,28 @@ def test_ctrl_c_stops_everything_in_order_and_the_next_run_finishes_the_jobs(run
             if script.proc is not None and script.proc.poll() is None:
                 started += script.processes()
         _kill(started)
+
+
+def test_a_part_that_cannot_start_is_said_at_once_and_stops_the_rest(run_env, tmp_path):
+    """The API's port is taken: gunicorn exits at once, and run.sh printed dots for ten
+    minutes, then "try: curl ...". It must say which part died, show its log, stop the others
+    and exit non-zero."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", int(run_env["LLMQ_PORT"])))
+    taken.listen()
+    script = RunScript(run_env, tmp_path / "run.out").start()
+    started: list[psutil.Process] = []
+    try:
+        wait_until(lambda: (started.extend(p for p in script.processes() if p not in started)
+                            or script.proc.poll() is not None), START_S, "run.sh to exit")
+        out = script.output()
+        assert script.proc.returncode == 1, out
+        assert "the API exited before the service was ready" in out
+        assert "try: curl" not in out
+        left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not left, _names(left)   # the worker, Flower and Redis were stopped
+    finally:
+        taken.close()
+        _kill(started)
