@@ -103,11 +103,25 @@ trap on_signal INT TERM HUP
 mkdir -p "$RUN"
 chmod 700 "$RUN"
 if [ -z "${REDIS_URL:-}" ] && [ -z "${LLMQ_REDIS_URL:-}" ]; then
-  url="$(LLMQ_RUN_DIR="$RUN" REDIS_PORT="$REDIS_PORT" bash scripts/redis.sh url)"
+  LLMQ_RUN_DIR="$RUN" bash scripts/redis.sh url >/dev/null   # (makes the password once)
   pw="$(cat "$RUN/redis.password")"
   if [ "$(redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ]; then
-    echo "redis:  already running on 127.0.0.1:$REDIS_PORT, WITHOUT a password (not started here)"
-    url="redis://127.0.0.1:$REDIS_PORT/0"
+    # A Redis without a password (Debian's redis-server service starts one on 6379 when it is
+    # installed): any local user could read and write every job there. llmq runs its own, with
+    # its password, on the next port that is free (or already has it).
+    for p in $(seq $(( REDIS_PORT + 1 )) $(( REDIS_PORT + 20 ))); do
+      if [ "$(REDISCLI_AUTH="$pw" redis-cli -p "$p" ping 2>/dev/null)" = PONG ] \
+         || ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
+        echo "redis:  127.0.0.1:$REDIS_PORT answers WITHOUT a password: not used; llmq's runs on $p"
+        REDIS_PORT=$p
+        break
+      fi
+    done
+  fi
+  url="$(LLMQ_RUN_DIR="$RUN" REDIS_PORT="$REDIS_PORT" bash scripts/redis.sh url)"
+  if [ "$(redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ]; then
+    echo "redis:  no free port near $REDIS_PORT for a Redis with a password; set REDIS_PORT" >&2
+    exit 1
   elif [ "$(REDISCLI_AUTH="$pw" redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ]; then
     echo "redis:  already running on 127.0.0.1:$REDIS_PORT (not started here)"
   elif redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; then

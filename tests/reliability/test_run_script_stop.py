@@ -195,3 +195,41 @@ def test_a_part_that_cannot_start_is_said_at_once_and_stops_the_rest(run_env, tm
     finally:
         taken.close()
         _kill(started)
+
+
+def test_a_redis_without_a_password_on_the_port_is_not_used(run_env, tmp_path):
+    """Debian's redis-server service answers on 6379 without a password once installed, and
+    make run used it (with a warning): any local user could read every prompt. llmq starts its
+    own, with its password, on the next free port."""
+    port = int(run_env["REDIS_PORT"])
+    open_redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                                   "--save", "", "--appendonly", "no"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    script = RunScript(run_env, tmp_path / "run.out")
+    started: list[psutil.Process] = []
+    try:
+        plain = redis.Redis(port=port, decode_responses=True)
+        wait_until(lambda: _pings(plain), 10, "the password-less Redis")
+        script.start()
+        script.wait_output(" - ready.", START_S)
+        started = script.processes()
+        out = script.output()
+        assert f"127.0.0.1:{port} answers WITHOUT a password: not used" in out, out
+        assert plain.keys("llmq:*") == [] and plain.keys("_kombu*") == []
+        procs = script.processes()
+        script.ctrl_c()
+        _gone, alive = psutil.wait_procs(procs, timeout=GRACE_S + MARGIN_S)
+        assert not alive, _names(alive)
+    finally:
+        if script.proc is not None and script.proc.poll() is None:
+            started += script.processes()
+        _kill(started)
+        open_redis.kill()
+        open_redis.wait(10)
+
+
+def _pings(client) -> bool:
+    try:
+        return client.ping()
+    except redis.ConnectionError:
+        return False
