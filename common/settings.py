@@ -150,6 +150,10 @@ class Settings:
     test_step_delay_s: float = 0.0
     # TEST ONLY: the worker parks at this moment (received | handback) for a test to kill it.
     test_stall_at: str = ""
+    # TEST ONLY: a sequence with this seed fails in the model process's sampling (no input
+    # does since token ids are checked at admission; the tests of a failure while running
+    # need one). -1: off.
+    test_fail_seed: int = -1
     max_queued: int = 1024
     rate_limit_rpm: int = 0          # sequences per minute per API key (0 = off)
     rate_limit_tpm: int = 0          # prompt + completion tokens per minute per key (0 = off)
@@ -263,6 +267,7 @@ class Settings:
             max_step_s=_float("LLMQ_MAX_STEP", d.max_step_s),
             test_step_delay_s=_float("LLMQ_TEST_STEP_DELAY", d.test_step_delay_s),
             test_stall_at=_env("LLMQ_TEST_STALL_AT", d.test_stall_at),
+            test_fail_seed=_int("LLMQ_TEST_FAIL_SEED", d.test_fail_seed),
             max_queued=_int("LLMQ_MAX_QUEUED", d.max_queued),
             rate_limit_rpm=_int("LLMQ_RATE_LIMIT_RPM", d.rate_limit_rpm),
             rate_limit_tpm=_int("LLMQ_RATE_LIMIT_TPM", d.rate_limit_tpm),

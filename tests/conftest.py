@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from support import (ApiServer, RedisServer, WorkerProcess, backend_params, backend_worker,
-                     build_tiny_model, min_step_env, public_model_name)
+from support import (FAIL_ENV, ApiServer, RedisServer, WorkerProcess, backend_params,
+                     backend_worker, build_tiny_model, min_step_env, public_model_name)
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +58,7 @@ def stack(request, tmp_path_factory, redis_server):
     model, env = backend_worker(backend, request)
     # Tests act on "long" jobs (400 tokens) while they run: steps of at least 5 ms make one
     # last >= 2 s on any machine, far longer than the few requests a test makes meanwhile.
-    env = {**min_step_env(0.005), **env}
+    env = {**min_step_env(0.005), **FAIL_ENV, **env}
     worker = WorkerProcess(redis_server.url, model, logs / "worker.log", extra_env=env).start()
     api = ApiServer(Settings.from_env(redis_url=redis_server.url, model=model,
                                       sse_keepalive_s=1.0)).start()

@@ -124,6 +124,12 @@ def public_model_name(model: str) -> str:
 
 
 # --- engine speed -----------------------------------------------------------------------------
+# A seed the test workers fail a sequence on in the model process's sampling (the setting
+# LLMQ_TEST_FAIL_SEED): the tests of a failure while running (a 500, an error chunk).
+FAIL_SEED = 990001
+FAIL_ENV = {"LLMQ_TEST_FAIL_SEED": str(FAIL_SEED)}
+
+
 def min_step_env(floor_s: float) -> dict:
     """Worker env whose engine steps take at least `floor_s` (LLMQ_TEST_STEP_DELAY, a test-only
     setting), or the suite's own delay where that is longer (a run with a slowed engine: `make

@@ -159,6 +159,7 @@ class EngineCore:
         admits against, and whether a step may run several decode passes."""
         self.scheduler.set_kv_budget(*self.executor.kv_capacity)
         self.scheduler.set_multi_step(self.executor.multi_step)
+        self.scheduler.set_exact_resume(getattr(self.executor.info, "resumes_exactly", True))
 
     def stop(self) -> None:
         self._stop.set()

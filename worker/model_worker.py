@@ -107,6 +107,10 @@ class ModelWorker:
                      kv_cache_dtype=settings.kv_cache_dtype,
                      layer_kernels=settings.layer_kernels,
                      prefill_pass_tokens=settings.prefill_pass_tokens)
+        if settings.test_fail_seed >= 0:
+            log.warning("LLMQ_TEST_FAIL_SEED=%d: sequences with that seed fail (a test setting)",
+                        settings.test_fail_seed)
+            worker.fail_seed = settings.test_fail_seed
         # After the worker is built: its LlamaForward fuses q/k/v and gate/up first, and the
         # fused linears are packed as one.
         if settings.packed_linears and info.device == "cpu":
@@ -331,7 +335,11 @@ class ModelWorker:
         self.prefilling.pop(seq_id, None)
         self.states.pop(seq_id, None)
 
+    fail_seed: int | None = None   # tests only (LLMQ_TEST_FAIL_SEED)
+
     def _sample(self, seq_ids, states, logits, res: StepResult) -> None:
+        if self.fail_seed is not None and any(st.params.seed == self.fail_seed for st in states):
+            raise RuntimeError(f"a failure injected for tests (LLMQ_TEST_FAIL_SEED={self.fail_seed})")
         tokens, logprobs = self.sampler.sample(logits, states)
         for sid, st, tok, lp in zip(seq_ids, states, tokens, logprobs):
             st.record(tok)

@@ -170,6 +170,7 @@ class WorkloadManager:
         self.attention_context = attention_context
         self.policy = policy or ContinuousBatching()
         self.kv_budget = kv_budget
+        self.exact_resume = True   # set_exact_resume
         # A key's fair share of the batch, in slots (all of them for key_share 1).
         self.key_cap = max(1, int(max_num_seqs * key_share))
         # Worse-priority newcomers' prefill is held beside a better priority (1: never held).
@@ -217,6 +218,22 @@ class WorkloadManager:
     def set_kv_budget(self, num_blocks: int, block_size: int) -> None:
         """The model process's KV cache size (0 blocks: the backend counts for itself)."""
         self.kv_budget = KVBudget(num_blocks, block_size) if num_blocks and block_size else None
+
+    def set_exact_resume(self, able: bool) -> None:
+        """Whether the backend continues a preempted sequence exactly (ModelInfo
+        .resumes_exactly). Where it does not (vLLM: a re-added request starts its grammar,
+        seeded generator and penalty counts again), a sequence that depends on them is never
+        preempted here: a better priority or another key's share waits for a slot to end, and
+        a full KV cache is vLLM's own to preempt, which keeps that state."""
+        self.exact_resume = able
+
+    def _movable(self, seq: Sequence) -> bool:
+        """Whether preempting `seq` leaves its text as it would have been."""
+        if self.exact_resume:
+            return True
+        p = seq.params
+        return not (p.structured or p.presence_penalty or p.frequency_penalty
+                    or (p.seed is not None and (p.temperature or 0.0) > 0.0))
 
     def set_multi_step(self, able: bool) -> None:
         """Whether the model process runs several decode passes per step (Ready.multi_step)."""
@@ -452,7 +469,10 @@ class WorkloadManager:
             return
         used = sum(kv.blocks(s) for s in self.running)
         while used > kv.num_blocks and len(self.running) > 1:
-            seq = self.running.pop()
+            seq = next((s for s in reversed(self.running) if self._movable(s)), None)
+            if seq is None:   # (only where the backend preempts for itself: set_exact_resume)
+                break
+            self.running.remove(seq)
             used -= kv.blocks(seq)
             seq.state = SequenceState.WAITING
             seq.num_preemptions += 1
@@ -534,11 +554,12 @@ class WorkloadManager:
             return
         waiting = sorted(s.priority for s in self.waiting)
         for want in waiting:
-            worst = max((s.priority for s in self.running), default=want)
+            worst = max((s.priority for s in self.running if self._movable(s)), default=want)
             if want >= worst:
                 return
             # First of its priority when its turn comes (the better ones still go first).
-            self._give_up_slot(next(s for s in reversed(self.running) if s.priority == worst))
+            self._give_up_slot(next(s for s in reversed(self.running)
+                                    if s.priority == worst and self._movable(s)))
 
     def _preempt_for_fair_share(self) -> None:
         """A full batch makes room for waiting keys below their share: the key furthest above
@@ -559,7 +580,8 @@ class WorkloadManager:
                 if num_held <= self.key_cap:
                     return
                 victim = next((s for s in reversed(self.running)
-                               if s.owner == victim_owner and s.priority >= best), None)
+                               if s.owner == victim_owner and s.priority >= best
+                               and self._movable(s)), None)
                 if victim is None:
                     return
                 self._give_up_slot(victim)   # first of its key when its turn comes

@@ -11,7 +11,7 @@ import uuid
 import pytest
 import requests
 
-from support import ApiServer, wait_until
+from support import FAIL_SEED, ApiServer, wait_until
 
 from test_openai_client import _find_seq_by_prompt, get_job
 
@@ -24,7 +24,9 @@ def words(n: int) -> str:
 # A stop token id past the vocabulary passes the API (ids are bounded by int32 only) and makes
 # the sampler index outside the logits while min_tokens masks it: the model process reports
 # the error for this sequence alone (tests/reliability/test_bad_requests.py).
-POISON = {"extra_body": {"min_tokens": 5, "stop_token_ids": [2**31 - 1], "ignore_eos": True}}
+# The test workers fail a sequence with this seed in the model process (LLMQ_TEST_FAIL_SEED):
+# no input does any more (a stop id past the vocabulary did; now a 400 at admission).
+POISON = {"seed": FAIL_SEED, "temperature": 1.0}
 FINISHED = ("succeeded", "cancelled", "failed")
 
 
@@ -93,7 +95,7 @@ def test_job_routes_refuse_a_prompt_over_the_context(stack, context):
 @pytest.fixture
 def transformers_only(stack):
     if stack["backend"] != "transformers":
-        pytest.skip("the poison input breaks the transformers backend's sampler")
+        pytest.skip("the injected failure (LLMQ_TEST_FAIL_SEED) is the transformers backend's")
 
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])
@@ -104,7 +106,7 @@ def test_a_sequence_failing_while_running_raises_api_error(client, stack, kind,
     err = info.value
     assert err.status_code == 500 and err.code == "sequence_failed" and err.type == "server_error"
     job = get_job(stack, err.response.headers["X-Request-Id"])
-    assert job["status"] == "failed" and "index" in job["error"]["message"].lower()
+    assert job["status"] == "failed" and "injected" in job["error"]["message"]
 
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])
@@ -114,12 +116,12 @@ def test_a_stream_failing_while_running_ends_with_an_error(client, stack, kind,
         call(client, stack["model"], kind, True, max_tokens=20, **POISON)
     assert not isinstance(info.value, openai.APIStatusError)   # the status line said 200
     assert info.value.body["code"] == "sequence_failed", info.value.body
-    assert "index" in info.value.message.lower()
+    assert "injected" in info.value.message
 
 
 def test_generate_answers_a_failed_job_with_500_and_its_record(stack, transformers_only):
     r = requests.post(stack["url"] + "/v1/generate", json={
-        "prompt": "Hello", "max_tokens": 20, **POISON["extra_body"]}, timeout=60)
+        "prompt": "Hello", "max_tokens": 20, **POISON}, timeout=60)
     assert r.status_code == 500, r.text
     assert r.json()["error"]["type"] == "server_error"
     assert r.json()["job"]["status"] == "failed"

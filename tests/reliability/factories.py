@@ -19,7 +19,8 @@ import psutil
 import redis
 import requests
 
-from support import ApiServer, RedisServer, WorkerProcess, min_step_env, wait_until
+from support import (FAIL_ENV, ApiServer, RedisServer, WorkerProcess, min_step_env,
+                     wait_until)
 
 STALE_S = 3.0          # LLMQ_WORKER_STALE of every world: a silent worker is dead after 3 s
 HEARTBEAT_S = 0.2      # LLMQ_WORKER_HEARTBEAT
@@ -98,7 +99,7 @@ class World:
                 "LLMQ_MAX_NUM_SEQS": "16", "LLMQ_DEVICE": "cpu",
                 # Two shared cores: one torch thread per process keeps workers from fighting.
                 "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "LLMQ_TORCH_THREADS": "1",
-                "LLMQ_LOG_FORMAT": "text"}
+                "LLMQ_LOG_FORMAT": "text", **FAIL_ENV}
         if min_step_s:
             base.update(min_step_env(min_step_s))
         base.update(env)

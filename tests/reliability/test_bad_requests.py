@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from support import wait_until
+from support import FAIL_SEED, wait_until
 
 from .factories import SLACK_S, World, assert_all_succeeded_once, stream_kinds, worker_info
 
@@ -84,18 +84,23 @@ def test_input_that_breaks_sampling_in_the_model_process_fails_alone(live):
     starts = _model_starts(world, worker)
     good = [j["id"] for j in api.submit_many(["One", "Two", "Three"], max_tokens=40,
                                              ignore_eos=True, temperature=0)]
-    # A stop token id past the vocabulary passes the API's checks (ids are only bounded by
-    # int32) and makes the sampler index outside the logits while min_tokens masks it.
-    bad = api.submit(prompt="Four", max_tokens=40, min_tokens=5, stop_token_ids=[2**31 - 1])
+    # The test workers' sampling fails on this seed (LLMQ_TEST_FAIL_SEED): no input breaks it
+    # any more (a stop id past the vocabulary did; it is now a 400 at admission, below).
+    bad = api.submit(prompt="Four", max_tokens=40, seed=FAIL_SEED, temperature=1.0)
     failed = api.wait_job(bad["id"], 60)
     assert failed["status"] == "failed" and failed["finish_reason"] == "error", failed
-    assert "index" in failed["error"]["message"].lower(), failed["error"]
+    assert "injected" in failed["error"]["message"], failed["error"]
     assert stream_kinds(r, bad["id"])[-1] == "done"
     assert_all_succeeded_once(api, r, good, 40)
     # The model process reported the error for that sequence; it did not crash or restart.
     assert _model_starts(world, worker) == starts and worker.proc.poll() is None
     again = api.wait_job(api.submit(prompt="Five", **OK)["id"], 60)
     assert again["status"] == "succeeded"
+    # A stop token id past the vocabulary made the sampler index outside the logits while
+    # min_tokens masked it (a 500): now the worker refuses it as bad input, as vLLM does.
+    oov = api.submit(prompt="Six", max_tokens=40, min_tokens=5, stop_token_ids=[2**31 - 1])
+    refused = api.wait_job(oov["id"], 60)
+    assert refused["error"]["code"] == "invalid_sampling_params", refused
 
 
 TIMEOUT_S = 0.5

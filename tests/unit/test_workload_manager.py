@@ -934,6 +934,81 @@ def test_equal_priorities_never_preempt_each_other():
     assert ids(wm.waiting) == ids(later)
 
 
+# --- a backend that cannot resume every sequence exactly (vLLM) ----------------------------------
+def pinned(seq, how: str = "structured"):
+    """A sequence whose text a vLLM re-admission would change: structured, seeded or with
+    frequency/presence penalties."""
+    p = seq.params
+    if how == "structured":
+        p.structured = {"regex": "[0-9]{4}"}
+    elif how == "seeded":
+        p.seed, p.temperature = 3, 1.0
+    else:
+        p.presence_penalty = 1.0
+    return seq
+
+
+@pytest.mark.parametrize("how", ["structured", "seeded", "penalised"])
+def test_without_exact_resume_a_full_kv_cache_preempts_only_what_resumes_exactly(how):
+    """vLLM's backend re-adds a preempted sequence as a new request: its grammar, seeded
+    generator and penalty counts start again (a 4-digit regex answered 6 digits). Such a
+    sequence is not llmq's to preempt there; the newest of the others goes instead."""
+    wm = kv_manager(7)
+    wm.set_exact_resume(False)
+    a, b = make_seq(8, max_tokens=20), make_seq(8, max_tokens=20)
+    c = pinned(make_seq(3, max_tokens=20), how)
+    for s in (a, b, c):
+        wm.add(s)
+    while not wm.stats.num_preemptions:
+        out = wm.schedule()
+        wm.update(out, tokens_for(out))
+    assert out.freed_seq_ids == [b.seq_id] and list(wm.waiting) == [b]
+    assert c in wm.running and c.num_preemptions == 0
+
+
+def test_without_exact_resume_nothing_left_to_preempt_leaves_the_cache_to_the_backend():
+    wm = kv_manager(3)
+    wm.set_exact_resume(False)
+    a, b = pinned(make_seq(4, max_tokens=20)), pinned(make_seq(4, max_tokens=20), "seeded")
+    for s in (a, b):
+        wm.add(s)
+    for _ in range(6):
+        out, _ = step(wm)
+    assert wm.stats.num_preemptions == 0 and ids(wm.running) == ids([a, b])
+
+
+def test_without_exact_resume_a_better_priority_or_a_share_takes_only_a_movable_slot():
+    wm = make_manager(max_num_seqs=2)
+    wm.set_exact_resume(False)
+    old, new = prioritized(9, 2)
+    pinned(new)
+    for s in (old, new):
+        wm.add(s)
+    step(wm)
+    [urgent] = prioritized(0, 1)
+    wm.add(urgent)
+    out, _ = step(wm)
+    assert out.freed_seq_ids == [old.seq_id] and new in wm.running   # not the newest: pinned
+    [later] = prioritized(0, 1)
+    wm.add(later)
+    out, _ = step(wm)
+    assert out.freed_seq_ids == [] and list(wm.waiting) == [old, later]   # waits for a slot
+
+    wm = make_manager(max_num_seqs=4)
+    wm.set_exact_resume(False)
+    wm.key_cap = 2
+    flood = keyed("b", 4)
+    for s in flood[1:]:
+        pinned(s)
+    for s in flood:
+        wm.add(s)
+    step(wm)
+    for s in keyed("a", 2):
+        wm.add(s)
+    out, _ = step(wm)
+    assert out.freed_seq_ids == [flood[0].seq_id] and wm.stats.num_preempted == 1
+
+
 # --- multi-step: several decode passes a step -------------------------------------------------
 def multi_step_manager(window_s: float = 0.03, **kw) -> WorkloadManager:
     wm = make_manager(**kw)

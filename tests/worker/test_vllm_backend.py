@@ -49,6 +49,9 @@ def test_starts_in_the_daemonic_model_process_and_reports_its_kv_cache(executor)
     assert info.device == "cpu" and info.dtype == "float32"   # float32 on CPU by default
     assert info.max_model_len == 512                           # LLMQ_MAX_MODEL_LEN honoured
     assert info.kv_cache_dtype == "float32" and info.kernels == "vLLM (cpu)"   # (the heartbeat's)
+    # A re-added request starts its grammar, seeded draws and penalties again: the scheduler
+    # leaves such sequences to vLLM's own preemption (WorkloadManager.set_exact_resume).
+    assert info.resumes_exactly is False
     blocks, block_size = executor.kv_capacity
     assert blocks > 0 and block_size > 0   # llmq's scheduler admits no more than vLLM holds
 

@@ -99,7 +99,10 @@ class VllmBackend:
             max_model_len=int(cfg.max_model_len), vocab_size=int(cfg.get_vocab_size()),
             device=device, dtype=str(cfg.dtype).replace("torch.", ""),
             generation_defaults=generation_defaults(gen),
-            kernels=f"vLLM ({device})")
+            kernels=f"vLLM ({device})",
+            # a re-added request starts vLLM's grammar, seeded generator and penalty counts
+            # again (docs/architecture.md): vLLM preempts those itself, keeping them
+            resumes_exactly=False)
         info = dataclasses.replace(info, kv_cache_dtype=(
             info.dtype if cache.cache_dtype == "auto" else str(cache.cache_dtype)))
         blocks = int(cache.num_gpu_blocks or 0)
