@@ -2,7 +2,9 @@
 # Redis for llmq on 127.0.0.1:$REDIS_PORT, in the foreground (`make redis`; `make run` starts it
 # too): append-only file on, a password generated once and kept in $LLMQ_RUN_DIR/redis.password,
 # and that folder (run/ by default) private to this user, as everything Redis writes into it.
-# `scripts/redis.sh url` prints the redis:// URL with that password instead.
+# `scripts/redis.sh url` prints the redis:// URL with that password instead, on REDIS_PORT or,
+# without it, on the port the last Redis started here listens on (make run moves off a port
+# where a Redis without a password answers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 umask 077
@@ -15,7 +17,8 @@ pwfile="$RUN/redis.password"
 [ -s "$pwfile" ] || od -An -vtx1 -N24 /dev/urandom | tr -d ' \n' >"$pwfile"
 pw="$(cat "$pwfile")"
 if [ "${1:-}" = url ]; then
-  echo "redis://:$pw@127.0.0.1:$PORT/0"
+  [ -n "${REDIS_PORT:-}" ] || PORT="$(sed -n 's/^port //p' "$RUN/redis.conf" 2>/dev/null || true)"
+  echo "redis://:$pw@127.0.0.1:${PORT:-6379}/0"
   exit 0
 fi
 chmod -R go-rwx "$RUN"   # what an older run left readable (append-only file, logs)

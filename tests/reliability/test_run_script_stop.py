@@ -216,6 +216,13 @@ def test_a_redis_without_a_password_on_the_port_is_not_used(run_env, tmp_path):
         out = script.output()
         assert f"127.0.0.1:{port} answers WITHOUT a password: not used" in out, out
         assert plain.keys("llmq:*") == [] and plain.keys("_kombu*") == []
+        # The README's `redis-cli -u "$(bash scripts/redis.sh url)"` (no REDIS_PORT) reaches
+        # llmq's Redis, not the open one.
+        env = {k: v for k, v in run_env.items() if k != "REDIS_PORT"}
+        url = subprocess.run(["bash", "scripts/redis.sh", "url"], cwd=ROOT, env=env, check=True,
+                             capture_output=True, text=True).stdout.strip()
+        assert f":{port}/" not in url, url
+        assert redis.Redis.from_url(url).ping()
         procs = script.processes()
         script.ctrl_c()
         _gone, alive = psutil.wait_procs(procs, timeout=GRACE_S + MARGIN_S)
