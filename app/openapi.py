@@ -274,6 +274,14 @@ ROUTES: dict[str, tuple[type | None, dict, str]] = {
     "batches.cancel_batch": (None, {"HTTP_200": BatchOut, "HTTP_404": ErrorOut}, "batches"),
 }
 
+# Every route but the health checks needs a key when LLMQ_API_KEYS is set (401) and, without
+# keys, answers only local names (403 host_not_allowed); /metrics also 403s a tenant's key.
+_OPEN = {"api.health", "api.healthz", "api.readyz"}
+for _endpoint, (_body, _resp, _tag) in ROUTES.items():
+    if _endpoint not in _OPEN:
+        _resp.setdefault("HTTP_401", ErrorOut)
+        _resp.setdefault("HTTP_403", ErrorOut)
+
 
 def _serve_plain(view: Callable, documented: Callable) -> Callable:
     """The view as Flask should call it, carrying spectree's documentation.

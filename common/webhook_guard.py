@@ -89,7 +89,12 @@ def check_url(url: str, allowed_hosts: tuple[str, ...] = (), resolve=socket.geta
         raise WebhookURLError("webhook must be an http:// or https:// URL with a host")
     if parts.username or parts.password:
         raise WebhookURLError("webhook URL must not carry credentials")
-    host = parts.hostname.lower()
+    host = name = parts.hostname.lower()
+    if not host.isascii():   # the name as DNS and the Host header know it (IDNA, punycode)
+        try:
+            host = host.encode("idna").decode("ascii")
+        except UnicodeError:
+            raise WebhookURLError("webhook host is not a valid host name") from None
     port = port or (443 if parts.scheme == "https" else 80)
     # Unresolvable and non-public read the same to the caller: the difference, or the address,
     # would tell any key which internal names exist and where they point.
@@ -102,7 +107,7 @@ def check_url(url: str, allowed_hosts: tuple[str, ...] = (), resolve=socket.geta
     addresses = tuple(dict.fromkeys(info[4][0] for info in infos))
     if not addresses:
         raise WebhookUnresolvable(refused, "resolves to no address")
-    if host not in allowed_hosts:
+    if host not in allowed_hosts and name not in allowed_hosts:
         bad = [a for a in addresses if _blocked(a)]
         if bad:
             raise WebhookURLError(refused, f"resolves to non-public {', '.join(bad)}")

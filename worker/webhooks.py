@@ -13,12 +13,17 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import http.client
 import logging
 import random
+import socket
+import threading
 import time
 
 import urllib3
+import urllib3.connection
 from celery import shared_task, signals
+from redis.exceptions import RedisError
 
 from common.store import job_from_record
 from common.webhook_guard import Target, WebhookUnresolvable, WebhookURLError, check_url
@@ -42,29 +47,55 @@ def backoff_s(retries: int) -> float:
     return min(MAX_BACKOFF_S, 2.0 ** retries) * random.uniform(1.0, 1.25)
 
 
+def _abort(conn) -> None:
+    """Shuts the connection's socket down under a blocked read (from the deadline's timer)."""
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 def post(target: Target, body: bytes, headers: dict[str, str], timeout_s: float) -> int:
-    """POSTs to the checked addresses in turn (the first that answers); returns the status."""
+    """POSTs to the checked addresses in turn (the first that answers) and returns the status,
+    all within timeout_s. A socket timeout counts per read, so a receiver that answers a byte
+    at a time would hold a task thread (shared with generation) for ever: past the deadline the
+    socket is shut down under the read. The answer's body is never read."""
+    deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     for addr in target.addresses:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
         if target.scheme == "https":
-            pool = urllib3.HTTPSConnectionPool(addr, target.port, timeout=timeout_s,
-                                               retries=False, server_hostname=target.host,
-                                               assert_hostname=target.host)
+            conn = urllib3.connection.HTTPSConnection(addr, target.port, timeout=left,
+                                                      server_hostname=target.host,
+                                                      assert_hostname=target.host)
         else:
-            pool = urllib3.HTTPConnectionPool(addr, target.port, timeout=timeout_s,
-                                              retries=False)
+            conn = urllib3.connection.HTTPConnection(addr, target.port, timeout=left)
+        timer = threading.Timer(left, _abort, args=(conn,))
+        timer.daemon = True
+        timer.start()
         try:
-            with pool:
-                resp = pool.urlopen("POST", target.path, body=body, redirect=False,
-                                    headers={**headers, "Host": target.host_header},
-                                    assert_same_host=False, preload_content=True)
-                return resp.status
-        except urllib3.exceptions.HTTPError as exc:
-            last = exc
-    raise last or OSError("no address to connect to")
+            conn.request("POST", target.path, body=body, preload_content=False,
+                         headers={**headers, "Host": target.host_header})
+            return conn.getresponse().status
+        except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as exc:
+            last = exc if time.monotonic() < deadline else TimeoutError(
+                f"no answer from {target.host_header} within {timeout_s:g} s")
+        finally:
+            timer.cancel()
+            conn.close()
+    raise last or TimeoutError(f"no answer from {target.host_header} within {timeout_s:g} s")
 
 
-@shared_task(name=WEBHOOK_TASK, bind=True)
+# max_retries=None: the attempts are counted here (LLMQ_WEBHOOK_MAX_ATTEMPTS); Celery's own
+# default (3) ended every event after 4 attempts, in about 8 s. A Redis error (the event or its
+# attempt could not be read or written) is retried with backoff too: a task that fails is
+# acknowledged (acks_late acks failures), and the event would be lost.
+@shared_task(name=WEBHOOK_TASK, bind=True, max_retries=None, autoretry_for=(RedisError,),
+             retry_backoff=True, retry_backoff_max=int(MAX_BACKOFF_S), retry_jitter=True)
 def deliver(self, event_id_: str) -> dict:
     """One attempt to deliver an event; a failure is retried later (backoff), at most
     LLMQ_WEBHOOK_MAX_ATTEMPTS attempts in all."""
@@ -97,8 +128,11 @@ def deliver(self, event_id_: str) -> dict:
         store.record_attempt(event_id_, f"refused: {exc}", delivered=False)
         log.warning("webhook refused: %s (%s)", exc, exc.detail, extra={"event_id": event_id_})
         return {**outcome, "outcome": "refused"}
-    except (urllib3.exceptions.HTTPError, OSError) as exc:
+    except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as exc:
         result, status = f"error: {exc}", None
+    except Exception as exc:   # anything unforeseen is a failed attempt, retried, not a lost event
+        log.exception("webhook attempt failed", extra={"event_id": event_id_})
+        result, status = f"error: {type(exc).__name__}", None
     delivered = status is not None and 200 <= status < 300
     store.record_attempt(event_id_, result, delivered)
     if delivered:
@@ -109,7 +143,7 @@ def deliver(self, event_id_: str) -> dict:
                   extra={"event_id": event_id_})
         return {**outcome, "outcome": f"given up: {result}"}
     log.warning("webhook attempt %d failed: %s", attempt, result, extra={"event_id": event_id_})
-    raise self.retry(countdown=backoff_s(self.request.retries), max_retries=None)
+    raise self.retry(countdown=backoff_s(self.request.retries))
 
 
 def dispatch_job_events(svc: Services) -> None:

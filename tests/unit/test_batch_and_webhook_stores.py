@@ -43,6 +43,20 @@ def test_a_public_host_is_allowed_and_keeps_its_path_and_port():
     assert t.host_header == "hooks.example.com:8443"
 
 
+def test_an_international_host_name_is_checked_and_sent_as_punycode():
+    """The name stayed in Unicode: the Host header could not be encoded (the attempt failed
+    outside the errors caught, and the event was lost) and DNS was asked in Unicode."""
+    asked = []
+
+    def resolve(host, port, type=None):
+        asked.append(host)
+        return resolver("93.184.216.34")(host, port, type)
+    t = check_url("https://B\u00fccher.example:8443/in", resolve=resolve)
+    assert asked == ["xn--bcher-kva.example"] and t.host_header == "xn--bcher-kva.example:8443"
+    with pytest.raises(WebhookURLError, match="not a valid host name"):
+        check_url("http://" + "\u00e9" * 70 + ".example/", resolve=resolve)
+
+
 @pytest.mark.parametrize("address", [
     "127.0.0.1", "10.0.0.5", "172.16.3.4", "192.168.1.1", "169.254.169.254", "100.64.0.1",
     "0.0.0.0", "::1", "fe80::1", "fc00::1", "::ffff:127.0.0.1", "224.0.0.1",

@@ -1,0 +1,158 @@
+"""Webhook delivery (worker/webhooks.py), on fakeredis and loopback sockets: every attempt the
+settings allow is made, nothing unforeseen loses an event, and a receiver cannot hold a task
+thread (shared with generation) past the timeout."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import fakeredis
+import pytest
+import redis
+
+from common.batch_store import BatchStore
+from common.file_store import FileStore
+from common.store import SequenceStore
+from common.webhook_guard import Target
+from common.webhook_store import WebhookStore
+
+from .factories import RecordingCelery, make_settings
+
+pytest.importorskip("lupa", reason="fakeredis needs lupa to run the stores' Lua scripts")
+
+SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+PUBLIC = Target("http", "hooks.example.com", 80, "/in", ("93.184.216.34",))
+
+
+@pytest.fixture
+def delivery(monkeypatch):
+    """(run, store, posts): run(**settings) delivers event msg_1 as the worker's task does
+    (eagerly, retries included, their countdowns not waited); posts records each POST."""
+    from worker import webhooks
+    from worker.celery_app import create_celery
+    from worker.services import Services
+
+    r = fakeredis.FakeRedis(decode_responses=True)
+    store = WebhookStore(r, 60)
+    store.put_event("msg_1", "http://hooks.example.com/in", '{"type": "job.completed"}')
+    posts: list[bytes] = []
+    monkeypatch.setattr(webhooks, "check_url", lambda url, allowed: PUBLIC)
+
+    def run(answers, **overrides):
+        def post(target, body, headers, timeout_s):
+            posts.append(body)
+            answer = answers[min(len(posts), len(answers)) - 1]
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+        monkeypatch.setattr(webhooks, "post", post)
+        settings = make_settings(webhook_secret=SECRET, **overrides)
+        app = create_celery(settings)
+        app.llmq_services = Services(settings, RecordingCelery(), SequenceStore(r), FileStore(r, 60),
+                                     BatchStore(r, 60), store)
+        return app.tasks["llmq.webhook"].apply(args=["msg_1"]).get()
+
+    return run, store, posts
+
+
+def test_a_receiver_that_keeps_failing_gets_every_attempt_the_settings_allow(delivery):
+    """Celery's default max_retries (3) ended every event after 4 attempts, ~8 s in: a receiver
+    down for ten seconds lost it, whatever LLMQ_WEBHOOK_MAX_ATTEMPTS said."""
+    run, store, posts = delivery
+    result = run([503], webhook_max_attempts=7)
+    assert len(posts) == 7
+    assert result["outcome"] == "given up: HTTP 503"
+    assert store.get_event("msg_1")["attempts"] == "7"
+
+
+def test_an_unforeseen_error_is_a_failed_attempt_and_the_next_one_delivers(delivery):
+    """Only urllib3's and OS errors were caught: anything else failed the task, which acks_late
+    acknowledges, and the event was never tried again."""
+    run, store, posts = delivery
+    result = run([UnicodeEncodeError("latin-1", "x", 0, 1, "odd"), 204])
+    assert result["outcome"] == "delivered" and len(posts) == 2
+    assert store.get_event("msg_1")["delivered_at"]
+
+
+def test_a_redis_error_is_retried_not_lost(delivery, monkeypatch):
+    run, store, posts = delivery
+    real, failed = store.get_event, []
+
+    def flaky(event_id):
+        if not failed:
+            failed.append(event_id)
+            raise redis.ConnectionError("Redis went away")
+        return real(event_id)
+    monkeypatch.setattr(store, "get_event", flaky)
+    result = run([204])
+    assert failed and result["outcome"] == "delivered" and len(posts) == 1
+
+
+class Receiver:
+    """A loopback HTTP receiver that misbehaves: `trickle` answers one byte every 0.1 s for
+    `seconds`, `huge` announces a 200 with a body of `size` bytes and writes it."""
+
+    def __init__(self, mode: str, seconds: float = 8.0, size: int = 200_000_000):
+        self.mode, self.seconds, self.size = mode, seconds, size
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.finished = threading.Event()    # it ran to its end (the client waited it out)
+        self.sent = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def target(self) -> Target:
+        return Target("http", "hooks.example.com", self.port, "/in", ("127.0.0.1",))
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.recv(65536)
+            try:
+                if self.mode == "trickle":
+                    for _ in range(int(self.seconds / 0.1)):
+                        conn.sendall(b"H")
+                        if self.stop.wait(0.1):
+                            return
+                else:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % self.size)
+                    chunk = b"x" * 65536
+                    while self.sent < self.size:
+                        conn.sendall(chunk)
+                        self.sent += len(chunk)
+                self.finished.set()
+            except OSError:   # the client closed: it did not wait for the rest
+                pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(15)
+        self.sock.close()
+
+
+def test_a_receiver_answering_a_byte_at_a_time_is_cut_off_at_the_timeout():
+    """A socket timeout counts per read: each byte restarted it, and a receiver that trickles
+    held a task thread, shared with generation, as long as it liked."""
+    from worker.webhooks import post
+
+    rx = Receiver("trickle")
+    try:
+        with pytest.raises(TimeoutError, match="within 0.5 s"):
+            post(rx.target(), b"{}", {}, timeout_s=0.5)
+        assert not rx.finished.is_set(), "post waited for the receiver to stop on its own"
+    finally:
+        rx.close()
+
+
+def test_the_answers_body_is_not_read():
+    """The status is all delivery needs; a 200 MB answer was read into memory whole."""
+    from worker.webhooks import post
+
+    rx = Receiver("huge")
+    try:
+        assert post(rx.target(), b"{}", {}, timeout_s=10) == 200
+        rx.thread.join(15)
+        assert not rx.finished.is_set() and rx.sent < rx.size
+    finally:
+        rx.close()
