@@ -16,8 +16,12 @@ def block_keys(token_ids: list[int], salt: str | None, num_blocks: int,
     the whole prefix up to that block: two prompts share a block only if they agree on every
     token before it (keys and values depend on all of them). Positions match too, since every
     prompt starts at position 0. A request's `cache_salt` starts the chain, so prompts with
-    different salts never share (vLLM's cache_salt: one tenant cannot time another's prompts)."""
-    keys, prev, b = [], (salt or "").encode(), block_size
+    different salts never share (vLLM's cache_salt: one tenant cannot time another's prompts).
+    The salt is hashed on its own first: raw, a salt whose bytes equal some block's 16-byte key
+    made a first block that another prompt's later block (at other positions) took for its own."""
+    b = block_size
+    keys, prev = [], hashlib.blake2b(b"llmq-cache-salt\0" + (salt or "").encode(),
+                                     digest_size=16).digest()
     for i in range(num_blocks):
         h = hashlib.blake2b(prev, digest_size=16)
         h.update(array("q", token_ids[i * b:(i + 1) * b]).tobytes())

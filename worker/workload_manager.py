@@ -342,14 +342,16 @@ class WorkloadManager:
         worst = max(s.priority for s in flying)
         rows = self.running + [s for s in in_flight.prefill if s not in self.running]
         kv = self.kv_budget
-        # Those that left during the step in flight hold their blocks until the next step.
+        # Those that left during the step in flight hold their rows and blocks in the model
+        # process until the next step frees them.
+        held = len({s.seq_id for s in rows} | set(self._freed))
         used = sum(kv.blocks(s) for s in rows) + sum(self._freed.values()) if kv else 0
         longest = min(self.long_prefill_tokens or self.max_num_batched_tokens,
                       self.max_num_batched_tokens)
         budget = self.max_num_batched_tokens
         out = SchedulerOutput()
         for seq in sorted(self.waiting, key=lambda s: s.priority):   # stable: FIFO within one
-            if seq.priority >= worst or len(rows) + len(out.prefill) >= self.max_num_seqs:
+            if seq.priority >= worst or held + len(out.prefill) >= self.max_num_seqs:
                 break
             if (seq.num_tokens > min(longest, budget)
                     or (kv and used + kv.blocks(seq) > kv.num_blocks)

@@ -251,6 +251,18 @@ def test_an_interjection_counts_the_blocks_of_those_that_left_during_the_step_in
     assert nxt.freed_seq_ids == [lines[1].seq_id] and ids(nxt.prefill) == [chat.seq_id]
 
 
+def test_an_interjection_counts_the_rows_of_those_that_left_during_the_step_in_flight():
+    """A full batch, one line cancelled while its decode runs: the model process holds its row
+    until the next step, and an interjected newcomer failed with "batch is full"."""
+    wm = interjecting(max_num_seqs=2)
+    lines, in_flight, chat = lines_in_flight(wm, 2)
+    wm.abort(lines[1], FinishReason.CANCELLED)
+    assert wm.interject(in_flight) is None and chat in wm.waiting
+    wm.update(in_flight, tokens_for(in_flight))
+    nxt = wm.schedule()                          # the next step frees the row and takes it
+    assert nxt.freed_seq_ids == [lines[1].seq_id] and ids(nxt.prefill) == [chat.seq_id]
+
+
 def test_a_restarted_copy_is_not_interjected_beside_its_old_copys_cache():
     """A record restarted here while its old copy decodes in the step in flight: the new copy
     (same id) waits for the next step, which frees the old copy's cache first (the model

@@ -9,7 +9,7 @@ from common.protocol import SamplingParams
 from factories import Driver, compare_to_solo, make_prompts, new_seq, recording, solo_references
 from worker.messages import StepRequest
 from worker.model_worker import ModelWorker
-from worker.prefix_cache import PrefixCache
+from worker.prefix_cache import PrefixCache, block_keys
 
 B = 8          # the block size
 LOGIT_TOL = 1e-4
@@ -47,6 +47,25 @@ def test_a_block_is_shared_only_after_the_same_tokens_and_the_same_salt():
     assert c.match(prompt, salt="tenant-b") == []
     cache_with(prompt, "tenant-b", c=c)
     assert c.match(prompt, salt="tenant-b") == [103, 104, 105]
+
+
+def test_a_salt_cannot_pose_as_an_earlier_block():
+    """The salt started the chain raw, as a block's key does: a salt whose bytes were some
+    prompt's first-block key made a block at positions 0-7 that the prompt took for its own
+    block at positions 8-15 (with no keys, or a shared cache, any client can pick the salt)."""
+    for first in range(1000, 200000):                   # a first block whose key is UTF-8
+        victim = [first] + list(range(1, 16))
+        k0, k1 = block_keys(victim, None, 2, B)
+        try:
+            salt = k0.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        break
+    else:
+        pytest.fail("no first-block key was valid UTF-8")
+    assert block_keys(victim[8:], salt, 1, B) != [k1]
+    c = cache_with(victim[8:] + [0], salt)              # the posing block, registered
+    assert c.match(victim + [0]) == []
 
 
 def test_parked_blocks_are_evicted_least_recently_parked_first_within_the_cap():
