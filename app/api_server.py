@@ -17,7 +17,7 @@ from werkzeug.exceptions import HTTPException
 from common.llm_engine import Overloaded, TooLarge
 from common.protocol import EVENT_DONE, SamplingParams
 from common.webhook_guard import WebhookURLError
-
+from common.webhook_store import owner_key, secret_of
 from common.store import SequenceStore, is_seq_id, valid_stream_id
 
 from . import submit_hooks
@@ -290,6 +290,18 @@ def generate():
     if req.prompts is not None:
         return jsonify({"object": "list", "results": results})
     return jsonify(results[0])
+
+
+@bp.get("/v1/webhooks/secret")
+def webhook_secret():
+    """The key that signs this API key's webhook events (its own: no other key's events verify
+    with it), written as Standard Webhooks' libraries take it."""
+    s = settings()
+    if not s.webhook_secret:
+        raise APIError(404, "webhooks are not enabled on this server (LLMQ_WEBHOOK_SECRET)",
+                       "not_found_error", code="webhooks_disabled")
+    return jsonify({"object": "webhook_secret",
+                    "secret": secret_of(owner_key(s.webhook_key(), g.owner))})
 
 
 # --- health -----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from flask import abort, jsonify, redirect, send_from_directory
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from spectree import Response, SpecTree
 from spectree.page import PAGE_TEMPLATES
 
@@ -225,6 +225,11 @@ class BatchOut(BaseModel):
     metadata: dict[str, str] | None = None
 
 
+class WebhookSecret(BaseModel):
+    object: Literal["webhook_secret"]
+    secret: str = Field(description="whsec_<base64>: verifies this key's webhook events")
+
+
 class BatchPage(JobPage):
     data: list[BatchOut]
 
@@ -247,6 +252,7 @@ ROUTES: dict[str, tuple[type | None, dict, str]] = {
     # 202: still running after LLMQ_WAIT_TIMEOUT (the job as it stands)
     "api.generate": (JobRequest, {"HTTP_200": JobOut, "HTTP_202": JobOut, **_ERRORS,
                                   **_FAILED}, "jobs"),
+    "api.webhook_secret": (None, {"HTTP_200": WebhookSecret, "HTTP_404": ErrorOut}, "jobs"),
     "api.health": (None, {"HTTP_200": None, "HTTP_503": None}, "operations"),
     "api.healthz": (None, {"HTTP_200": Health}, "operations"),
     "api.readyz": (None, {"HTTP_200": Health, "HTTP_503": Health}, "operations"),

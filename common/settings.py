@@ -193,7 +193,7 @@ class Settings:
     webhook_secret: str = ""         # whsec_<base64>; webhooks are refused while unset
     webhook_allowed_hosts: tuple[str, ...] = field(default_factory=tuple)
     webhook_timeout_s: float = 10.0
-    webhook_max_attempts: int = 10
+    webhook_max_attempts: int = 20
 
     def __post_init__(self):
         if self.webhook_secret:

@@ -10,10 +10,13 @@ Keys:
   llmq:webhook:job:<seq_id>   hash  url, events ("started,completed"), and per event its state
                                     ("" due when it happens, "d:<unix s>" dispatching, "sent")
   llmq:webhooks:watch         set   seq ids whose registration still has events to send
-  llmq:webhook:event:<id>     hash  one event to deliver: url, body; attempts, delivered_at
+  llmq:webhook:event:<id>     hash  one event to deliver: url, body, owner; attempts, delivered_at
 """
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import time
 import uuid
@@ -37,6 +40,21 @@ event_key = Keys.webhook_event
 def event_id(subject_id: str, event_type: str) -> str:
     """The stable id of one event (the `webhook-id` header), the same on every attempt."""
     return f"msg_{uuid.uuid5(uuid.NAMESPACE_URL, f'{subject_id}/{event_type}').hex}"
+
+
+def owner_key(server_key: bytes, owner: str) -> bytes:
+    """The key that signs one API key's events (`GET /v1/webhooks/secret` gives it to that key):
+    with one key for all, any tenant could have llmq sign an event of its own choosing to
+    another tenant's receiver (by naming that receiver as its job's webhook). A keyless server
+    (owner "") signs with LLMQ_WEBHOOK_SECRET's own key."""
+    if not owner:
+        return server_key
+    return hmac.new(server_key, b"llmq-webhook-owner\0" + owner.encode(), hashlib.sha256).digest()
+
+
+def secret_of(key: bytes) -> str:
+    """A signing key as Standard Webhooks writes it (what its libraries take)."""
+    return "whsec_" + base64.b64encode(key).decode()
 
 
 def event_body(event_type: str, data: dict[str, Any]) -> str:
@@ -140,13 +158,15 @@ class WebhookStore:
     def job_event_sent(self, seq_id: str, event: str) -> None:
         self._sent(keys=[WATCH_KEY, registration_key(seq_id)], args=[seq_id, event])
 
-    def put_event(self, event_id_: str, url: str, body: str) -> None:
+    def put_event(self, event_id_: str, url: str, body: str, owner: str) -> None:
         """Stores an event for its delivery task (kept if already there: a redispatch sends the
-        body first built, so every attempt signs the same bytes)."""
+        body first built, so every attempt signs the same bytes), with the owner whose key
+        signs it."""
         key = event_key(event_id_)
         pipe = self.r.pipeline(transaction=True)
         pipe.hsetnx(key, "url", url)
         pipe.hsetnx(key, "body", body)
+        pipe.hsetnx(key, "owner", owner)
         pipe.expire(key, EVENT_TTL_S)
         pipe.execute()
 

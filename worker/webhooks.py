@@ -4,9 +4,10 @@ and backoff, and the loop in every worker that queues job events as they become 
 Signatures follow Standard Webhooks (standardwebhooks.com): `webhook-id` (the event's stable
 id: a receiver drops repeats by it), `webhook-timestamp` (unix seconds of this attempt) and
 `webhook-signature: v1,<base64 HMAC-SHA256 of "id.timestamp.body">`, keyed with the base64
-part of LLMQ_WEBHOOK_SECRET (`whsec_<base64>`). Every attempt resolves the host again, checks
-every address (common/webhook_guard.py) and connects to a checked address: DNS rebinding
-after the check at submit reaches nothing private. Redirects are not followed.
+part of LLMQ_WEBHOOK_SECRET (`whsec_<base64>`) or, with API keys, with the job's owner's own
+key derived from it (common/webhook_store.py: owner_key). Every attempt resolves the host
+again, checks every address (common/webhook_guard.py) and connects to a checked address: DNS
+rebinding after the check at submit reaches nothing private. Redirects are not followed.
 """
 from __future__ import annotations
 
@@ -27,14 +28,14 @@ from redis.exceptions import RedisError
 
 from common.store import job_from_record
 from common.webhook_guard import Target, WebhookUnresolvable, WebhookURLError, check_url
-from common.webhook_store import WEBHOOK_TASK, event_body, event_id
+from common.webhook_store import WEBHOOK_TASK, event_body, event_id, owner_key
 
 from .services import Services, services, start_loop
 
 log = logging.getLogger("llmq.webhooks")
 
 DISPATCH_S = 0.5         # between two looks for due job events
-MAX_BACKOFF_S = 600.0
+MAX_BACKOFF_S = 3600.0
 
 
 def sign(key: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
@@ -43,7 +44,9 @@ def sign(key: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
 
 
 def backoff_s(retries: int) -> float:
-    """1, 2, 4, ... seconds up to 10 minutes, with jitter so retries do not arrive together."""
+    """1, 2, 4, ... seconds up to an hour, with jitter so retries do not arrive together: the
+    default 20 attempts span about 8 hours (OpenAI retries for up to 3 days, Standard Webhooks'
+    schedule about a day), so a receiver down for an afternoon loses nothing."""
     return min(MAX_BACKOFF_S, 2.0 ** retries) * random.uniform(1.0, 1.25)
 
 
@@ -117,7 +120,8 @@ def deliver(self, event_id_: str) -> dict:
         status = post(target, body, {
             "Content-Type": "application/json", "User-Agent": "llmq-webhooks",
             "webhook-id": event_id_, "webhook-timestamp": str(timestamp),
-            "webhook-signature": sign(s.webhook_key(), event_id_, timestamp, body)},
+            "webhook-signature": sign(owner_key(s.webhook_key(), event.get("owner", "")),
+                                      event_id_, timestamp, body)},
             s.webhook_timeout_s)
         result = f"HTTP {status}"
     except WebhookUnresolvable as exc:
@@ -153,7 +157,8 @@ def dispatch_job_events(svc: Services) -> None:
         if rec:
             kind = f"job.{event}"
             eid = event_id(seq_id, kind)
-            svc.webhooks.put_event(eid, url, event_body(kind, job_from_record(rec)))
+            svc.webhooks.put_event(eid, url, event_body(kind, job_from_record(rec)),
+                                   rec.get("owner", ""))
             svc.celery.send_task(WEBHOOK_TASK, args=[eid], task_id=eid,
                                  queue=svc.settings.queue, priority=0)
         svc.webhooks.job_event_sent(seq_id, event)

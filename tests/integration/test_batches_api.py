@@ -57,8 +57,11 @@ def sdk(api, key: str = KEYS[0]):
 
 
 @pytest.fixture
-def receiver():
-    r = WebhookReceiver(SECRET)
+def receiver(api):
+    """Checks every signature with KEYS[0]'s own webhook secret (GET /v1/webhooks/secret)."""
+    secret = api.with_key(KEYS[0]).request("GET", "/v1/webhooks/secret").json()["secret"]
+    assert secret != SECRET
+    r = WebhookReceiver(secret)
     yield r
     r.stop()
 
@@ -378,6 +381,16 @@ def test_job_webhooks_are_signed_retried_and_keep_their_id(api, receiver):
         assert first.webhook_id == again.webhook_id            # stable per event
         assert first.body["data"]["id"] == job["id"]
     assert receiver.of_type("job.completed")[0].body["data"]["status"] == "succeeded"
+
+
+def test_another_keys_event_sent_to_a_receiver_does_not_verify_with_its_secret(api, receiver):
+    """Anyone may name any URL as a webhook: what tells the receiver's owner an event is not of
+    its own jobs is that it is signed with the sender's key, not the receiver owner's."""
+    job = api.with_key(KEYS[1]).submit(prompt="Not yours", max_tokens=2,
+                                      webhook=receiver.url + "/spoof")
+    wait_until(lambda: receiver.of_type("job.completed"), 60, "the other key's job.completed")
+    [event] = receiver.of_type("job.completed")
+    assert event.body["data"]["id"] == job["id"] and not event.signature_ok
 
 
 def test_webhook_to_a_private_address_is_refused_at_submit(api, receiver):

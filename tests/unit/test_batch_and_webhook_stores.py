@@ -331,6 +331,39 @@ def api():
     return app.test_client(), celery
 
 
+def test_each_key_reads_its_own_webhook_secret():
+    from app import create_app
+    from common.webhook_store import owner_key, secret_of
+
+    from .factories import RecordingCelery, make_settings
+
+    settings = make_settings(api_keys=("key-a", "key-b"),
+                             webhook_secret="whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+    client = create_app(settings, redis_client=fakeredis.FakeRedis(decode_responses=True),
+                        celery=RecordingCelery()).test_client()
+
+    def secret(key: str | None):
+        return client.get("/v1/webhooks/secret",
+                          headers={"Authorization": f"Bearer {key}"} if key else {})
+    a, b = secret("key-a"), secret("key-b")
+    assert a.status_code == b.status_code == 200 and a.json["object"] == "webhook_secret"
+    assert a.json["secret"].startswith("whsec_") and a.json["secret"] != b.json["secret"]
+    assert a.json["secret"] != settings.webhook_secret
+    assert a.json == secret("key-a").json                  # stable
+    assert secret(None).status_code == 401
+    keyless = create_app(make_settings(webhook_secret=settings.webhook_secret),
+                         redis_client=fakeredis.FakeRedis(decode_responses=True),
+                         celery=RecordingCelery()).test_client()
+    assert keyless.get("/v1/webhooks/secret").json["secret"] == secret_of(
+        owner_key(settings.webhook_key(), "")) == settings.webhook_secret
+
+
+def test_without_a_server_secret_the_webhook_secret_route_is_404(api):
+    client, _ = api
+    r = client.get("/v1/webhooks/secret")
+    assert r.status_code == 404 and r.json["error"]["code"] == "webhooks_disabled"
+
+
 def test_a_webhook_without_a_server_secret_is_400_and_queues_nothing(api):
     client, celery = api
     r = client.post("/v1/jobs", json={"prompt": "x", "webhook": "https://example.com/h"})
@@ -382,7 +415,7 @@ def test_delivery_resolves_again_and_never_connects_to_a_private_address(r, monk
     store = WebhookStore(r, 60)
     app.llmq_services = Services(settings, RecordingCelery(), SequenceStore(r), FileStore(r, 60),
                                  _Batches(r, 60), store)
-    store.put_event("msg_1", "http://hooks.example.com/in", "{}")
+    store.put_event("msg_1", "http://hooks.example.com/in", "{}", "")
     monkeypatch.setattr(webhooks, "check_url", lambda url, allowed: check_url(
         url, allowed, resolve=resolver("10.0.0.7")))
     monkeypatch.setattr(webhooks, "post", lambda *a, **k: pytest.fail("it connected"))

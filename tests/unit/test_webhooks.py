@@ -14,13 +14,14 @@ from common.batch_store import BatchStore
 from common.file_store import FileStore
 from common.store import SequenceStore
 from common.webhook_guard import Target
-from common.webhook_store import WebhookStore
+from common.webhook_store import WebhookStore, owner_key
 
 from .factories import RecordingCelery, make_settings
 
 pytest.importorskip("lupa", reason="fakeredis needs lupa to run the stores' Lua scripts")
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+OWNER = "0123456789abcdef0123456789abcdef"   # an API key's owner id (app/api_server.py)
 PUBLIC = Target("http", "hooks.example.com", 80, "/in", ("93.184.216.34",))
 
 
@@ -34,13 +35,13 @@ def delivery(monkeypatch):
 
     r = fakeredis.FakeRedis(decode_responses=True)
     store = WebhookStore(r, 60)
-    store.put_event("msg_1", "http://hooks.example.com/in", '{"type": "job.completed"}')
-    posts: list[bytes] = []
+    store.put_event("msg_1", "http://hooks.example.com/in", '{"type": "job.completed"}', OWNER)
+    posts: list[tuple[bytes, dict]] = []
     monkeypatch.setattr(webhooks, "check_url", lambda url, allowed: PUBLIC)
 
     def run(answers, **overrides):
         def post(target, body, headers, timeout_s):
-            posts.append(body)
+            posts.append((body, headers))
             answer = answers[min(len(posts), len(answers)) - 1]
             if isinstance(answer, BaseException):
                 raise answer
@@ -63,6 +64,24 @@ def test_a_receiver_that_keeps_failing_gets_every_attempt_the_settings_allow(del
     assert len(posts) == 7
     assert result["outcome"] == "given up: HTTP 503"
     assert store.get_event("msg_1")["attempts"] == "7"
+
+
+def test_an_event_is_signed_with_its_owners_key_alone(delivery):
+    """One key signed every tenant's events: any tenant could have llmq sign an event of its
+    choosing to another's receiver (naming it as its own job's webhook), and it verified."""
+    from worker.webhooks import sign
+
+    run, _store, posts = delivery
+    assert run([204])["outcome"] == "delivered"
+    [(body, headers)] = posts
+    server = make_settings(webhook_secret=SECRET).webhook_key()
+
+    def verifies(key: bytes) -> bool:
+        stamp = int(headers["webhook-timestamp"])
+        return sign(key, headers["webhook-id"], stamp, body) == headers["webhook-signature"]
+    assert verifies(owner_key(server, OWNER))
+    assert not verifies(server) and not verifies(owner_key(server, "f" * 32))
+    assert owner_key(server, "") == server        # a keyless server: LLMQ_WEBHOOK_SECRET's own
 
 
 def test_an_unforeseen_error_is_a_failed_attempt_and_the_next_one_delivers(delivery):
@@ -156,3 +175,12 @@ def test_the_answers_body_is_not_read():
         assert not rx.finished.is_set() and rx.sent < rx.size
     finally:
         rx.close()
+
+
+def test_the_default_retries_outlast_an_afternoon_of_downtime():
+    """10 attempts at 1, 2, 4 ... s ended ~9 minutes after the event: a receiver restarted over
+    a lunch break lost every event of it."""
+    from worker.webhooks import MAX_BACKOFF_S
+
+    gaps = [min(MAX_BACKOFF_S, 2.0 ** r) for r in range(make_settings().webhook_max_attempts - 1)]
+    assert sum(gaps) >= 6 * 3600 and max(gaps) <= 3600
