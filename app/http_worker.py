@@ -1,6 +1,6 @@
 """The gunicorn worker the API runs under (`--worker-class app.http_worker.ThreadWorker`):
-gunicorn's gthread worker, plus a deadline on reading a request's headers and JSON bodies for
-the errors gunicorn answers before the app sees a request."""
+gunicorn's gthread worker, plus deadlines on reading a request's headers and its body, and JSON
+bodies for the errors gunicorn answers before the app sees a request."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,46 @@ from gunicorn.http import errors
 from gunicorn.workers.gthread import ThreadWorker as GThreadWorker
 
 from common.settings import Settings
+
+# A body must arrive at least this fast (after LLMQ_HEADER_TIMEOUT's allowance): a 2 MB JSON
+# body gets ~40 s, a 32 MB batch file ~9 minutes.
+MIN_BODY_BYTES_PER_S = 64 * 1024
+
+
+class _WatchedBody:
+    """A request body that calls `done` once it has been read to its end (its length, or the
+    end of a chunked body): the body's deadline then ends."""
+
+    def __init__(self, body, length: int | None, done):
+        self._body, self._left, self._done = body, length, done
+
+    def _seen(self, data: bytes, asked) -> bytes:
+        if self._left is not None:
+            self._left -= len(data)
+        if not data and asked != 0 or self._left is not None and self._left <= 0:
+            self._done()
+        return data
+
+    def read(self, size=None):
+        return self._seen(self._body.read(size), size)
+
+    def readline(self, size=None):
+        return self._seen(self._body.readline(size), size)
+
+    def readlines(self, size=None):
+        lines = self._body.readlines(size)
+        self._seen(b"".join(lines), None)
+        return lines
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        line = self.readline()
+        if not line:
+            raise StopIteration
+        return line
+
 
 # Errors gunicorn's parser raises, answered in the API's one error shape.
 _PARSE_ERRORS = {
@@ -27,11 +67,14 @@ _PARSE_ERRORS = {
 
 class ThreadWorker(GThreadWorker):
     """gthread, where a client gets LLMQ_HEADER_TIMEOUT seconds to send its request line and
-    headers: one that trickles them (a slowloris) loses its connection instead of holding one
-    of the process's threads for as long as it likes."""
+    headers, and then its body at MIN_BODY_BYTES_PER_S: one that trickles either (a slowloris)
+    loses its connection instead of holding one of the process's threads for as long as it
+    likes."""
 
     def init_process(self):
-        self.header_timeout_s = Settings.from_env().header_timeout_s
+        s = Settings.from_env()
+        self.header_timeout_s = s.header_timeout_s
+        self.max_body_bytes = max(s.max_body_bytes, s.file_max_bytes)
         self._reading: dict = {}   # connection -> when its headers must be in
         self._reading_lock = threading.Lock()
         threading.Thread(target=self._enforce_header_deadlines, name="llmq-header-deadline",
@@ -48,9 +91,28 @@ class ThreadWorker(GThreadWorker):
                 self._reading.pop(conn, None)
 
     def handle_request(self, req, conn):
-        with self._reading_lock:   # headers are in: from here on the request is the app's
+        # The headers are in. A body gets a deadline by its size, until the app has read it to
+        # its end: it was the app's from here on, and one trickled in held the thread for ever
+        # (the app reads the body before it answers, with keys too).
+        length = next((int(v) for n, v in req.headers if n == "CONTENT-LENGTH"), None)
+        chunked = any(n == "TRANSFER-ENCODING" for n, _ in req.headers)
+        done = lambda: self._stop_watching(conn)   # noqa: E731
+        if length or chunked:
+            size = length if length else self.max_body_bytes
+            with self._reading_lock:
+                self._reading[conn] = (time.monotonic() + self.header_timeout_s
+                                       + size / MIN_BODY_BYTES_PER_S)
+            req.body = _WatchedBody(req.body, length, done)
+        else:
+            done()
+        try:
+            return super().handle_request(req, conn)
+        finally:
+            done()
+
+    def _stop_watching(self, conn) -> None:
+        with self._reading_lock:
             self._reading.pop(conn, None)
-        return super().handle_request(req, conn)
 
     def _enforce_header_deadlines(self) -> None:
         """Shuts the reading side of connections past their deadline: the parser sees the end

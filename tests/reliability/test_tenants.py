@@ -241,3 +241,19 @@ def test_headers_must_arrive_in_time_and_parse_errors_are_json(gunicorn_api):
         assert b"Content-Type: application/json" in head
         assert json.loads(body)["error"]["type"] == "invalid_request_error"
     assert b"200 OK" in _raw(port, b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
+
+
+def test_a_body_must_arrive_in_time_too(gunicorn_api):
+    """The deadline ended with the headers: a key holder announcing a body and never sending it
+    held one of the API's threads for as long as it liked (all of them, with enough
+    connections). 1 s + 20 kB at 64 kB/s: the server hangs up long before _raw's 15 s."""
+    port = gunicorn_api
+    head = (b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEYS[0].encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 20000\r\n\r\n")
+    cut = _raw(port, head + b'{"prompt": "')
+    assert cut == b"" or cut.startswith(b"HTTP/1.1 400"), cut[:200]
+    # A whole body, even a slow one within its allowance, is served (and keep-alive works).
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    ok = _raw(port, head.replace(b"20000", str(len(body)).encode()).replace(
+        b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n", 1) + body)
+    assert ok.startswith(b"HTTP/1.1 202"), ok[:200]
