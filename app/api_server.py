@@ -462,7 +462,7 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(Overloaded)
     def _overloaded(exc: Overloaded):
         return error_response(429, str(exc), "rate_limit_error",
-                              {"Retry-After": str(exc.retry_after_s)})
+                              {"Retry-After": str(exc.retry_after_s)}, code=exc.code)
 
     @app.errorhandler(redis.RedisError)
     def _redis_down(exc):

@@ -31,9 +31,9 @@ CONTEXT_RECHECK_S = 5.0   # how stale the workers' context length may be
 class Overloaded(Exception):
     """The queue is full or the caller is over its rate limit (-> 429 with Retry-After)."""
 
-    def __init__(self, message: str, retry_after_s: int):
+    def __init__(self, message: str, retry_after_s: int, code: str = "rate_limit_exceeded"):
         super().__init__(message)
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.code = retry_after_s, code
 
 
 class TooLarge(Exception):
@@ -87,8 +87,12 @@ class LLMEngine:
         unfinished = self._admission_control(reqs, owner)
         for i, req in enumerate(reqs):   # kept on the record: a hand-back queues it the same
             req.priority = self._fair_priority(priority, unfinished + i)
-        charged_to = self._charge_rate_limits(reqs, owner)
-        jobs = self.store.create(reqs, model=self.settings.model, charged_to=charged_to)
+        try:
+            charged_to = self._charge_rate_limits(reqs, owner)
+            jobs = self.store.create(reqs, model=self.settings.model, charged_to=charged_to)
+        except BaseException:
+            self.store.unadmit(seq_ids, owner)
+            raise
         try:
             if before_queue is not None:
                 before_queue(jobs)
@@ -98,6 +102,8 @@ class LLMEngine:
         except Exception:
             self._refused(jobs, before_queue, unqueue)
             raise
+        finally:
+            self.store.sent(seq_ids)
         for job in jobs:
             log.info("sequence queued", extra={"seq_id": job["id"], "owner": owner or None})
         return jobs
@@ -135,16 +141,17 @@ class LLMEngine:
                            + (f"a key's share of the queue, {cap} (LLMQ_KEY_QUEUE_SHARE of "
                               if keyed else "the queue holds (")
                            + f"LLMQ_MAX_QUEUED={s.max_queued})")
-        depth = self.store.queue_depth(s.queue)
-        if depth + n > s.max_queued:
-            raise Overloaded(f"the queue is full ({depth} sequences waiting); retry later", 2)
-        if not keyed:
-            return 0
-        unfinished = self.store.unfinished_of(owner)
-        if unfinished + n > cap:
-            raise Overloaded(f"this key has {unfinished} unfinished sequences, its share of "
-                             f"the queue is {cap} (LLMQ_KEY_QUEUE_SHARE); retry later", 2)
-        return unfinished
+        # One atomic step: checked, then written, concurrent requests all passed the check.
+        full, count = self.store.admit(s.queue, [r.seq_id for r in reqs], owner if keyed else "",
+                                       s.max_queued, cap if keyed else 0)
+        if full == "queue":
+            raise Overloaded(f"the queue is full ({count} sequences waiting); retry later", 2,
+                             "queue_full")
+        if full == "key":
+            raise Overloaded(f"this key has {count} unfinished sequences, its share of "
+                             f"the queue is {cap} (LLMQ_KEY_QUEUE_SHARE); retry later", 2,
+                             "queue_share_exceeded")
+        return count
 
     def check_size(self, reqs: list[SequenceRequest]) -> int:
         """Raises TooLarge for sequences that no minute of the key's rate limits could take;

@@ -5,6 +5,7 @@ import io
 import json
 import subprocess
 import sys
+import threading
 
 import fakeredis
 import pytest
@@ -602,6 +603,7 @@ def test_rate_limits_count_sequences_and_prompt_tokens():
     resp = post("k1", {"prompts": ["x"] * 2, "max_tokens": 1})
     err = assert_error(resp, 429, "rate_limit_error")
     assert "sequences per minute" in err["message"] and 1 <= int(resp.headers["Retry-After"]) <= 61
+    assert err["code"] == "rate_limit_exceeded"                    # OpenAI's code
     assert post("k1", {"prompt": "x", "max_tokens": 1}).status_code == 202   # the 5th fits
     assert post("k2", {"prompt": "y" * 4000, "max_tokens": 900}).status_code == 202
     resp = post("k2", {"prompt": "y" * 4000, "max_tokens": 900})   # 1,900 + 1,900 > 2,000
@@ -629,6 +631,32 @@ def test_a_keys_share_of_the_queue_leaves_room_for_others():
     assert [c["priority"] for c in b.celery.calls] == [None, None, 5, 7, None]
     # Each record keeps the priority it was queued at (bug 10: a hand-back queues it the same).
     assert [b.store.priority_of(c["args"][0]) for c in b.celery.calls] == [None, None, 5, 7, None]
+
+
+def test_a_submission_arriving_mid_submission_cannot_pass_a_keys_share(monkeypatch):
+    """The share was read, then the records written, in separate round trips: requests that
+    arrived together all passed the check before any wrote (16 at once took a key to 13 of 5).
+    Here the second arrives while the first is between its check and its write."""
+    a = Api(api_keys=("k1",), max_queued=10)               # LLMQ_KEY_QUEUE_SHARE 0.5: 5
+    post = lambda: a.client.post(  # noqa: E731
+        "/v1/jobs", json={"prompts": ["x"] * 3, "max_tokens": 1}, headers=auth("k1"))
+    create, second, arrived = a.store.create, [], threading.Event()
+
+    def create_after_another_arrived(*args, **kw):
+        if not arrived.is_set():
+            arrived.set()
+            t = threading.Thread(target=lambda: second.append(post()))
+            t.start()
+            t.join()
+        return create(*args, **kw)
+    monkeypatch.setattr(a.store, "create", create_after_another_arrived)
+    first = post()
+    assert first.status_code == 202
+    err = assert_error(second[0], 429, "rate_limit_error")
+    assert err["code"] == "queue_share_exceeded" and "LLMQ_KEY_QUEUE_SHARE" in err["message"]
+    [mine] = a.r.keys("llmq:owner:*:seqs")
+    assert a.r.zcard(mine) == 3 and len(a.celery.calls) == 3
+    assert a.r.zcard("llmq:admitting") == 0                 # sent: counted in the broker's lists
 
 
 def test_a_filtered_job_list_reads_a_bounded_number_of_records(monkeypatch):
