@@ -457,11 +457,16 @@ class EngineCore:
                 self.output.abort(seq, FinishReason.ERROR,
                                   f"model worker crashed {seq.num_restarts} times running it")
         self._publish()
+        # A restart is progress for LLMQ_MAX_STEP in all, not per try: a model that can never
+        # start again (files gone, the GPU lost) kept the heartbeat going for ever, and the
+        # batch (and every newcomer) waited here instead of on a peer.
         with self.liveness.stepping():
             while not self._stop.is_set():
-                self.liveness.step_started()   # a restart is progress, for a while
                 try:
                     self.executor.restart()
+                    # The new process sizes its own KV cache (from the memory free now) and
+                    # may differ: admitting against the old size failed its steps.
+                    self.fit_to_model()
                     return
                 except ModelWorkerDied as err:
                     log.error("model worker restart failed: %s", err)

@@ -344,7 +344,8 @@ class WorkloadManager:
         kv = self.kv_budget
         # Those that left during the step in flight hold their rows and blocks in the model
         # process until the next step frees them.
-        held = len({s.seq_id for s in rows} | set(self._freed))
+        row_ids = {s.seq_id for s in rows}
+        held = len(row_ids | set(self._freed))
         used = sum(kv.blocks(s) for s in rows) + sum(self._freed.values()) if kv else 0
         longest = min(self.long_prefill_tokens or self.max_num_batched_tokens,
                       self.max_num_batched_tokens)
@@ -355,8 +356,8 @@ class WorkloadManager:
                 break
             if (seq.num_tokens > min(longest, budget)
                     or (kv and used + kv.blocks(seq) > kv.num_blocks)
-                    or seq.seq_id in self._freed):   # a restart: its old copy is not freed yet
-                continue
+                    or seq.seq_id in self._freed or seq.seq_id in row_ids):
+                continue   # a restart: its old copy is not freed yet (or is in this very step)
             self.waiting.remove(seq)
             out.prefill.append(seq)
             used += kv.blocks(seq) if kv else 0

@@ -346,6 +346,50 @@ def test_a_sequence_that_crashes_the_model_every_time_fails_alone(store):
     assert "crashed 3 times" in store.get_job("s")["error"]["message"]
 
 
+def test_the_restarted_model_process_sizes_the_scheduler_again(store):
+    """The new process sizes its KV cache from the memory free when it starts: the scheduler
+    kept admitting against the old size, the steps failed with KVCacheFull, and the whole
+    batch ended with "crashed 3 times"."""
+    first = ScriptedBackend(crash_at=(2,))
+    first.kv_capacity = (64, 4)
+    engine = make_engine(store, first)
+    assert engine.scheduler.kv_budget.num_blocks == 64
+    smaller = ScriptedBackend()
+    smaller.kv_capacity = (16, 4)
+    engine.executor._factory = lambda: smaller
+    submit(store, max_tokens=4)
+    seq = engine.admit("s")
+    run(engine, [seq])
+    assert engine.executor.num_starts == 2 and engine.scheduler.kv_budget.num_blocks == 16
+    assert_ended_once(store, engine, seq, FinishReason.LENGTH)
+
+
+def test_a_model_that_cannot_start_again_lets_the_heartbeat_stop(store):
+    """Each restart try counted as a step beginning: a model that could never start again (its
+    files gone, the GPU lost) kept the worker advancing for ever, and its batch, and every
+    newcomer it admitted, waited here instead of on a peer. Now the tries get LLMQ_MAX_STEP in
+    all."""
+    # max_step_s past the 1 s between tries: each try restarted the step's clock
+    engine = make_engine(store, ScriptedBackend(crash_at=(2,)), max_step_s=2.0,
+                         worker_stale_s=2.0)
+
+    def cannot_start():
+        raise RuntimeError("CUDA error: no CUDA-capable device is detected")
+    engine.executor._factory = cannot_start
+    submit(store)
+    engine.admit("s")
+    stepping = threading.Thread(target=lambda: [engine.step() for _ in range(3)], daemon=True)
+    stepping.start()
+    try:
+        wait_until(lambda: engine.executor.num_starts == 1 and not engine.liveness.advancing(),
+                   30, "the heartbeat to stop while no model can start")
+        submit(store, "late")
+        assert engine.admit("late") is None             # handed back, for a peer
+    finally:
+        engine._stop.set()
+        stepping.join(10)
+
+
 def test_newcomers_first_tokens_ahead_of_the_decode_end_once(store):
     """A newcomer joining a running batch gets its token from the partial result; both
     sequences still end once each."""

@@ -283,6 +283,24 @@ def test_a_restarted_copy_is_not_interjected_beside_its_old_copys_cache():
     assert nxt.freed_seq_ids == [chat.seq_id] and ids(nxt.prefill) == [chat.seq_id]
 
 
+def test_a_restarted_copy_is_not_interjected_while_its_old_copys_prefill_is_in_flight():
+    """The old copy's prefill is in the step in flight (not yet freed, not yet running): the
+    model process already held it, and refused the new copy under the same id."""
+    wm = interjecting()
+    lines = seqs(9, 2)
+    for s in lines:
+        wm.add(s)
+    in_flight = wm.schedule()                    # both lines' prefill
+    wm.abort(lines[0], FinishReason.CANCELLED)   # what a restart does to the old copy
+    again = make_seq(4, seq_id=lines[0].seq_id)
+    again.priority = 0
+    wm.add(again)
+    assert wm.interject(in_flight) is None and again in wm.waiting
+    wm.update(in_flight, tokens_for(in_flight))
+    nxt = wm.schedule()
+    assert lines[0].seq_id in nxt.freed_seq_ids and ids(nxt.prefill) == [again.seq_id]
+
+
 def test_interjection_off_leaves_the_newcomer_for_the_next_step():
     wm = WorkloadManager(max_num_seqs=16)
     wm.add(seqs(9, 1)[0])
