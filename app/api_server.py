@@ -128,14 +128,31 @@ def authenticated() -> bool:
 
 
 # --- parsing ----------------------------------------------------------------------------------
+def _no_constant(name: str):
+    raise APIError(400, f"request body is not valid JSON: {name} is not a JSON number")
+
+
 def parse_json_body() -> dict:
-    """The request body as a JSON object, or a 400 that says why not."""
+    """The request body as a JSON object, or a 400 (415 for another media type) that says why
+    not."""
+    mimetype = request.mimetype
+    if mimetype and mimetype != "application/json" and not mimetype.endswith("+json"):
+        # As vLLM (FastAPI) refuses it. A cross-site form can post text/plain without a
+        # preflight: to a server without keys beyond loopback it would queue jobs.
+        raise APIError(415, f"request body must be JSON (Content-Type: application/json), "
+                            f"not {mimetype[:100]}", code="unsupported_media_type")
     raw = request.get_data(cache=False)
     try:
-        body = json.loads(raw or b"null")
+        body = json.loads(raw or b"null", parse_constant=_no_constant)
         # Lone surrogates (\ud800) parse but cannot be stored or tokenized.
         json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except (ValueError, UnicodeError, RecursionError):
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply") from None
+    except ValueError as exc:
+        if "integer string conversion" in str(exc):   # over Python's 4300 digits
+            raise APIError(400, "request body has a number too long") from None
+        raise APIError(400, "request body is not valid JSON (UTF-8)") from None
+    except UnicodeError:
         raise APIError(400, "request body is not valid JSON (UTF-8)") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
@@ -147,7 +164,8 @@ def parse_job_request() -> JobRequest:
     try:
         req = JobRequest.model_validate(body)
     except ValidationError as exc:
-        raise APIError(400, _describe(exc)) from None
+        loc = exc.errors()[0]["loc"]   # the field, as the OpenAI routes name it
+        raise APIError(400, _describe(exc), param=str(loc[0]) if loc else None) from None
     return req   # the limits (lengths, counts, the context) are submit()'s check_limits
 
 
@@ -228,6 +246,10 @@ def find_job(seq_id: str) -> dict:
 @bp.post("/v1/jobs")
 def create_jobs():
     req = parse_job_request()
+    if req.stream:   # it answered 202 anyway, after taking one of the key's stream slots
+        raise APIError(400, "/v1/jobs answers at once and does not stream: use /v1/generate "
+                            "with 'stream', or follow a job at /v1/jobs/<id>/stream",
+                       param="stream")
     return accepted(req, submit(inputs_of(req), req))
 
 

@@ -239,7 +239,9 @@ def _text_content(content) -> str:
     for part in content:
         if part.get("type") != "text":
             raise _error("only text content parts are supported", param="messages")
-        parts.append(part.get("text", ""))
+        if not isinstance(part.get("text"), str):   # (a number or null was a 500)
+            raise _error("a text content part needs a string 'text'", param="messages")
+        parts.append(part["text"])
     return "".join(parts)
 
 
@@ -281,6 +283,8 @@ def to_sequences(req: _Common) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The sequences a request becomes, and submit()'s options for them (routes and batch
     lines alike)."""
     if isinstance(req, ChatCompletionRequest):
+        if req.n > settings().max_prompts:   # n sequences, as completions counts them
+            raise _error(f"at most {settings().max_prompts} sequences (n)", param="n")
         messages = [{"role": "system" if m.role == "developer" else m.role,
                      "content": _text_content(m.content)} for m in req.messages]
         return [{"messages": messages}], {

@@ -195,9 +195,40 @@ def test_bad_request_bodies_are_400_json(api, body):
 def test_error_message_names_the_field(api):
     client, *_ = api
     err = assert_error(client.post("/v1/jobs", json={"prompt": "x", "temperature": 9}), 400)
-    assert "temperature" in err["message"]
+    assert "temperature" in err["message"] and err["param"] == "temperature"   # as OpenAI's
     err = assert_error(client.post("/v1/jobs", json={"prompt": "x", "max_tokens": 10**9}), 400)
     assert "max_tokens" in err["message"]
+
+
+def test_only_json_bodies_are_read(api):
+    """text/plain was read as JSON: a cross-site form (no preflight) could queue jobs on a
+    server without keys beyond loopback. vLLM refuses other media types too."""
+    client, r, celery, _ = api
+    body = json.dumps({"prompt": "x", "max_tokens": 1})
+    for path in ("/v1/jobs", "/v1/completions"):
+        err = assert_error(client.post(path, data=body, content_type="text/plain"), 415)
+        assert err["code"] == "unsupported_media_type" and "application/json" in err["message"]
+    assert celery.calls == [] and r.keys("llmq:seq:*") == []
+    ok = client.post("/v1/jobs", data=body, content_type="application/json; charset=utf-8")
+    assert ok.status_code == 202
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_a_nan_or_infinity_literal_is_named_as_not_json(api, literal):
+    """Python's json reads them: the client was told "temperature: should be <= 2"."""
+    client, *_ = api
+    err = assert_error(client.post("/v1/jobs", data='{"prompt": "x", "temperature": %s}' % literal,
+                                   content_type="application/json"), 400)
+    assert f"{literal} is not a JSON number" in err["message"]
+
+
+def test_a_job_request_that_streams_is_refused_on_the_jobs_route(api):
+    """/v1/jobs answered 202 without streaming, after taking one of the key's stream slots (a
+    429 too_many_streams for a request that streams nothing)."""
+    client, _, celery, _ = api
+    err = assert_error(client.post("/v1/jobs", json={"prompt": "x", "stream": True}), 400)
+    assert err["param"] == "stream" and "/v1/generate" in err["message"]
+    assert celery.calls == []
 
 
 def test_limits_come_from_settings(tight):

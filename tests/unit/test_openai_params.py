@@ -220,3 +220,21 @@ def test_a_model_is_retrieved_by_any_name_a_request_may_give(api):
     resp, [p] = post(api, "/v1/chat/completions",
                      {**CHAT, "model": "HuggingFaceTB/SmolLM2-135M-Instruct"})
     assert resp.status_code in DONE
+
+
+@pytest.mark.parametrize("text", [5, None, ["a"]])
+def test_a_text_part_without_a_string_is_400_not_500(api, text):
+    resp, sent = post(api, "/v1/chat/completions", {
+        **CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]})
+    assert resp.status_code == 400 and resp.get_json()["error"]["param"] == "messages", resp.json
+    assert sent == []
+
+
+def test_chat_n_counts_against_the_sequences_a_request_may_make():
+    """Completions counted prompts x n against LLMQ_MAX_PROMPTS; chat let n through."""
+    api = Api(wait_timeout_s=0.05, max_prompts=2).reset()
+    resp, sent = post(api, "/v1/chat/completions", {**CHAT, "n": 3})
+    assert resp.status_code == 400 and resp.get_json()["error"]["param"] == "n", resp.json
+    assert sent == []
+    resp, sent = post(api, "/v1/chat/completions", {**CHAT, "n": 2})
+    assert resp.status_code in DONE and len(sent) == 2
