@@ -1,6 +1,7 @@
 """Shared fixtures: real redis-server, tiny random model, real Celery worker, real HTTP app."""
 from __future__ import annotations
 
+import lupa  # noqa: F401 - fakeredis's Lua (requirements-dev.txt): missing, it fails, not skips
 import pytest
 
 from support import (FAIL_ENV, ApiServer, RedisServer, WorkerProcess, backend_params,

@@ -17,7 +17,7 @@ import requests
 from support import wait_until
 from sse import iter_events
 
-openai = pytest.importorskip("openai", reason="the openai client is in requirements-dev.txt")
+import openai  # noqa: E402 - required (requirements-dev.txt): never a skip
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from support import FAIL_SEED, ApiServer, wait_until
 
 from test_openai_client import _find_seq_by_prompt, get_job
 
-openai = pytest.importorskip("openai", reason="the openai client is in requirements-dev.txt")
+import openai  # noqa: E402 - required (requirements-dev.txt): never a skip
 
 pytestmark = pytest.mark.integration
 

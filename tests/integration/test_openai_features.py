@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 
 from support import wait_until
 
-openai = pytest.importorskip("openai", reason="the openai client is in requirements-dev.txt")
+import openai  # noqa: E402 - required (requirements-dev.txt): never a skip
 
 pytestmark = pytest.mark.integration
 
@@ -388,4 +388,4 @@ def test_docs_need_no_internet(stack):
         assert r.status_code == 200 and len(r.content) > 1000, path
     assert requests.get(stack["url"] + "/docs/assets/nope.js", timeout=10).status_code == 404
     doc = requests.get(stack["url"] + "/openapi.json", timeout=10).json()
-    assert json.dumps(doc)   # still generated
+    assert "/v1/chat/completions" in doc["paths"]   # still generated

@@ -150,7 +150,7 @@ def test_non_ascii_deltas_concatenate_to_the_text(stack):
     # which the detokenizer holds back (they never complete a character) until the end.
     prompts = ["naïve café résumé", "Grüße aus Köln, schön", "日本語のテキスト"]
     jobs = submit(url, prompts=prompts, max_tokens=20, temperature=0, ignore_eos=True)["jobs"]
-    non_ascii = 0
+    non_ascii = checked = 0
     for job in jobs:
         wait_job(url, job["id"])
         stream = read_stream(f"{url}/v1/jobs/{job['id']}/stream")   # parsed as strict UTF-8
@@ -160,8 +160,10 @@ def test_non_ascii_deltas_concatenate_to_the_text(stack):
         if "\ufffd" not in final["text"]:
             # Nothing the model emitted is invalid UTF-8: no delta may show a cut character.
             assert not any("\ufffd" in t for t in stream.texts), stream.texts
+            checked += 1
         non_ascii += sum(1 for ch in final["text"] if ord(ch) > 127 and ch != "\ufffd")
     assert non_ascii > 0, "the test needs multi-byte characters in the output"
+    assert checked > 0, "every output had an invalid byte: no delta was checked for cut characters"
 
 
 def test_pubsub_channel_carries_tokens_and_the_final_job(stack):

@@ -217,6 +217,7 @@ class StreamReader:
     reconnect: bool = False
     events: list[SSEEvent] = field(default_factory=list)
     reconnects: int = 0
+    resumed_after: list[str] = field(default_factory=list)   # Last-Event-IDs a 200 resumed
     error: BaseException | None = None
     _thread: threading.Thread | None = None
 
@@ -235,6 +236,8 @@ class StreamReader:
                                       headers=headers, timeout=self.timeout_s) as resp:
                     if not (self.reconnect and resp.status_code == 503):
                         assert resp.status_code == 200, resp.text
+                        if last_id:
+                            self.resumed_after.append(last_id)
                         for ev in parse_sse(resp):
                             if ev.event == "retry":
                                 retry_s = ev.data / 1000

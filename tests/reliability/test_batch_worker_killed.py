@@ -13,7 +13,7 @@ from support import wait_until
 
 from .factories import kill_hard
 
-openai = pytest.importorskip("openai", reason="the openai client is in requirements-dev.txt")
+import openai  # noqa: E402 - required (requirements-dev.txt): never a skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

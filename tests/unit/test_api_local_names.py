@@ -8,7 +8,6 @@ import pytest
 
 from .test_api_unit import Api, assert_error
 
-pytest.importorskip("lupa", reason="fakeredis needs lupa to run the stores' Lua scripts")
 
 JOB = {"prompt": "private"}
 

@@ -15,7 +15,6 @@ from common.store import CANCELLED_KEY, record_key
 
 from .factories import RecordingCelery, make_settings
 
-pytest.importorskip("lupa", reason="fakeredis needs lupa to run the store's Lua scripts")
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,6 @@ from common.store import record_key
 from common.webhook_guard import WebhookUnresolvable, WebhookURLError, check_url
 from common.webhook_store import WATCH_KEY, WebhookStore, registration_key
 
-pytest.importorskip("lupa", reason="fakeredis needs lupa to run the stores' Lua scripts")
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ from common.webhook_store import WebhookStore
 from .factories import RecordingCelery, make_settings
 from .test_api_unit import Api, assert_error
 
-pytest.importorskip("lupa", reason="fakeredis needs lupa to run the stores' Lua scripts")
 
 K1, K2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
 

@@ -20,7 +20,6 @@ from bench.stack import wait_until
 
 from .factories import EOS, ScriptedBackend, make_engine
 
-pytest.importorskip("lupa", reason="fakeredis needs lupa to run the store's Lua scripts")
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from common.protocol import FinishReason, SequenceRequest
 from common.settings import Settings
 from common.store import SequenceStore
 
-pytest.importorskip("lupa", reason="fakeredis needs lupa to run the store's Lua scripts")
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from common.store import record_key
 
 from .test_api_unit import Api
 
-pytest.importorskip("lupa", reason="fakeredis needs lupa to run the store's Lua scripts")
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 DONE = (200, 504)   # queued; nobody runs it here, so a waiting route gives up (504)

@@ -18,7 +18,6 @@ from worker.liveness import Liveness
 
 from .factories import make_settings
 
-pytest.importorskip("lupa", reason="fakeredis needs lupa to run the store's Lua scripts")
 
 
 @pytest.fixture

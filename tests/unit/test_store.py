@@ -12,7 +12,6 @@ from common.protocol import (EVENT_DONE, EVENT_RESET, EVENT_TOKEN, FinishReason,
 from common.store import (CANCELLED_KEY, owner_streams_key, WORKERS_KEY, Finish, SequenceStore, TokenDelta, channel,
                           events_key, job_from_record, record_key, worker_key)
 
-pytest.importorskip("lupa", reason="fakeredis needs lupa to run the store's Lua scripts")
 
 RESULT_TTL, PENDING_TTL = 300, 3000
 

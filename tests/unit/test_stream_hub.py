@@ -12,6 +12,7 @@ from common.keys import Keys
 from common.protocol import EVENT_TOKEN, encode_event
 from common.store import SequenceStore
 from common.stream_hub import StreamHub
+from support import wait_until
 
 WAIT_S = 10.0   # a bound for a broken hub to fail by, not a timing
 
@@ -55,7 +56,11 @@ def test_each_subscription_gets_its_own_streams_entries_in_order(hub, redis_clie
 def test_a_newcomer_is_not_held_up_by_the_readers_block(hub, redis_client):
     hub.BLOCK_MS = 600_000   # the reader would sit in XREAD on the first stream for 10 minutes
     with hub.subscribe({"idle": "0-0"}) as idle:
-        assert idle.read(0.2) == []   # the reader is blocked on "idle" alone by now
+        # The reader blocked in XREAD on "idle" alone (a newcomer before it would only join
+        # that first read, and the unblocking would go untested).
+        wait_until(lambda: any(c.get("cmd") == "xread" for c in redis_client.client_list()),
+                   WAIT_S, "the reader to block")
+        assert idle.read(0) == []
         with hub.subscribe({"new": "0-0"}) as new:
             add(redis_client, "new", "hello")
             assert texts(new.read(WAIT_S)) == [("new", "hello")]

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import logging
+import os
+
+import pytest
 
 from worker import cpu_kernels
 
@@ -31,3 +34,19 @@ def test_a_cpu_without_avx2_is_not_given_the_kernel(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
         assert cpu_kernels.load() is None
     assert "AVX2" in caplog.records[0].getMessage()
+
+
+def test_a_required_build_that_fails_is_an_error(monkeypatch):
+    """CI requires the kernels (LLMQ_REQUIRE_KERNELS=1): a compile error in them passed the
+    build step, and turned every kernel test into a skip."""
+    monkeypatch.setattr(cpu_kernels, "load", lambda verbose=False: None)
+    monkeypatch.delenv("LLMQ_REQUIRE_KERNELS", raising=False)
+    assert cpu_kernels.main(["x", "build"]) == 0      # a machine without a compiler serves
+    monkeypatch.setenv("LLMQ_REQUIRE_KERNELS", "1")
+    assert cpu_kernels.main(["x", "build"]) == 1
+
+
+@pytest.mark.skipif(os.environ.get("LLMQ_REQUIRE_KERNELS") != "1",
+                    reason="only where the kernels are required (CI)")
+def test_the_kernels_load_where_required():
+    assert cpu_kernels.load() is not None

@@ -10,7 +10,6 @@ from common.protocol import SamplingParams, SequenceRequest
 from common.settings import Settings
 from common.store import SequenceStore
 
-pytest.importorskip("lupa", reason="fakeredis needs lupa to run the store's Lua scripts")
 
 
 @pytest.fixture(scope="module")
