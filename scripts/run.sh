@@ -102,43 +102,70 @@ trap on_signal INT TERM HUP
 
 mkdir -p "$RUN"
 chmod 700 "$RUN"
+# start_redis PORT: starts llmq's Redis there; true once it answers with the password, false
+# (its log kept in $RUN/redis.log) when it exits first, as it does when the port is taken by a
+# socket that does not listen (an outbound connection's local port, say).
+start_redis() {
+  local pid
+  LLMQ_RUN_DIR="$RUN" REDIS_PORT="$1" setsid bash scripts/redis.sh >"$RUN/redis.log" 2>&1 &
+  pid=$!
+  # No time limit while it runs: a large append-only file takes a while to load.
+  until [ "$(REDISCLI_AUTH="$pw" redis-cli -p "$1" ping 2>/dev/null)" = PONG ]; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      wait "$pid" 2>/dev/null
+      return 1
+    fi
+    [ "$stopping" = 1 ] && break
+    sleep 0.1
+  done
+  redis+=("$pid")
+}
+
 if [ -z "${REDIS_URL:-}" ] && [ -z "${LLMQ_REDIS_URL:-}" ]; then
   LLMQ_RUN_DIR="$RUN" bash scripts/redis.sh url >/dev/null   # (makes the password once)
   pw="$(cat "$RUN/redis.password")"
+  ports=("$REDIS_PORT")
   if [ "$(redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ]; then
     # A Redis without a password (Debian's redis-server service starts one on 6379 when it is
     # installed): any local user could read and write every job there. llmq runs its own, with
     # its password, on the next port that is free (or already has it).
+    ports=()
     for p in $(seq $(( REDIS_PORT + 1 )) $(( REDIS_PORT + 20 ))); do
       if [ "$(REDISCLI_AUTH="$pw" redis-cli -p "$p" ping 2>/dev/null)" = PONG ] \
          || ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
-        echo "redis:  127.0.0.1:$REDIS_PORT answers WITHOUT a password: not used; llmq's runs on $p"
-        REDIS_PORT=$p
-        break
+        ports+=("$p")
       fi
     done
+    if [ ${#ports[@]} -eq 0 ]; then
+      echo "redis:  no free port near $REDIS_PORT for a Redis with a password; set REDIS_PORT" >&2
+      exit 1
+    fi
+    echo "redis:  127.0.0.1:$REDIS_PORT answers WITHOUT a password: not used; llmq's runs on the next free port"
   fi
-  url="$(LLMQ_RUN_DIR="$RUN" REDIS_PORT="$REDIS_PORT" bash scripts/redis.sh url)"
-  if [ "$(redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ]; then
+  started=0
+  for p in "${ports[@]}"; do
+    if [ "$(REDISCLI_AUTH="$pw" redis-cli -p "$p" ping 2>/dev/null)" = PONG ]; then
+      echo "redis:  already running on 127.0.0.1:$p (not started here)"
+    elif redis-cli -p "$p" ping >/dev/null 2>&1; then
+      echo "redis:  port $p has a Redis with another password; set REDIS_PORT or REDIS_URL" >&2
+      exit 1
+    elif start_redis "$p"; then
+      echo "redis:  127.0.0.1:$p (password in $RUN/redis.password, log $RUN/redis.log)"
+    elif [ ${#ports[@]} -gt 1 ] && grep -q "Address already in use" "$RUN/redis.log"; then
+      continue   # a port chosen here: the next one
+    else
+      echo "redis:  did not start on 127.0.0.1:$p; the end of $RUN/redis.log:" >&2
+      tail -n 5 "$RUN/redis.log" | sed 's/^/    /' >&2
+      exit 1
+    fi
+    started=1 REDIS_PORT=$p
+    break
+  done
+  if [ "$started" = 0 ]; then
     echo "redis:  no free port near $REDIS_PORT for a Redis with a password; set REDIS_PORT" >&2
     exit 1
-  elif [ "$(REDISCLI_AUTH="$pw" redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ]; then
-    echo "redis:  already running on 127.0.0.1:$REDIS_PORT (not started here)"
-  elif redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; then
-    echo "redis:  port $REDIS_PORT has a Redis with another password; set REDIS_PORT or REDIS_URL" >&2
-    exit 1
-  else
-    LLMQ_RUN_DIR="$RUN" REDIS_PORT="$REDIS_PORT" setsid bash scripts/redis.sh \
-      >"$RUN/redis.log" 2>&1 &
-    redis+=($!)
-    for _ in $(seq 100); do
-      [ "$(REDISCLI_AUTH="$pw" redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ] && break
-      [ "$stopping" = 1 ] && break
-      sleep 0.1
-    done
-    echo "redis:  127.0.0.1:$REDIS_PORT (password in $RUN/redis.password, log $RUN/redis.log)"
   fi
-  export LLMQ_REDIS_URL="$url"
+  export LLMQ_REDIS_URL="$(LLMQ_RUN_DIR="$RUN" REDIS_PORT="$REDIS_PORT" bash scripts/redis.sh url)"
 fi
 export LLMQ_REDIS_URL="${LLMQ_REDIS_URL:-$REDIS_URL}"
 

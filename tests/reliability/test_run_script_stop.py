@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 import subprocess
 from pathlib import Path
@@ -197,10 +198,25 @@ def test_a_part_that_cannot_start_is_said_at_once_and_stops_the_rest(run_env, tm
         _kill(started)
 
 
+def _taken_not_listening(port: int) -> socket.socket | None:
+    """A socket bound to the port that does not listen, as an outbound connection's local port
+    is: nothing answers there, and a server cannot bind it. None when the port is in use."""
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
 def test_a_redis_without_a_password_on_the_port_is_not_used(run_env, tmp_path):
     """Debian's redis-server service answers on 6379 without a password once installed, and
     make run used it (with a warning): any local user could read every prompt. llmq starts its
-    own, with its password, on the next free port."""
+    own, with its password, on the next port it can bind: the one after is taken by a socket
+    that does not listen (it looks free; Redis exited on it and the worker met no Redis)."""
+    while (blocker := _taken_not_listening(int(run_env["REDIS_PORT"]) + 1)) is None:
+        run_env["REDIS_PORT"] = str(free_port())
     port = int(run_env["REDIS_PORT"])
     open_redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
                                    "--save", "", "--appendonly", "no"],
@@ -217,11 +233,11 @@ def test_a_redis_without_a_password_on_the_port_is_not_used(run_env, tmp_path):
         assert f"127.0.0.1:{port} answers WITHOUT a password: not used" in out, out
         assert plain.keys("llmq:*") == [] and plain.keys("_kombu*") == []
         # The README's `redis-cli -u "$(bash scripts/redis.sh url)"` (no REDIS_PORT) reaches
-        # llmq's Redis, not the open one.
+        # llmq's Redis, not the open one, nor the taken port.
         env = {k: v for k, v in run_env.items() if k != "REDIS_PORT"}
         url = subprocess.run(["bash", "scripts/redis.sh", "url"], cwd=ROOT, env=env, check=True,
                              capture_output=True, text=True).stdout.strip()
-        assert f":{port}/" not in url, url
+        assert f":{port}/" not in url and f":{port + 1}/" not in url, url
         assert redis.Redis.from_url(url).ping()
         procs = script.processes()
         script.ctrl_c()
@@ -233,6 +249,25 @@ def test_a_redis_without_a_password_on_the_port_is_not_used(run_env, tmp_path):
         _kill(started)
         open_redis.kill()
         open_redis.wait(10)
+        blocker.close()
+
+
+def test_a_redis_that_cannot_start_stops_the_run_with_its_log(run_env, tmp_path):
+    """REDIS_PORT as set, taken: the script said Redis was up after 10 s of no answer and
+    started the workers, which died on 'Connection refused'. It stops with Redis's reason."""
+    while (blocker := _taken_not_listening(int(run_env["REDIS_PORT"]))) is None:
+        run_env["REDIS_PORT"] = str(free_port())
+    script = RunScript(run_env, tmp_path / "run.out").start()
+    try:
+        assert script.proc.wait(60) == 1, script.output()
+        out = script.output()
+        assert f"did not start on 127.0.0.1:{run_env['REDIS_PORT']}" in out, out
+        assert "Address already in use" in out, out
+        assert "worker:" not in out, out
+    finally:
+        if script.proc.poll() is None:
+            _kill(script.processes())
+        blocker.close()
 
 
 def _pings(client) -> bool:
