@@ -28,13 +28,13 @@ RUN torch_pin="$(grep -E '^torch==' requirements.txt)" \
 COPY . .
 
 # Install llmq itself, and convert the default model (SmolLM2-135M-Instruct, GGUF -> safetensors)
-# and build the CPU kernels (decode attention and the fused layer ops, worker/cpu_kernels.py;
+# and build the CPU kernels (decode attention and the fused layer ops, worker/model/transformers/cpu_kernels.py;
 # without a compiler it says so and the worker keeps its torch paths) now rather than at the
 # first worker start. The model lands in /root/.cache/llmq/models, which
 # docker-compose.yml mounts as a named volume (a new volume starts with the image's copy).
 RUN pip install --no-deps -e . \
  && python -m worker.model_manager prepare \
- && python -m worker.cpu_kernels build
+ && python -m worker.model.transformers.cpu_kernels build
 
 # The API and Flower run as this unprivileged user. The worker runs as root in
 # docker-compose.yml (`user: root`): it writes the model cache under /root/.cache.

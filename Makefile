@@ -42,7 +42,7 @@ redis-server:
 
 model: venv
 	$(BIN)/python -m worker.model_manager prepare
-	$(BIN)/python -m worker.cpu_kernels build
+	$(BIN)/python -m worker.model.transformers.cpu_kernels build
 
 # The optional llama.cpp backend (LLMQ_BACKEND=llama_cpp). pip compiles llama.cpp from source;
 # the flags build portable x86-64 AVX2 kernels (-march=native has crashed on CPUs that report

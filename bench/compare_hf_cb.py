@@ -36,9 +36,9 @@ def run_hf(model, prompts: list[list[int]], tokens: int) -> float:
 def run_llmq(model, info, prompts: list[list[int]], tokens: int) -> float:
     from common.protocol import SamplingParams
     from worker.messages import NewSequence, StepRequest
-    from worker.model_worker import ModelWorker
+    from worker.model.transformers.backend import TransformersBackend
 
-    worker = ModelWorker(model, info, max_num_seqs=max(64, len(prompts)))
+    worker = TransformersBackend(model, info, max_num_seqs=max(64, len(prompts)))
     worker.warm_up()
     params = SamplingParams(max_tokens=tokens, temperature=0.0)
     t0 = time.perf_counter()

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from worker import cpu_kernels
-from worker.kv_cache import PagedKVCache
-from worker.paged_attention import paged_attention_forward
+from worker.model.transformers import cpu_kernels
+from worker.model.transformers.kv_cache import PagedKVCache
+from worker.model.transformers.paged_attention import paged_attention_forward
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 8
 
@@ -76,11 +76,11 @@ def step(args) -> None:
     from common.protocol import SamplingParams
     from common.settings import Settings
     from worker.messages import NewSequence, StepRequest
-    from worker.model_worker import ModelWorker
+    from worker.model.transformers.backend import TransformersBackend
 
     torch.set_num_threads(args.threads[0])
     settings = Settings.from_env().replace(device="cpu", dtype=args.dtype, prefix_cache_mb=0)
-    worker = ModelWorker.load(settings)
+    worker = TransformersBackend.load(settings)
     kernel = worker.cache.decode_kernel
     assert kernel is not None, "the kernel is off or did not build"
     rng = random.Random(0)

@@ -69,7 +69,7 @@ def measure_rates(shapes: list[tuple[int, int]], batches: list[int], dtypes=DTYP
     the caches need a moment, so each shape is warmed before it is timed.
 
     Two kernels are timed and the faster is the rate: torch's F.linear, and the oneDNN
-    prepacked linear llmq's model worker uses (worker/packed_linear.py), which on an AVX2 EPYC
+    prepacked linear llmq's model worker uses (worker/model/transformers/packed_linear.py), which on an AVX2 EPYC
     ran batch 64 at 94-105 GFLOP/s where F.linear ran 68: a limit read off the slower kernel
     would credit a server for beating it. `kernels`, when given, receives each rate's
     {dtype: {batch: {kernel: rate}}}."""
@@ -112,7 +112,7 @@ def _packed(weights) -> dict | None:
     dtype it does not take, a result that differs: pack_linears checks)."""
     from torch import nn
 
-    from worker.packed_linear import pack_linears
+    from worker.model.transformers.packed_linear import pack_linears
 
     holder = nn.ModuleList()
     for w in weights:

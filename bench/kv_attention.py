@@ -23,7 +23,7 @@ import torch
 from common.protocol import FinishReason, SamplingParams
 from common.settings import Settings
 from worker.messages import NewSequence, StepRequest
-from worker.model_worker import ModelWorker
+from worker.model.transformers.backend import TransformersBackend
 from worker.sequence import Sequence
 from worker.workload_manager import WorkloadManager
 
@@ -106,7 +106,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     settings = Settings.from_env().replace(device="cpu", dtype=args.dtype, prefix_cache_mb=0)
-    worker = ModelWorker.load(settings)
+    worker = TransformersBackend.load(settings)
     if args.group_padding is not None:
         worker.cache.max_group_padding = args.group_padding
     rng = random.Random(0)

@@ -1,7 +1,7 @@
 """The decode groups' two kernels alone (`python -m bench.kv_gather`), one thread, interleaved.
 
 1. Gathering a group's keys (1,024 slots of SmolLM2-135M's 3 kv heads x 64 dims, bf16) from a
-   pool by slot ids (as worker/paged_attention.py did) against by block ids (what it does now:
+   pool by slot ids (as worker/model/transformers/paged_attention.py did) against by block ids (what it does now:
    1/8 as many indices, 3 KB copies instead of 384 B) and against a plain copy of as many
    bytes, for a pool that fits in L2, one in L3 and one in memory (at c=64 a step reads ~370
    MB of keys and values).

@@ -28,7 +28,7 @@ import requests
 
 from .efficiency import fraction_for
 from .loadgen import closed_loop, stream_completion
-from .report import best_peer_ratios, summarize
+from .report import FLOAT32_LABEL, best_peer_ratios, summarize
 from .stack import HOST, Proc, Stack, free_port, wait_until
 from common.settings import Settings
 from worker.model_manager import resolve_dtype
@@ -223,7 +223,6 @@ def gguf_type(path: str) -> str:
 
 
 
-FLOAT32_LABEL = "float32"   # the name's suffix of the default backend's float32 twin row
 
 
 def build_systems(args, workdir: Path, model_dir: str, gguf: str, dtype: str) -> list:

@@ -104,7 +104,7 @@ def _greedy(dtype: str, kv: str, tokens: int, progress, score: dict | None = Non
     from common.settings import Settings
     from worker.messages import NewSequence, StepRequest
     from worker.model_manager import ModelManager
-    from worker.model_worker import ModelWorker
+    from worker.model.transformers.backend import TransformersBackend
 
     settings = Settings.from_env().replace(device="cpu", dtype=dtype, max_num_seqs=len(PROMPTS),
                                            kv_cache_mb=256, prefix_cache_mb=0,
@@ -114,7 +114,7 @@ def _greedy(dtype: str, kv: str, tokens: int, progress, score: dict | None = Non
 
         torch.set_num_threads(settings.torch_threads)
     t = time.perf_counter()
-    worker = ModelWorker.load(settings)
+    worker = TransformersBackend.load(settings)
     tok = ModelManager.from_settings(settings).load_tokenizer()
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                    tokenize=True, return_dict=False) for p in PROMPTS]

@@ -6,6 +6,8 @@ from pathlib import Path
 from .efficiency import DTYPES, format_served
 from .loadgen import RequestResult
 
+FLOAT32_LABEL = "float32"   # the name's suffix of the default backend's float32 twin row
+
 
 def pct(values: list[float], q: float) -> float | None:
     if not values:
@@ -370,7 +372,6 @@ def low_precision_targets(systems: list[dict], backend: str) -> list[dict]:
     """The default backend in its dtype over its float32 twin (bench/peers.py adds that row
     where the two differ) at c=64, round by round beside the best-of-rounds ratio; [] where
     there is no twin (a float32 host, or --skip-float32-row)."""
-    from .peers import FLOAT32_LABEL
 
     main = next((s for s in systems if s["name"] == f"llmq[{backend}]"), None)
     twin = f"llmq[{backend}] {FLOAT32_LABEL}"

@@ -80,7 +80,7 @@ def _xgrammar(tok, vocab: int, batch: int):
 
 
 def measure(name: str, build, tok, vocab: int, batch: int, steps: int) -> dict:
-    from worker.structured_output import apply_bitmask
+    from worker.model.structured_output import apply_bitmask
 
     setup, bitmask, fill, advance = build(tok, vocab, batch)
     gen = torch.Generator().manual_seed(0)

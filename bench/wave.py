@@ -1,8 +1,8 @@
 """The peers table's c=64 wave in one process, no serving stack (`python -m bench.wave`).
 
-64 prompts of 40 tokens, 64 greedy tokens each, stepped through a ModelWorker as the scheduler
+64 prompts of 40 tokens, 64 greedy tokens each, stepped through a TransformersBackend as the scheduler
 splits them under the default token budget (51 prompts, then 13 beside 51 decodes, then decode
-steps until all are done), on the model worker the worker process builds (`ModelWorker.load`:
+steps until all are done), on the model worker the worker process builds (`TransformersBackend.load`:
 LLMQ_* settings, packed linears), on the CPU in fp32, with this machine's threads.
 Prints each wave's time, its parts and its output tok/s as a fraction of the compute limit
 (bench/efficiency.py's probe at batch 64): the ceiling the served figure is measured against.
@@ -21,10 +21,10 @@ from common.protocol import SamplingParams
 from common.settings import Settings
 from worker.messages import NewSequence, StepRequest
 from worker.model_manager import ModelManager
-from worker.model_worker import ModelWorker
+from worker.model.transformers.backend import TransformersBackend
 
 
-def wave(worker: ModelWorker, prompts: list[list[int]], tokens: int, first: int) -> dict:
+def wave(worker: TransformersBackend, prompts: list[list[int]], tokens: int, first: int) -> dict:
     """One wave: `first` prompts, then the rest beside their decodes, then decode steps;
     every sequence freed once it has `tokens`. Returns its times and token count."""
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -66,7 +66,7 @@ def main() -> None:
     info = efficiency.cpu_info()
     print(f"CPU: {info.get('model')}; flags: {' '.join(info.get('flags', []))}; "
           f"{torch.get_num_threads()} threads; float32 at batch {args.prompts}: {rate} GFLOP/s")
-    worker = ModelWorker.load(settings)   # every wave frees all it ran: one worker serves all
+    worker = TransformersBackend.load(settings)   # every wave frees all it ran: one worker serves all
     vocab = worker.model.config.vocab_size
     first = min(args.prompts, settings.max_num_batched_tokens // args.prompt_tokens)
     for n in range(args.waves):

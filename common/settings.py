@@ -97,10 +97,10 @@ class Settings:
     prefix_cache_mb: int = 256       # model process: KV of recent prompt prefixes (0 = off)
     kv_cache_mb: int = 0             # model process: KV cache budget (0 = 40 % of free memory)
     packed_linears: bool = True      # CPU fp32, bf16: oneDNN-prepacked Linear weights (faster)
-    decode_kernel: bool = True       # CPU: decode attention by worker/decode_attention.cpp
-    layer_kernels: bool = True       # CPU: a Llama layer's elementwise ops by worker/layer_ops.cpp
+    decode_kernel: bool = True       # CPU: decode attention by worker/model/transformers/decode_attention.cpp
+    layer_kernels: bool = True       # CPU: a Llama layer's elementwise ops by worker/model/transformers/layer_ops.cpp
     # auto: the model's dtype, but float16 under a float32 model on a CPU with the decode
-    # kernel (worker.model_worker.resolve_kv_dtype) | model | float32 | bfloat16 | float16
+    # kernel (worker.model.transformers.backend.resolve_kv_dtype) | model | float32 | bfloat16 | float16
     kv_cache_dtype: str = "auto"
     # Limits on input.
     max_prompts: int = 64

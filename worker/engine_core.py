@@ -159,7 +159,7 @@ class EngineCore:
         admits against, and whether a step may run several decode passes."""
         self.scheduler.set_kv_budget(*self.executor.kv_capacity)
         self.scheduler.set_multi_step(self.executor.multi_step)
-        self.scheduler.set_exact_resume(getattr(self.executor.info, "resumes_exactly", True))
+        self.scheduler.set_exact_resume(self.executor.info.resumes_exactly)
 
     def stop(self) -> None:
         self._stop.set()
@@ -330,25 +330,42 @@ class EngineCore:
         self._publish()   # the last step's outputs
 
     def step(self) -> None:
-        """One iteration: schedule, execute, update. This step's outputs are published while
-        the next one executes (or, with nothing to run, at once)."""
+        """One iteration: schedule, execute, update, publish. This step's outputs are published
+        while the next one executes (or, with nothing to run, at once)."""
         self._take_inbox(block=False)
         t_sched = time.monotonic()
         out = self.scheduler.schedule()                          # 1. schedule
         if out.is_empty and not out.freed_seq_ids:
             self._publish()
             return
+        ran = self._execute(out)                                 # 2. execute
+        if ran is None:
+            return   # the model process died; _recover has dealt with the step
+        out, result, t_submit, t_published = ran
+        t_done, self.last_step_time = time.monotonic(), time.time()
+        self.output.update(out, result)                          # 3. update
+        if out.decode and not out.prefill and result.decode_s and result.is_full(out.decode):
+            self.scheduler.observe_pass(result.decode_s / result.num_passes, len(out.decode))
+        self.timing.record(t_sched, t_submit, t_published, t_done, time.monotonic(), result)
+        # 4. publish: at the next step's execute, overlapped with the model
+
+    def _execute(self, out: SchedulerOutput):
+        """Sends the step to the model process and publishes the last step's outputs while it
+        runs; then waits for its result (_wait: newcomers arriving meanwhile may be
+        interjected into it, or cut a multi-step request short). Newcomers' first tokens that
+        come ahead of the rest are applied and published as they come, and leave `out`.
+        Returns (what is left of out, its result, submit time, published time), or None when
+        the model process died (recovered)."""
         try:
             with self.liveness.stepping():
                 t_submit = time.monotonic()
                 self._cut = False
-                self._in_flight = out
-                self.executor.submit(self._request(out))         # 2. execute (async) ...
-                self._publish()                                  # ... publishing meanwhile
+                self._in_flight = in_flight = out
+                self.executor.submit(self._request(out))
+                self._publish()
                 t_published = time.monotonic()
                 if self.settings.test_step_delay_s:   # tests only: a slow engine on any CPU
                     self._stop.wait(self.settings.test_step_delay_s)
-                in_flight = out
                 result = self._wait(in_flight)
                 while result.partial:   # newcomers' first tokens, pass by pass, ahead of the rest
                     joined, out = out.split({*result.token_ids, *result.errors})
@@ -359,15 +376,10 @@ class EngineCore:
                     self._wait(None)                   # step must find it in the batch
         except ModelWorkerDied as exc:
             self._recover(out, exc)
-            return
+            return None
         finally:
             self._in_flight = None
-        t_done, self.last_step_time = time.monotonic(), time.time()
-        self.output.update(out, result)                          # 3. update
-        if out.decode and not out.prefill and result.decode_s and result.is_full(out.decode):
-            self.scheduler.observe_pass(result.decode_s / result.num_passes, len(out.decode))
-        self.timing.record(t_sched, t_submit, t_published, t_done, time.monotonic(), result)
-        # 4. publish: at the next step's execute, overlapped with the model
+        return out, result, t_submit, t_published
 
     def _wait(self, in_flight: SchedulerOutput | None):
         """The step's next result. Meanwhile, newcomers that ring the bell are taken in, and

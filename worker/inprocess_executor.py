@@ -21,7 +21,7 @@ class InProcessExecutor(ModelExecutor):
     def __init__(self, settings=None, backend_factory: Callable[[], object] | None = None):
         super().__init__(settings)
         if backend_factory is None:
-            from .backends import load_backend
+            from .model.loader import load_backend
 
             backend_factory = lambda: load_backend(settings)   # noqa: E731
         self._factory = backend_factory
@@ -43,8 +43,8 @@ class InProcessExecutor(ModelExecutor):
             raise ModelWorkerDied(f"model worker failed to start: {exc!r}") from exc
         self.backend = backend
         self.info = backend.info
-        self.kv_capacity = getattr(backend, "kv_capacity", (0, 0))
-        self.multi_step = getattr(backend, "multi_step", False)
+        self.kv_capacity = backend.kv_capacity
+        self.multi_step = backend.multi_step
         self.num_starts += 1
         self._results.clear()
 

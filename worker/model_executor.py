@@ -6,7 +6,8 @@ import multiprocessing as mp
 import time
 from multiprocessing.connection import wait as wait_any
 
-from . import messages, model_worker
+from . import messages
+from .model import process
 from .messages import CutShort, Ready, Shutdown, StepRequest, StepResult
 
 log = logging.getLogger("llmq.model_executor")
@@ -43,7 +44,7 @@ class ModelExecutor:
         while the caller does its own start-up (the worker loads its tokenizer meanwhile,
         ~6 s of a ~9 s start). start() then waits for it."""
         parent, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(target=model_worker.main, args=(child, self.settings),
+        self._proc = self._ctx.Process(target=process.main, args=(child, self.settings),
                                        name="llmq-model-worker", daemon=True)
         self._proc.start()
         child.close()

@@ -6,6 +6,7 @@ from typing import Any
 
 from common.protocol import SamplingParams
 from common.settings import Settings
+from worker.model.backend import ModelBackend
 
 EOS = 2            # the eos token id every factory-made sequence uses
 _ids = itertools.count()
@@ -84,7 +85,7 @@ class WordTokenizer:
         return {"input_ids": [int(w[1:]) for w in text.split()]}
 
 
-class ScriptedBackend:
+class ScriptedBackend(ModelBackend):
     """A model backend that samples hand-made tokens: sequence s's output token number n is
     `script[s][n]`, FILLER past its script. It can fail one sequence (`errors`) or the whole
     step (`crash_at`, 1-based step numbers), and records every StepRequest it was sent. With
@@ -111,7 +112,6 @@ class ScriptedBackend:
         self.pass_s = pass_s
         self._made: dict[str, int] = {}   # output tokens each running sequence has
         self._seqs: dict = {}             # each running sequence's NewSequence
-        self.another_pass = lambda: True  # asked before each later pass (CutShort, as llama_cpp)
 
     def warm_up(self) -> None:
         pass
@@ -140,7 +140,7 @@ class ScriptedBackend:
             live = list(res.token_ids)
             for _ in range(req.num_steps - 1):
                 live = [s for s in live if not self._ended(s)]
-                if not live or not self.another_pass():
+                if not live or not self.hooks.another_pass():
                     break
                 for seq_id in live:
                     res.more_token_ids.setdefault(seq_id, []).append(self._next(seq_id))

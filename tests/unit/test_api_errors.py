@@ -491,7 +491,7 @@ def test_a_queued_openai_stream_writes_keep_alives(default_model_dir):
 def test_the_openai_sdk_reads_a_stream_through_its_keep_alives(default_model_dir, monkeypatch):
     """The official client skips SSE comment lines: a stream that waited (keep-alives first)
     reads as any other, and stream_options without stream is its BadRequestError."""
-    import httpx
+    import httpx2 as httpx   # the HTTP client the openai SDK (3.x) is built on
     import openai
 
     from app import openai_api

@@ -69,7 +69,7 @@ def test_the_rate_is_the_faster_of_torchs_linear_and_the_prepacked_one_llmq_runs
 
 
 def test_a_torch_that_cannot_pack_leaves_torchs_linear_alone(monkeypatch):
-    monkeypatch.setattr("worker.packed_linear.pack_linears", lambda model: 0)
+    monkeypatch.setattr("worker.model.transformers.packed_linear.pack_linears", lambda model: 0)
     kernels: dict = {}
     measure_rates([(16, 32)], [2], dtypes=("float32",), min_time_s=0.01, warm_up_s=0.01,
                   kernels=kernels)

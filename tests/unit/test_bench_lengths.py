@@ -24,7 +24,7 @@ def test_the_kv_bytes_follow_the_served_dtype(tmp_path):
 
 def test_the_phase_counts_the_kv_cache_dtype_the_worker_reports():
     """The RSS target is read against the cache's own bytes, in the dtype the stack's worker
-    reports in its heartbeat (worker/model_worker.py chooses it; tests/worker checks the
+    reports in its heartbeat (worker/model/transformers/backend.py chooses it; tests/worker checks the
     choice); a worker that reports none (an older tree's) is taken to store the model's."""
     from types import SimpleNamespace
 

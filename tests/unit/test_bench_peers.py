@@ -556,10 +556,10 @@ def test_model_alone_steps_the_model_worker_through_the_load_and_frees_it(
     """bench/raw.model_alone: every prompt prefilled in one step, then new_tokens - 1 decode
     steps of all the rows, then freed, each round; its figures are that load's."""
     from bench.raw import model_alone
-    from worker.model_worker import ModelWorker
+    from worker.model.transformers.backend import TransformersBackend
 
     steps = []
-    real_step = ModelWorker.step
+    real_step = TransformersBackend.step
 
     def spy(self, req, early=None):
         steps.append(([len(s.token_ids) for s in req.prefill], len(req.decode_seq_ids),
@@ -569,7 +569,7 @@ def test_model_alone_steps_the_model_worker_through_the_load_and_frees_it(
             assert self.cache.num_rows == 0   # the round's rows left the KV cache
         return res
 
-    monkeypatch.setattr(ModelWorker, "step", spy)
+    monkeypatch.setattr(TransformersBackend, "step", spy)
     rounds = [[[5 + i + 10 * r, 6, 7, 8, 9, 10] for i in range(3)] for r in range(2)]
     got = model_alone(rounds, 4, "float32", tiny_model_dir, progress=lambda m: None)
     one_round = [([6, 6, 6], 0, 0)] + [([], 3, 0)] * 3 + [([], 0, 3)]

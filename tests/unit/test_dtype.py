@@ -44,7 +44,7 @@ def test_vllm_keeps_its_kv_cache_in_the_model_dtype_or_refuses_at_start():
     """LLMQ_KV_CACHE_DTYPE as vLLM's kv_cache_dtype: vLLM's `auto` (the model's dtype) for auto,
     model or the served dtype named; another is refused (vLLM's CPU build took float16 under
     float32 silently and answered gibberish; on CUDA its other float choices are for fp8 models)."""
-    from worker.backends.vllm_backend import _kv_cache_dtype
+    from worker.model.vllm.backend import _kv_cache_dtype
 
     for name in ("auto", "model", "float32"):
         assert _kv_cache_dtype(name, "float32") == "auto"

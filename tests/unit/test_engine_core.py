@@ -15,6 +15,7 @@ from common import metrics
 from common.protocol import GENERATE_TASK, FinishReason, SamplingParams, SequenceRequest
 from common.keys import Keys
 from common.store import SequenceStore
+from worker.model.backend import StepHooks
 
 from bench.stack import wait_until
 
@@ -638,7 +639,7 @@ class GatedExecutor:
     def cut_short(self) -> None:
         """As the model process does with CutShort: the passes end after the current one."""
         self.cuts += 1
-        self.backend.another_pass = lambda: False
+        self.backend.hooks = StepHooks(another_pass=lambda: False)
 
     def restart(self) -> None:
         self.num_starts += 1
@@ -830,7 +831,7 @@ def test_a_newcomer_cuts_a_multi_step_request_short_and_is_prefilled_next(store)
     assert a.num_output_tokens == made + 1        # the burst ended after its first
     engine.step()
     assert [s.seq_id for s in backend.requests[-1].prefill] == ["b"]
-    backend.another_pass = lambda: True
+    backend.hooks = StepHooks()
     run(engine, [a, b])
     assert store.get_job("b")["status"] == "succeeded" and a.num_output_tokens == 60
 

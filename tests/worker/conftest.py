@@ -34,8 +34,8 @@ def sharp_model(tiny_model):
 @pytest.fixture(params=["avx2", "avx512bf16"])
 def path(request):
     """Runs a CPU kernels' test on each of the bfloat16 kernels' paths: AVX2's and, where the
-    CPU has AVX512-BF16, the wide one (worker/simd.h's llmq::wide)."""
-    from worker import cpu_kernels
+    CPU has AVX512-BF16, the wide one (worker/model/transformers/simd.h's llmq::wide)."""
+    from worker.model.transformers import cpu_kernels
 
     ops = cpu_kernels.load()
     if ops is None:

@@ -1,6 +1,6 @@
-"""Helpers for the model-worker tests: build an in-process ModelWorker and drive its steps by hand.
+"""Helpers for the model-worker tests: build an in-process TransformersBackend and drive its steps by hand.
 
-No engine, no Redis, no second process: the tests hand StepRequests to ModelWorker.step directly,
+No engine, no Redis, no second process: the tests hand StepRequests to TransformersBackend.step directly,
 the way the model executor does over its pipe, so they see exactly what the batch (KV cache,
 masks, positions, sampler) does.
 """
@@ -15,8 +15,8 @@ import torch
 from common.protocol import SamplingParams
 from worker.messages import NewSequence, StepRequest
 from worker.model_manager import ModelManager
-from worker.model_worker import ModelWorker
-from worker.sampler import Sampler
+from worker.model.transformers.backend import TransformersBackend
+from worker.model.sampler import Sampler
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -30,10 +30,10 @@ def load_model(model_dir: str):
     return _MODELS[model_dir]
 
 
-def make_worker(model_dir: str, max_num_seqs: int = 32) -> ModelWorker:
-    """A fresh ModelWorker (empty KV cache, no sequences) over the session's loaded model."""
+def make_worker(model_dir: str, max_num_seqs: int = 32) -> TransformersBackend:
+    """A fresh TransformersBackend (empty KV cache, no sequences) over the session's loaded model."""
     model, info = load_model(model_dir)
-    return ModelWorker(model, info, max_num_seqs)
+    return TransformersBackend(model, info, max_num_seqs)
 
 
 def sharpened(model, scale: float = 8.0):
@@ -48,7 +48,7 @@ def sharpened(model, scale: float = 8.0):
     m = copy.deepcopy(model)
     with torch.no_grad():
         for name, p in m.named_parameters():
-            # (a model a ModelWorker has run has q/k/v and gate/up fused: LlamaForward)
+            # (a model a TransformersBackend has run has q/k/v and gate/up fused: LlamaForward)
             if name.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj",
                                            "gate_proj", "up_proj", "down_proj",
                                            "qkv_proj", "gate_up_proj"):
@@ -74,14 +74,14 @@ def new_seq(seq_id: str, token_ids: list[int], params: SamplingParams = GREEDY,
 # --- driving the worker -------------------------------------------------------------------------
 @dataclass
 class Driver:
-    """Drives a ModelWorker by hand: joins, decodes and frees sequences step by step.
+    """Drives a TransformersBackend by hand: joins, decodes and frees sequences step by step.
 
     Every step decodes all running sequences but the ones being freed (what the worker
-    requires), then prefills the newcomers, as ModelWorker.step orders them. `history` keeps,
+    requires), then prefills the newcomers, as TransformersBackend.step orders them. `history` keeps,
     per step, who was decoded / prefilled / freed and the cache's row order afterwards.
     """
 
-    worker: ModelWorker
+    worker: TransformersBackend
     outputs: dict[str, list[int]] = field(default_factory=dict)
     running: list[str] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)
@@ -145,7 +145,7 @@ def run_steps(step, prompts: dict[str, tuple[list[int], SamplingParams]], n: int
     return out
 
 
-def run_batch(worker: ModelWorker, prompts: dict[str, list[int]], n_tokens: int,
+def run_batch(worker: TransformersBackend, prompts: dict[str, list[int]], n_tokens: int,
               params: dict[str, SamplingParams] | None = None) -> dict[str, list[int]]:
     """All prompts prefilled together in one step, then n_tokens - 1 decode steps."""
     params = params or {}
@@ -157,19 +157,19 @@ def run_batch(worker: ModelWorker, prompts: dict[str, list[int]], n_tokens: int,
     return d.outputs
 
 
-def run_greedy(worker: ModelWorker, prompts_ids: list[list[int]], n_tokens: int) -> list[list[int]]:
+def run_greedy(worker: TransformersBackend, prompts_ids: list[list[int]], n_tokens: int) -> list[list[int]]:
     """Greedy tokens of prompts decoded together as one batch, in prompt order."""
     out = run_batch(worker, {f"s{i}": ids for i, ids in enumerate(prompts_ids)}, n_tokens)
     return [out[f"s{i}"] for i in range(len(prompts_ids))]
 
 
-def run_solo(worker: ModelWorker, prompt_ids: list[int], n_tokens: int,
+def run_solo(worker: TransformersBackend, prompt_ids: list[int], n_tokens: int,
              params: SamplingParams = GREEDY) -> list[int]:
     """One prompt alone in the batch."""
     return run_batch(worker, {"solo": prompt_ids}, n_tokens, {"solo": params})["solo"]
 
 
-def run_continuous(worker: ModelWorker, prompts: dict[str, list[int]], targets: dict[str, int],
+def run_continuous(worker: TransformersBackend, prompts: dict[str, list[int]], targets: dict[str, int],
                    seed: int = 7, max_joins: int = 4) -> Driver:
     """Continuous batching: sequences join (in groups of 0..max_joins, while others decode)
     as rows free up, and each leaves once it has its target number of tokens, so rows are freed
@@ -199,7 +199,7 @@ class RecordingSampler(Sampler):
 
     STRIDE = 64
 
-    def __init__(self, worker: ModelWorker):
+    def __init__(self, worker: TransformersBackend):
         super().__init__(worker.sampler.grammars)
         self.worker = worker
         self.steps: dict[str, list[dict]] = {}
@@ -215,7 +215,7 @@ class RecordingSampler(Sampler):
         return super().sample(logits, states)
 
 
-def recording(worker: ModelWorker) -> RecordingSampler:
+def recording(worker: TransformersBackend) -> RecordingSampler:
     """Makes the worker record its logits; returns the recorder."""
     worker.sampler = RecordingSampler(worker)
     return worker.sampler
@@ -232,9 +232,9 @@ class SoloRun:
 
 def solo_references(model, info, prompts: dict[str, list[int]],
                     n_tokens: int | dict[str, int], **worker_kw) -> dict[str, SoloRun]:
-    """Each prompt run alone (greedy) in a fresh worker (ModelWorker's `worker_kw`), with its
+    """Each prompt run alone (greedy) in a fresh worker (TransformersBackend's `worker_kw`), with its
     logits recorded (n_tokens: for all, or per prompt)."""
-    worker = ModelWorker(model, info, 1, **worker_kw)
+    worker = TransformersBackend(model, info, 1, **worker_kw)
     rec = recording(worker)
     out = {}
     for sid, ids in prompts.items():

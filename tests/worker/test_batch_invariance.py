@@ -16,7 +16,7 @@ import torch
 from factories import (SoloRun, compare_to_solo, load_model, make_prompts, plain_logits,
                        recording, run_batch, run_continuous, solo_references)
 from worker.model_manager import ModelManager
-from worker.model_worker import ModelWorker
+from worker.model.transformers.backend import TransformersBackend
 
 N_TOKENS = 8
 # fp32 on CPU: batched and solo logits were measured within ~1e-6 of each other.
@@ -82,7 +82,7 @@ def test_solo_run_matches_a_plain_forward_pass(case, kv_cache_dtype, tol):
 
 def test_batch_of_32_mixed_lengths_matches_solo(case):
     model, info, prompts, solo = case
-    worker = ModelWorker(model, info, 32)
+    worker = TransformersBackend(model, info, 32)
     rec = recording(worker)
     out = run_batch(worker, prompts, N_TOKENS)
     assert len({len(p) for p in prompts.values()}) == 32
@@ -93,7 +93,7 @@ def test_batch_of_32_mixed_lengths_matches_solo(case):
 def test_batch_order_does_not_matter(case):
     """The same prompts in another row order (the longest first) give the same tokens."""
     model, info, prompts, solo = case
-    worker = ModelWorker(model, info, 32)
+    worker = TransformersBackend(model, info, 32)
     rec = recording(worker)
     order = sorted(prompts, key=lambda s: -len(prompts[s]))
     out = run_batch(worker, {sid: prompts[sid] for sid in order}, N_TOKENS)
@@ -105,7 +105,7 @@ def test_continuous_batching_matches_solo(case):
     (rows freed in the middle are refilled by the last row): each one's tokens equal its solo
     run's."""
     model, info, prompts, solo = case
-    worker = ModelWorker(model, info, 12)
+    worker = TransformersBackend(model, info, 12)
     rec = recording(worker)
     rng = random.Random(3)
     targets = {sid: rng.randint(2, N_TOKENS) for sid in prompts}
@@ -151,11 +151,11 @@ def test_default_model_batch_matches_solo(default_model_dir):
     # Not a degenerate reference: the model says different things to different prompts.
     assert len({tuple(r.tokens) for r in solo.values()}) == len(prompts)
 
-    worker = ModelWorker(model, info, 8)
+    worker = TransformersBackend(model, info, 8)
     rec = recording(worker)
     check_all(run_batch(worker, prompts, n), rec.steps, solo, tol)
 
-    worker = ModelWorker(model, info, 6)
+    worker = TransformersBackend(model, info, 6)
     rec = recording(worker)
     targets = {sid: n - 2 * (i % 4) for i, sid in enumerate(prompts)}
     d = run_continuous(worker, prompts, targets, max_joins=3)

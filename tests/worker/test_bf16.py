@@ -9,14 +9,14 @@ from common.protocol import SamplingParams
 from common.settings import Settings
 from factories import make_prompts, plain_logits, run_batch
 from worker.model_manager import ModelManager
-from worker.model_worker import ModelWorker
-from worker.packed_linear import PackedLinear
-from worker.sampler import Sampler, SamplingState
+from worker.model.transformers.backend import TransformersBackend
+from worker.model.transformers.packed_linear import PackedLinear
+from worker.model.sampler import Sampler, SamplingState
 
 
 @pytest.fixture(scope="module")
 def bf16_worker(tiny_model_dir):
-    return ModelWorker.load(Settings(model=tiny_model_dir, device="cpu", dtype="bfloat16"))
+    return TransformersBackend.load(Settings(model=tiny_model_dir, device="cpu", dtype="bfloat16"))
 
 
 def onednn_packs_bf16() -> bool:
@@ -77,8 +77,8 @@ def test_the_bf16_kernels_label_names_kernels_that_run(tiny_model_dir, monkeypat
     """The heartbeat's kernels line says "bfloat16 kernels on AVX512-BF16" only when one of the
     C++ kernels runs: not when the module is loaded but the decode kernel does not fit the
     model's shapes and the layer ops are off."""
-    import worker.model_worker as mw
-    from worker import cpu_kernels
+    import worker.model.transformers.backend as mw
+    from worker.model.transformers import cpu_kernels
 
     module = cpu_kernels.load()
     if module is None:
@@ -87,7 +87,7 @@ def test_the_bf16_kernels_label_names_kernels_that_run(tiny_model_dir, monkeypat
     model, info = ModelManager(tiny_model_dir).load_model("cpu", "bfloat16")
 
     def worker(**kw):
-        return ModelWorker(model, info, max_num_seqs=2, kv_cache_bytes=1 << 20, **kw).info.kernels
+        return TransformersBackend(model, info, max_num_seqs=2, kv_cache_bytes=1 << 20, **kw).info.kernels
 
     assert worker(layer_kernels=False).endswith("; bfloat16 kernels on AVX512-BF16")
     monkeypatch.setattr(mw, "kernel_fits", lambda model: False)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from worker import cpu_kernels
+from worker.model.transformers import cpu_kernels
 
 
 def test_a_failed_build_logs_one_line_and_gives_none(monkeypatch, caplog):

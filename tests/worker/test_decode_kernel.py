@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (worker/decode_attention.cpp) against torch's attention.
+"""The CPU decode-attention kernel (worker/model/transformers/decode_attention.cpp) against torch's attention.
 
 Random pools, shuffled block tables and ragged lengths: each row's output must be its own
 attention over its first `length` slots, in fp32 and bf16, with and without grouped query
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker import cpu_kernels
-from worker.kv_cache import PagedKVCache
-from worker.paged_attention import paged_attention_forward
+from worker.model.transformers import cpu_kernels
+from worker.model.transformers.kv_cache import PagedKVCache
+from worker.model.transformers.paged_attention import paged_attention_forward
 
 kernel = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the decode kernel does not build here")
@@ -178,11 +178,11 @@ def test_paged_attention_with_the_kernel_equals_its_torch_path(dtype, kv_dtype, 
 
 
 def test_the_model_worker_uses_the_kernel_on_a_cpu_unless_turned_off(tiny_model):
-    from worker.model_worker import ModelWorker
+    from worker.model.transformers.backend import TransformersBackend
 
     model, info = tiny_model
-    on = ModelWorker(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20)
-    off = ModelWorker(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20, decode_kernel=False)
+    on = TransformersBackend(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20)
+    off = TransformersBackend(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20, decode_kernel=False)
     assert on.cache.decode_kernel is kernel.decode_attention and off.cache.decode_kernel is None
 
 
@@ -191,14 +191,14 @@ def test_the_cache_is_float16_under_a_float32_model_only_where_the_kernel_reads_
     the bytes to read), the model's dtype without the kernel (every read would be a widening
     copy) or when asked for; the budget counts the cache's own bytes, so it holds twice the
     tokens."""
-    from worker.model_worker import ModelWorker, resolve_kv_dtype
+    from worker.model.transformers.backend import TransformersBackend, resolve_kv_dtype
 
     model, info = tiny_model
     assert model.dtype == torch.float32
-    auto = ModelWorker(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20)
-    own = ModelWorker(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20,
+    auto = TransformersBackend(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20)
+    own = TransformersBackend(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20,
                       kv_cache_dtype="model")
-    no_kernel = ModelWorker(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20,
+    no_kernel = TransformersBackend(model, info, max_num_seqs=4, kv_cache_bytes=1 << 20,
                             decode_kernel=False)
     assert (auto.kv_dtype, own.kv_dtype, no_kernel.kv_dtype) == (
         torch.float16, torch.float32, torch.float32)

@@ -10,7 +10,8 @@ import pytest
 
 from factories import GREEDY, make_prompts, make_worker, new_seq
 from worker.messages import StepRequest
-from worker.model_worker import ModelWorker, decoder_layers
+from worker.model.backend import StepHooks
+from worker.model.transformers.backend import TransformersBackend, decoder_layers
 
 N = 6
 PROMPTS = dict(zip(("a", "b", "chat", "long"), make_prompts(4, lengths=[9, 14, 5, 40], seed=5)))
@@ -19,10 +20,10 @@ PROMPTS = dict(zip(("a", "b", "chat", "long"), make_prompts(4, lengths=[9, 14, 5
 @pytest.fixture
 def worker(sharp_model):
     model, info = sharp_model
-    return ModelWorker(model, info, 8)
+    return TransformersBackend(model, info, 8)
 
 
-def start_batch(worker: ModelWorker) -> dict[str, list[int]]:
+def start_batch(worker: TransformersBackend) -> dict[str, list[int]]:
     """a and b prefilled, then the long prompt joins with its first chunk of 16 tokens."""
     res = worker.step(StepRequest(prefill=[new_seq("a", PROMPTS["a"]),
                                            new_seq("b", PROMPTS["b"])]))
@@ -35,7 +36,7 @@ def start_batch(worker: ModelWorker) -> dict[str, list[int]]:
     return out
 
 
-def finish(worker: ModelWorker, out: dict[str, list[int]]) -> dict[str, list[int]]:
+def finish(worker: TransformersBackend, out: dict[str, list[int]]) -> dict[str, list[int]]:
     """Decodes everyone until each has N tokens; the long prompt's rest rides along."""
     while any(len(out.get(s, [])) < N for s in ("a", "b", "chat", "long")):
         res = worker.step(StepRequest(decode_seq_ids=["a", "b", "chat", "long"],
@@ -46,7 +47,7 @@ def finish(worker: ModelWorker, out: dict[str, list[int]]) -> dict[str, list[int
     return {sid: toks[:N] for sid, toks in out.items()}
 
 
-def serially(worker: ModelWorker) -> dict[str, list[int]]:
+def serially(worker: TransformersBackend) -> dict[str, list[int]]:
     """The reference: the step with the long prompt's second chunk, then chat's prefill after it."""
     out = start_batch(worker)
     res = worker.step(StepRequest(decode_seq_ids=["a", "b", "long"], chunks={"long": 16}))
@@ -59,9 +60,9 @@ def serially(worker: ModelWorker) -> dict[str, list[int]]:
 
 def test_an_interjection_between_layers_gives_the_tokens_of_the_passes_in_turn(sharp_model):
     model, info = sharp_model
-    reference = serially(ModelWorker(model, info, 8))
+    reference = serially(TransformersBackend(model, info, 8))
 
-    worker = ModelWorker(model, info, 8)
+    worker = TransformersBackend(model, info, 8)
     out = start_batch(worker)
     answers, calls = [], []
 
@@ -71,9 +72,9 @@ def test_an_interjection_between_layers_gives_the_tokens_of_the_passes_in_turn(s
             answers.append(worker.step(StepRequest(prefill=[new_seq("chat", PROMPTS["chat"])],
                                                    interject=True)))
 
-    worker.between_layers = between_layers
+    worker.hooks = StepHooks(between_layers=between_layers)
     res = worker.step(StepRequest(decode_seq_ids=["a", "b", "long"], chunks={"long": 16}))
-    worker.between_layers = None
+    worker.hooks = StepHooks()
     layers = len(decoder_layers(model))
     assert layers == model.config.num_hidden_layers and worker.interjects
     # Called before every layer of the interrupted pass, never inside the interjection's.
@@ -92,8 +93,8 @@ def test_an_interjection_between_layers_gives_the_tokens_of_the_passes_in_turn(s
 def test_interjection_time_is_left_out_of_the_interrupted_steps_timing(worker):
     """StepTiming's model compute counts the step's own passes, not the interjection's."""
     start_batch(worker)
-    worker.between_layers = lambda: None if worker._interjected_s else worker.step(
-        StepRequest(prefill=[new_seq("chat", PROMPTS["chat"])], interject=True))
+    worker.hooks = StepHooks(between_layers=lambda: None if worker._interjected_s else worker.step(
+        StepRequest(prefill=[new_seq("chat", PROMPTS["chat"])], interject=True)))
     t = time.perf_counter()
     res = worker.step(StepRequest(decode_seq_ids=["a", "b", "long"], chunks={"long": 16}))
     wall = time.perf_counter() - t

@@ -2,7 +2,7 @@
 prefill.
 
 Unit tests drive PagedKVCache and the attention function with hand-made tensors; the rest
-drive a real ModelWorker over the tiny random model and compare with sequences run alone.
+drive a real TransformersBackend over the tiny random model and compare with sequences run alone.
 """
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import torch.nn.functional as F
 
 from common.protocol import SamplingParams
 from factories import Driver, compare_to_solo, make_prompts, new_seq, recording, solo_references
-from worker.kv_cache import KVCacheFull, PagedKVCache, Row
+from worker.model.transformers.kv_cache import KVCacheFull, PagedKVCache, Row
 from worker.messages import StepRequest
-from worker.model_worker import (DECODE_GROUP_BYTES, ModelWorker, decode_group_slots,
+from worker.model.transformers.backend import (DECODE_GROUP_BYTES, TransformersBackend, decode_group_slots,
                                  kv_bytes_per_token)
-from worker.paged_attention import GROUPED_CHUNK_TOKENS, chunk_attention, paged_attention_forward
+from worker.model.transformers.paged_attention import GROUPED_CHUNK_TOKENS, chunk_attention, paged_attention_forward
 
 BS = 4          # tokens per block in the unit tests
 LOGIT_TOL = 1e-4
@@ -233,7 +233,7 @@ def test_a_cpu_worker_limits_decode_groups_to_a_cache_sized_gather(tiny_model):
     """On CPU the worker caps a decode group's gathered keys and values per layer near
     DECODE_GROUP_BYTES; a 1-slot row always fits."""
     model, info = tiny_model
-    worker = ModelWorker(model, info, 4)
+    worker = TransformersBackend(model, info, 4)
     per_layer = kv_bytes_per_token(model) // model.config.num_hidden_layers
     assert worker.cache.max_group_slots == DECODE_GROUP_BYTES // per_layer
     assert decode_group_slots(model, torch.device("meta")) is None   # not a CPU: no limit
@@ -256,11 +256,11 @@ def test_a_chunk_over_a_long_past_attends_as_each_head_alone(n, dtype):
     torch.testing.assert_close(got[0].transpose(0, 1).float(), want, rtol=tol, atol=tol)
 
 
-# --- through a real ModelWorker ------------------------------------------------------------------
-def worker_with_blocks(model, info, num_blocks: int, max_num_seqs: int = 8, **kw) -> ModelWorker:
+# --- through a real TransformersBackend ------------------------------------------------------------------
+def worker_with_blocks(model, info, num_blocks: int, max_num_seqs: int = 8, **kw) -> TransformersBackend:
     """A worker whose cache holds num_blocks blocks of 8 tokens (in the model's dtype)."""
     block_bytes = kv_bytes_per_token(model) * 8
-    return ModelWorker(model, info, max_num_seqs, kv_cache_bytes=num_blocks * block_bytes,
+    return TransformersBackend(model, info, max_num_seqs, kv_cache_bytes=num_blocks * block_bytes,
                        kv_cache_dtype="model", **kw)
 
 
@@ -306,7 +306,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(sharp_mode
     model, info = sharp_model
     prompts = dict(zip(["run", "long"], make_prompts(2, lengths=[10, 70], vocab=info.vocab_size)))
     solo = solo_references(model, info, prompts, 6)
-    worker = ModelWorker(model, info, 4, prefill_chunk=16)
+    worker = TransformersBackend(model, info, 4, prefill_chunk=16)
     rec = recording(worker)
     first = worker.step(StepRequest(prefill=[new_seq("run", prompts["run"])]))
     outputs = {"run": [first.token_ids["run"]], "long": []}
@@ -342,7 +342,7 @@ def test_the_worker_computes_the_chunk_the_step_names(sharp_model):
     model, info = sharp_model
     prompts = dict(zip(["run", "long"], make_prompts(2, lengths=[6, 45], vocab=info.vocab_size)))
     solo = solo_references(model, info, prompts, 20)
-    worker = ModelWorker(model, info, 4, prefill_chunk=64)
+    worker = TransformersBackend(model, info, 4, prefill_chunk=64)
     wm = WorkloadManager(max_num_seqs=4, max_num_batched_tokens=64, long_prefill_tokens=8)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     seqs = {sid: Sequence(sid, ids, params) for sid, ids in prompts.items()}
@@ -372,7 +372,7 @@ def test_the_worker_computes_the_chunk_the_step_names(sharp_model):
 def test_a_running_prompts_chunk_rides_in_the_decodes_forward_pass(sharp_model):
     model, info = sharp_model
     run, long = make_prompts(2, lengths=[5, 40], vocab=info.vocab_size)
-    worker = ModelWorker(model, info, 4, prefill_chunk=16)
+    worker = TransformersBackend(model, info, 4, prefill_chunk=16)
     worker.step(StepRequest(prefill=[new_seq("run", run)]))
     worker.step(StepRequest(prefill=[new_seq("long", long)], decode_seq_ids=["run"]))
     passes = []
@@ -385,7 +385,7 @@ def test_a_running_prompts_chunk_rides_in_the_decodes_forward_pass(sharp_model):
 
 def test_newcomers_beyond_the_free_rows_fail_alone(sharp_model):
     model, info = sharp_model
-    worker = ModelWorker(model, info, max_num_seqs=3)
+    worker = TransformersBackend(model, info, max_num_seqs=3)
     long1, long2, short1, short2 = make_prompts(4, lengths=[40, 41, 4, 5], vocab=info.vocab_size)
     res = worker.step(StepRequest(prefill=[new_seq("l1", long1), new_seq("l2", long2),
                                            new_seq("s1", short1), new_seq("s2", short2)]))
@@ -440,7 +440,7 @@ def test_only_this_steps_newcomers_go_ahead_of_the_decode(sharp_model):
     of a chunked prompt that finishes in a later step must come with the decode's tokens."""
     model, info = sharp_model
     run, long, short = make_prompts(3, lengths=[5, 20, 6], vocab=info.vocab_size)
-    worker = ModelWorker(model, info, 4, prefill_chunk=16)
+    worker = TransformersBackend(model, info, 4, prefill_chunk=16)
     worker.step(StepRequest(prefill=[new_seq("run", run)]))
     ahead = []
     res = worker.step(StepRequest(prefill=[new_seq("long", long)], decode_seq_ids=["run"]),
@@ -459,9 +459,9 @@ def test_a_wave_of_newcomers_gets_its_first_tokens_pass_by_pass(sharp_model):
     model, info = sharp_model
     prompts = make_prompts(6, lengths=[10] * 6, vocab=info.vocab_size, seed=7)
     news = [new_seq(f"n{i}", p) for i, p in enumerate(prompts)]
-    whole = ModelWorker(model, info, 8).step(StepRequest(prefill=news))
+    whole = TransformersBackend(model, info, 8).step(StepRequest(prefill=news))
 
-    worker = ModelWorker(model, info, 8, prefill_pass_tokens=25)   # 60 tokens: 3 passes of 20
+    worker = TransformersBackend(model, info, 8, prefill_pass_tokens=25)   # 60 tokens: 3 passes of 20
     ahead = []
     res = worker.step(StepRequest(prefill=news), early=ahead.append)
     assert [sorted(p.token_ids) for p in ahead] == [["n0", "n1"], ["n2", "n3"]]
@@ -471,7 +471,7 @@ def test_a_wave_of_newcomers_gets_its_first_tokens_pass_by_pass(sharp_model):
 
     # Beside a running batch the last pass goes ahead too; the decode's tokens come last.
     run = make_prompts(1, lengths=[5], vocab=info.vocab_size, seed=8)[0]
-    worker = ModelWorker(model, info, 8, prefill_pass_tokens=25)
+    worker = TransformersBackend(model, info, 8, prefill_pass_tokens=25)
     worker.step(StepRequest(prefill=[new_seq("run", run)]))
     ahead = []
     res = worker.step(StepRequest(prefill=news, decode_seq_ids=["run"]), early=ahead.append)
@@ -481,7 +481,7 @@ def test_a_wave_of_newcomers_gets_its_first_tokens_pass_by_pass(sharp_model):
 
 
 def test_prefill_passes_are_even_and_keep_the_order():
-    from worker.model_worker import _passes
+    from worker.model.transformers.backend import _passes
 
     seqs = [new_seq(f"s{i}", [1] * n) for i, n in enumerate([14] * 64)]
     chunks = {s.seq_id: len(s.token_ids) for s in seqs}
@@ -500,7 +500,7 @@ def test_each_newcomer_is_answered_once_across_the_passes(sharp_model):
     newcomer's answer."""
     model, info = sharp_model
     cached, *rest = make_prompts(4, lengths=[24, 10, 10, 10], vocab=info.vocab_size, seed=9)
-    worker = ModelWorker(model, info, 8, prefix_cache_bytes=64 << 20, prefill_pass_tokens=20)
+    worker = TransformersBackend(model, info, 8, prefix_cache_bytes=64 << 20, prefill_pass_tokens=20)
     worker.step(StepRequest(prefill=[new_seq("old", cached)]))
     worker.step(StepRequest(free_seq_ids=["old"]))   # its prompt's blocks parked for reuse
     scored = SamplingParams(temperature=0.0, prompt_logprobs=1)
@@ -525,7 +525,7 @@ def test_a_prompt_scored_whole_is_sized_whole_in_the_passes(sharp_model):
     model, info = sharp_model
     a, b = make_prompts(2, lengths=[10, 10], vocab=info.vocab_size, seed=11)
     scored = SamplingParams(temperature=0.0, prompt_logprobs=1)
-    worker = ModelWorker(model, info, 4, prefill_pass_tokens=15)
+    worker = TransformersBackend(model, info, 4, prefill_pass_tokens=15)
     ahead = []
     res = worker.step(StepRequest(prefill=[new_seq("a", a), new_seq("lp", b, scored)],
                                   chunks={"lp": 4}), early=ahead.append)

@@ -1,5 +1,5 @@
-"""The fused layer ops (worker/layer_ops.cpp) against the torch ops they replace
-(worker/llama_forward.py's): equal to the bit where they round alike (the residual add, the
+"""The fused layer ops (worker/model/transformers/layer_ops.cpp) against the torch ops they replace
+(worker/model/transformers/llama_forward.py's): equal to the bit where they round alike (the residual add, the
 rotary embedding, bfloat16), within float32's last bits where the order of a sum or the exp
 differs; each row the same whatever rows are around it. bfloat16's are checked on both of its
 paths: AVX2's and, where the CPU has AVX512-BF16, the 16-lane one."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker import cpu_kernels
-from worker.llama_forward import _rms_norm, _rotary
+from worker.model.transformers import cpu_kernels
+from worker.model.transformers.llama_forward import _rms_norm, _rotary
 
 ops = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="the CPU kernels cannot be built here")

@@ -14,6 +14,7 @@ import pytest
 
 from common.protocol import SamplingParams
 from worker.messages import NewSequence, StepRequest
+from worker.model.backend import StepHooks
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make llama-cpp)")
 
@@ -23,7 +24,7 @@ GREEDY = SamplingParams(temperature=0.0)
 @pytest.fixture(scope="module")
 def backend(default_model_dir):
     from common.settings import Settings
-    from worker.backends import load_backend
+    from worker.model.loader import load_backend
 
     b = load_backend(Settings.from_env(backend="llama_cpp", model="smollm2", max_num_seqs=4,
                                        max_model_len=256, torch_threads=1))
@@ -324,7 +325,7 @@ def test_no_running_ahead_beside_others_nor_past_the_end(backend, tok, decodes):
 def test_running_ahead_waits_for_a_core_left_to_the_serving_stack(monkeypatch):
     """`auto` runs ahead only when llama.cpp's threads leave a core over: without one, the
     engine's turn would take a core from a llama.cpp thread mid-decode."""
-    from worker.backends.llama_cpp_backend import _runs_ahead
+    from worker.model.llama_cpp.backend import _runs_ahead
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     assert _runs_ahead("auto", 1) and not _runs_ahead("auto", 2)
@@ -404,11 +405,11 @@ def test_multi_step_passes_end_where_another_pass_says_so(backend, tok):
     ids = tok("The capital of France is")["input_ids"]
     whole, _ = _multi_step(backend, {"a": ids}, {"a": with_(GREEDY, max_tokens=9)}, 1)
     asked = []
-    backend.another_pass = lambda: asked.append(1) or len(asked) % 3 != 0
+    backend.hooks = StepHooks(another_pass=lambda: asked.append(1) or len(asked) % 3 != 0)
     try:
         cut, passes = _multi_step(backend, {"a": ids}, {"a": with_(GREEDY, max_tokens=9)}, 8)
     finally:
-        backend.another_pass = lambda: True
+        backend.hooks = StepHooks()
     assert cut == whole
     assert passes == [3, 3, 2]   # two more passes, cut at the third ask; then the last two
 

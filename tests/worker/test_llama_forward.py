@@ -1,7 +1,7 @@
 """LlamaForward, the written-out Llama forward: transformers' logits bit for bit with torch's ops,
 on every pass the model worker runs (whole prompts, chunks, prompt logprobs, decodes beside
 chunks), in float32 and bfloat16, and within float32's last bits with the fused layer ops
-(worker/layer_ops.cpp); transformers' forward for a model it does not know."""
+(worker/model/transformers/layer_ops.cpp); transformers' forward for a model it does not know."""
 from __future__ import annotations
 
 import copy
@@ -11,16 +11,16 @@ import torch
 from torch import nn
 
 from common.protocol import SamplingParams
-from worker import cpu_kernels
+from worker.model.transformers import cpu_kernels
 from worker.messages import StepRequest
-from worker.model_worker import ModelWorker
-from worker.packed_linear import PackedLinear, pack_linears
-from worker.paged_attention import use_paged_attention
+from worker.model.transformers.backend import TransformersBackend
+from worker.model.transformers.packed_linear import PackedLinear, pack_linears
+from worker.model.transformers.paged_attention import use_paged_attention
 
 from factories import GREEDY, Driver, load_model, make_prompts, new_seq, sharpened
 
 
-def compared(worker: ModelWorker, reference, atol: float = 0.0) -> list[int]:
+def compared(worker: TransformersBackend, reference, atol: float = 0.0) -> list[int]:
     """Makes each of the worker's passes run twice on the same plan, transformers' forward of
     `reference` (the model as loaded: no fused projections) first, and asserts equal logits
     (and prompt-logprob rows), or within `atol`; returns the passes' sizes."""
@@ -52,21 +52,21 @@ def test_the_written_out_forward_gives_transformers_logits_bit_for_bit(tiny_mode
     reference = sharpened(model).to(dtype)   # tokens that depend on the whole context
     use_paged_attention(reference)
     model = copy.deepcopy(reference)
-    worker = ModelWorker(model, info, max_num_seqs=8, prefill_chunk=16, layer_kernels=False)
+    worker = TransformersBackend(model, info, max_num_seqs=8, prefill_chunk=16, layer_kernels=False)
     assert worker.llama is not None and worker.llama.kernels is None
     # q/k/v and gate/up run as one matmul each (the weights moved into them, not copied)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert isinstance(attn.qkv_proj, nn.Linear) and isinstance(mlp.gate_up_proj, nn.Linear)
     assert not any(n.endswith(("q_proj.weight", "gate_proj.weight"))
                    for n, _ in model.named_parameters())
-    if packed:   # as ModelWorker.load packs them: the reference's separate linears, ours fused
+    if packed:   # as TransformersBackend.load packs them: the reference's separate linears, ours fused
         if pack_linears(reference) == 0:
             pytest.skip("this torch cannot pack linears for oneDNN")
         assert pack_linears(model) > 0 and type(attn.qkv_proj) is PackedLinear
     run_every_pass(worker, compared(worker, reference), info)
 
 
-def run_every_pass(worker: ModelWorker, sizes: list[int], info) -> None:
+def run_every_pass(worker: TransformersBackend, sizes: list[int], info) -> None:
     """Whole prompts, 16-token chunks, prompt logprobs, decodes beside chunks, a freed row."""
     prompts = make_prompts(5, lengths=[3, 40, 7, 70, 12], vocab=info.vocab_size)
     scored = SamplingParams(temperature=0.0, prompt_logprobs=2)
@@ -100,7 +100,7 @@ def test_the_fused_layer_ops_give_transformers_logits_to_float32s_last_bits(tiny
     model, info = load_model(tiny_model_dir)
     reference = sharpened(model).to(dtype)
     use_paged_attention(reference)
-    worker = ModelWorker(copy.deepcopy(reference), info, max_num_seqs=8, prefill_chunk=16)
+    worker = TransformersBackend(copy.deepcopy(reference), info, max_num_seqs=8, prefill_chunk=16)
     assert worker.llama.kernels.rotary is kernels.rotary
     run_every_pass(worker, compared(worker, reference, atol), info)
 
@@ -109,7 +109,7 @@ def test_a_model_it_does_not_know_runs_transformers_forward(tiny_model_dir):
     model, info = load_model(tiny_model_dir)
     other = copy.deepcopy(model)
     other.__class__ = type("OtherCausalLM", (type(model),), {})
-    worker = ModelWorker(other, info, max_num_seqs=2)
+    worker = TransformersBackend(other, info, max_num_seqs=2)
     assert worker.llama is None
     drive = Driver(worker)
     drive.step(prefill=[new_seq("a", [5, 6, 7], GREEDY)])

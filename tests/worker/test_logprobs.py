@@ -8,8 +8,8 @@ import torch
 from common.protocol import SamplingParams
 from factories import make_prompts, new_seq
 from worker.messages import StepRequest
-from worker.model_worker import ModelWorker
-from worker.sampler import Sampler, SamplingState
+from worker.model.transformers.backend import TransformersBackend
+from worker.model.sampler import Sampler, SamplingState
 
 
 def state(params: SamplingParams, token_ids=(1,)) -> SamplingState:
@@ -49,7 +49,7 @@ def test_rows_without_logprobs_get_none_and_the_same_tokens():
 def test_worker_returns_logprobs_for_prefill_and_decode(tiny_model):
     model, info = tiny_model
     prompts = make_prompts(2, lengths=[7, 19], seed=4)
-    worker = ModelWorker(model, info, 4)
+    worker = TransformersBackend(model, info, 4)
     params = SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1)
     res = worker.step(StepRequest(prefill=[new_seq("a", prompts[0], params),
                                            new_seq("b", prompts[1])]))
@@ -72,7 +72,7 @@ def test_a_scored_prompt_keeps_every_position_and_the_others_only_their_last(tin
     at each of its positions, the other newcomers' at their last only."""
     model, info = tiny_model
     prompts = make_prompts(3, lengths=[12, 12, 12], seed=6)
-    worker = ModelWorker(model, info, 4)
+    worker = TransformersBackend(model, info, 4)
     kept = []
     forward = worker.llama   # (the model's forward pass: tokens in, kept logits out)
     worker.llama = lambda ids, pos, plan, keep: kept.append(len(keep)) or forward(ids, pos,

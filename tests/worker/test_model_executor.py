@@ -16,7 +16,7 @@ from common.settings import Settings
 from factories import make_prompts, run_solo
 from worker.messages import NewSequence, StepRequest
 from worker.model_executor import ModelExecutor, ModelWorkerDied
-from worker.model_worker import ModelWorker
+from worker.model.transformers.backend import TransformersBackend
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -50,7 +50,7 @@ def running(executor):
 def expected(tiny_model):
     """Each prompt's greedy tokens from an in-process worker: what the process must answer."""
     model, info = tiny_model
-    return {sid: run_solo(ModelWorker(model, info, 1), ids, N) for sid, ids in PROMPTS.items()}
+    return {sid: run_solo(TransformersBackend(model, info, 1), ids, N) for sid, ids in PROMPTS.items()}
 
 
 def generate(ex: ModelExecutor) -> dict[str, list[int]]:

@@ -1,15 +1,15 @@
-"""ModelWorker.load: settings that shape what the engine is told about the model."""
+"""TransformersBackend.load: settings that shape what the engine is told about the model."""
 from common.settings import Settings
-from worker.model_worker import ModelWorker
+from worker.model.transformers.backend import TransformersBackend
 
 
 def test_max_model_len_caps_the_context_the_engine_sees(tiny_model_dir):
-    own = ModelWorker.load(Settings(model=tiny_model_dir, device="cpu", dtype="float32"))
+    own = TransformersBackend.load(Settings(model=tiny_model_dir, device="cpu", dtype="float32"))
     assert own.info.max_model_len == 512                 # the tiny config's positions
-    capped = ModelWorker.load(Settings(model=tiny_model_dir, device="cpu", dtype="float32",
+    capped = TransformersBackend.load(Settings(model=tiny_model_dir, device="cpu", dtype="float32",
                                        max_model_len=100))
     assert capped.info.max_model_len == 100
-    wider = ModelWorker.load(Settings(model=tiny_model_dir, device="cpu", dtype="float32",
+    wider = TransformersBackend.load(Settings(model=tiny_model_dir, device="cpu", dtype="float32",
                                       max_model_len=10_000))
     assert wider.info.max_model_len == 512                # never beyond what the model has
 
@@ -17,14 +17,14 @@ def test_max_model_len_caps_the_context_the_engine_sees(tiny_model_dir):
 def test_layer_kernels_setting_picks_the_fused_ops_or_torchs(tiny_model_dir, monkeypatch):
     """LLMQ_LAYER_KERNELS=0 keeps torch's ops (transformers' logits to the bit); the default
     runs the fused C++ ops where the CPU kernels build."""
-    from worker import cpu_kernels
+    from worker.model.transformers import cpu_kernels
 
     monkeypatch.setenv("LLMQ_LAYER_KERNELS", "0")
-    off = ModelWorker.load(Settings.from_env(model=tiny_model_dir, device="cpu",
+    off = TransformersBackend.load(Settings.from_env(model=tiny_model_dir, device="cpu",
                                              dtype="float32"))
     assert off.llama is not None and off.llama.kernels is None
     monkeypatch.delenv("LLMQ_LAYER_KERNELS")
-    on = ModelWorker.load(Settings.from_env(model=tiny_model_dir, device="cpu", dtype="float32"))
+    on = TransformersBackend.load(Settings.from_env(model=tiny_model_dir, device="cpu", dtype="float32"))
     assert (on.llama.kernels is not None) == (cpu_kernels.load() is not None)
 
 

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from factories import Driver, make_prompts, new_seq
-from worker import packed_linear
-from worker.model_worker import ModelWorker
-from worker.packed_linear import PackedLinear, pack_linears
+from worker.model.transformers import packed_linear
+from worker.model.transformers.backend import TransformersBackend
+from worker.model.transformers.packed_linear import PackedLinear, pack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="this torch has no oneDNN")
@@ -36,7 +36,7 @@ def test_a_packed_model_decodes_a_mixed_batch_as_the_plain_model_does(sharp_mode
     prompts = make_prompts(6, lengths=[3, 17, 40, 9, 25, 60], vocab=info.vocab_size)
     runs = []
     for m in (model, packed):
-        d = Driver(ModelWorker(m, info, max_num_seqs=8))
+        d = Driver(TransformersBackend(m, info, max_num_seqs=8))
         d.step(prefill=[new_seq(f"s{i}", p) for i, p in enumerate(prompts[:4])])
         for _ in range(3):
             d.step()
@@ -63,7 +63,7 @@ def test_the_model_worker_packs_only_on_a_cpu_when_asked(monkeypatch, tiny_model
     from common.settings import Settings
 
     for on in (True, False):
-        w = ModelWorker.load(Settings(model=tiny_model_dir, device="cpu", dtype="float32",
+        w = TransformersBackend.load(Settings(model=tiny_model_dir, device="cpu", dtype="float32",
                                       packed_linears=on, prefix_cache_mb=0))
         assert any(isinstance(m, PackedLinear) for m in w.model.modules()) is on
 

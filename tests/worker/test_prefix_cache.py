@@ -8,8 +8,8 @@ import pytest
 from common.protocol import SamplingParams
 from factories import Driver, compare_to_solo, make_prompts, new_seq, recording, solo_references
 from worker.messages import StepRequest
-from worker.model_worker import ModelWorker
-from worker.prefix_cache import PrefixCache, block_keys
+from worker.model.transformers.backend import TransformersBackend
+from worker.model.transformers.prefix_cache import PrefixCache, block_keys
 
 B = 8          # the block size
 LOGIT_TOL = 1e-4
@@ -104,7 +104,7 @@ def test_prefill_over_cached_blocks_matches_computing_everything(sharp_model, sh
     model, info = sharp_model
     system, prompts = shared_prompts
     solo = solo_references(model, info, prompts, 6)        # no prefix cache
-    worker = ModelWorker(model, info, 8, prefix_cache_bytes=64 << 20)
+    worker = TransformersBackend(model, info, 8, prefix_cache_bytes=64 << 20)
     d = Driver(worker)
     d.step(prefill=[new_seq("warm", system + [101, 102, 103, 104, 105])])
     d.finish()
@@ -126,7 +126,7 @@ def test_prefill_over_cached_blocks_matches_computing_everything(sharp_model, sh
 def test_a_prompt_meets_its_own_blocks_the_second_time(sharp_model):
     model, info = sharp_model
     prompt, = make_prompts(1, lengths=[40], seed=3)
-    worker = ModelWorker(model, info, 4, prefix_cache_bytes=64 << 20)
+    worker = TransformersBackend(model, info, 4, prefix_cache_bytes=64 << 20)
     first, second = Driver(worker), Driver(worker)
     first.step(prefill=[new_seq("a", prompt)])
     for _ in range(4):
@@ -147,7 +147,7 @@ def test_a_prompt_meets_its_own_blocks_the_second_time(sharp_model):
 def test_without_a_prefix_budget_nothing_is_reused(tiny_model):
     model, info = tiny_model
     prompt, = make_prompts(1, lengths=[20], seed=11)
-    worker = ModelWorker(model, info, 2, prefix_cache_bytes=0)
+    worker = TransformersBackend(model, info, 2, prefix_cache_bytes=0)
     for sid in ("a", "b"):
         res = worker.step(StepRequest(prefill=[new_seq(sid, prompt)]))
         assert not res.errors and sid in res.token_ids and not res.cached_tokens

@@ -1,6 +1,6 @@
 """Sampling: seeds, top-k/top-p/min-p, min_tokens, repetition penalty, greedy.
 
-Unit tests run the Sampler on hand-made logits; the others run a real ModelWorker on the tiny
+Unit tests run the Sampler on hand-made logits; the others run a real TransformersBackend on the tiny
 random model, whose temperature-1 distribution is close to uniform over ~49k tokens (so two
 different seeds practically never agree by chance), and on its sharpened variant, whose greedy
 tokens change from step to step.
@@ -13,8 +13,8 @@ import torch
 from common.protocol import SamplingParams
 from factories import GREEDY, Driver, make_prompts, new_seq, run_batch, run_solo
 from worker.messages import StepRequest
-from worker.model_worker import ModelWorker
-from worker.sampler import Sampler, SamplingState, greedy_tokens
+from worker.model.transformers.backend import TransformersBackend
+from worker.model.sampler import Sampler, SamplingState, greedy_tokens
 
 N = 20
 
@@ -36,23 +36,23 @@ def prompts():
 def test_same_seed_same_tokens_whatever_shares_the_batch(tiny_model, prompts):
     model, info = tiny_model
     me, seeded = prompts[0], sampled(seed=42)
-    alone = run_solo(ModelWorker(model, info, 8), me, N, seeded)
+    alone = run_solo(TransformersBackend(model, info, 8), me, N, seeded)
     assert len(set(alone)) >= N - 2, "temperature 1 on a random model: mostly distinct tokens"
-    assert run_solo(ModelWorker(model, info, 8), me, N, seeded) == alone
+    assert run_solo(TransformersBackend(model, info, 8), me, N, seeded) == alone
 
     # First row, among greedy, unseeded and otherwise seeded neighbours.
-    out = run_batch(ModelWorker(model, info, 8),
+    out = run_batch(TransformersBackend(model, info, 8),
                     {"me": me, "g": prompts[1], "u": prompts[2], "o": prompts[3]}, N,
                     {"me": seeded, "g": GREEDY, "u": sampled(), "o": sampled(seed=7, top_k=50)})
     assert out["me"] == alone
     # Last row, other neighbours, other lengths.
-    out = run_batch(ModelWorker(model, info, 8),
+    out = run_batch(TransformersBackend(model, info, 8),
                     {"a": prompts[4], "b": prompts[5], "c": prompts[6], "me": me}, N,
                     {"a": sampled(seed=42), "b": sampled(top_p=0.9), "c": GREEDY, "me": seeded})
     assert out["me"] == alone
 
     # Joining a running batch, then moving rows when a neighbour leaves before it.
-    d = Driver(ModelWorker(model, info, 8))
+    d = Driver(TransformersBackend(model, info, 8))
     d.step(prefill=[new_seq("x", prompts[4], sampled(seed=1)), new_seq("y", prompts[5])])
     for _ in range(3):
         d.step()
@@ -65,7 +65,7 @@ def test_same_seed_same_tokens_whatever_shares_the_batch(tiny_model, prompts):
 
 def test_different_seeds_give_different_tokens(tiny_model, prompts):
     model, info = tiny_model
-    worker = ModelWorker(model, info, 8)
+    worker = TransformersBackend(model, info, 8)
     out = run_batch(worker, {"s1": prompts[0], "s2": prompts[0], "n1": prompts[0],
                              "n2": prompts[0]}, N,
                     {"s1": sampled(seed=1), "s2": sampled(seed=2), "n1": sampled(),
@@ -78,9 +78,9 @@ def test_different_seeds_give_different_tokens(tiny_model, prompts):
 # --- top-k / top-p reduce to greedy, through the worker -------------------------------------------
 def test_top_k_1_and_tiny_top_p_equal_greedy(sharp_model, prompts):
     model, info = sharp_model
-    greedy = {f"p{i}": run_solo(ModelWorker(model, info, 1), prompts[i], N) for i in (0, 1, 2)}
+    greedy = {f"p{i}": run_solo(TransformersBackend(model, info, 1), prompts[i], N) for i in (0, 1, 2)}
     assert all(len(set(g)) > 5 for g in greedy.values()), "greedy must not be one token repeated"
-    out = run_batch(ModelWorker(model, info, 8),
+    out = run_batch(TransformersBackend(model, info, 8),
                     {"k1": prompts[0], "p0": prompts[1], "k1p": prompts[2], "free": prompts[3],
                      "k50": prompts[4]}, N,
                     {"k1": sampled(seed=3, top_k=1, temperature=1.5),
@@ -99,7 +99,7 @@ def test_min_tokens_suppresses_stop_tokens_in_the_worker(tiny_model):
     model, info = tiny_model
     prompt = make_prompts(1, lengths=[12], seed=8)[0]
     stop = prompt[-1]
-    worker = ModelWorker(model, info, 4)
+    worker = TransformersBackend(model, info, 4)
     free = run_batch(worker, {"s": prompt}, 6)["s"]
     assert free[0] == stop, "the premise: unconstrained, the model says the stop token first"
     d = Driver(worker)
@@ -240,7 +240,7 @@ def test_failing_prefill_sampling_fails_that_sequence_alone(tiny_model):
     group's KV rows were added: the poisoned sequence must get an error, its group and the
     running batch must go on, and no row may be left behind (or cached twice)."""
     model, info = tiny_model
-    worker = ModelWorker(model, info, 8)
+    worker = TransformersBackend(model, info, 8)
     d = Driver(worker)
     d.step(prefill=[new_seq("running", [5, 6, 7])])
     res = worker.step(StepRequest(
@@ -269,7 +269,7 @@ def test_bias_then_repetition_then_presence_as_vllm():
 
 def test_sampling_leaves_float32_logits_as_the_model_made_them():
     """A batch whose sampling fails is sampled again row by row from the same logits
-    (ModelWorker._prefill_pass): float32 logits were edited in place by the first try, so a
+    (TransformersBackend._prefill_pass): float32 logits were edited in place by the first try, so a
     row's logit_bias (and penalties) counted twice on the second."""
     logits = torch.zeros(2, 50)
     logits[:, 0] = 10.0

@@ -15,8 +15,8 @@ import torch
 from common.protocol import SamplingParams
 from common.structured import validate
 from factories import GREEDY, Driver, make_prompts, new_seq, run_batch, run_solo
-from worker.model_worker import ModelWorker
-from worker.structured_output import apply_bitmask
+from worker.model.transformers.backend import TransformersBackend
+from worker.model.structured_output import apply_bitmask
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -61,11 +61,11 @@ def test_json_schema_rows_parse_beside_free_rows(tiny_model, tokenizer, temperat
     model, info = tiny_model
     prompts = make_prompts(4, lengths=[9, 30, 4, 17], seed=3)
     spec = {"type": "json_schema", "value": SCHEMA}
-    free_alone = run_solo(ModelWorker(model, info, 8), prompts[1], 40)
+    free_alone = run_solo(TransformersBackend(model, info, 8), prompts[1], 40)
     params = {"j1": constrained(spec, temperature=temperature, seed=1), "free": GREEDY,
               "j2": constrained(spec, temperature=temperature, seed=2),
               "free2": SamplingParams(temperature=1.0, seed=9)}
-    out = run_batch(ModelWorker(model, info, 8),
+    out = run_batch(TransformersBackend(model, info, 8),
                     {"j1": prompts[0], "free": prompts[1], "j2": prompts[2], "free2": prompts[3]},
                     40, params)
     for sid in ("j1", "j2"):
@@ -84,7 +84,7 @@ def test_regex_choice_and_json_object(tiny_model, tokenizer):
     specs = {"re": {"type": "regex", "value": r"[0-9]{3}-[a-z]{2}"},
              "choice": {"type": "choice", "value": ["alpha", "beta gamma"]},
              "obj": {"type": "json_object"}}
-    out = run_batch(ModelWorker(model, info, 8), dict(zip(specs, prompts)), 48,
+    out = run_batch(TransformersBackend(model, info, 8), dict(zip(specs, prompts)), 48,
                     {k: constrained(v, temperature=1.0, seed=4) for k, v in specs.items()})
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text_until_eos(tokenizer, out["re"],
                                                              info.eos_token_ids))
@@ -98,13 +98,13 @@ def test_a_restarted_sequence_resumes_its_grammar(tiny_model, tokenizer):
     model, info = tiny_model
     prompt = make_prompts(1, lengths=[10], seed=8)[0]
     params = constrained({"type": "json_schema", "value": SCHEMA}, temperature=1.0, seed=5)
-    whole = run_solo(ModelWorker(model, info, 4), prompt, 30, params)
-    d = Driver(ModelWorker(model, info, 4))
+    whole = run_solo(TransformersBackend(model, info, 4), prompt, 30, params)
+    d = Driver(TransformersBackend(model, info, 4))
     d.step(prefill=[new_seq("s", prompt, params)])
     for _ in range(5):
         d.step()
     made = d.outputs["s"]
-    fresh = Driver(ModelWorker(model, info, 4))   # the restarted process
+    fresh = Driver(TransformersBackend(model, info, 4))   # the restarted process
     seq = new_seq("s", prompt + made, params)
     seq.num_output_tokens = len(made)
     fresh.step(prefill=[seq])
@@ -126,7 +126,7 @@ def test_min_tokens_past_a_finished_grammar_still_samples(tiny_model, tokenizer)
     prompt = make_prompts(1, lengths=[6], seed=2)[0]
     params = constrained({"type": "choice", "value": ["ok"]}, temperature=1.0, seed=1,
                          min_tokens=4)
-    d = Driver(ModelWorker(model, info, 4))
+    d = Driver(TransformersBackend(model, info, 4))
     d.step(prefill=[new_seq("s", prompt, params, stop_token_ids=info.eos_token_ids)])
     for _ in range(3):
         d.step()

@@ -3,7 +3,7 @@
 // AVX-512 twins at 16 floats for bfloat16 (llmq::wide), compiled for AVX512-BF16 function by
 // function and called only where the CPU has it (wide::available), as the build's flags stay
 // portable.
-// (worker/cpu_kernels.py hashes this header into the build flags: torch's build cache keys on
+// (worker/model/transformers/cpu_kernels.py hashes this header into the build flags: torch's build cache keys on
 // the sources alone, and an edit here must rebuild them.)
 #pragma once
 #include <torch/extension.h>

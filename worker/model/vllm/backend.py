@@ -24,16 +24,16 @@ import os
 import time
 from collections import deque
 
-from ..messages import NewSequence, StepRequest, StepResult, TokenLogprobs
-from ..model_manager import ModelInfo, ModelManager, eos_token_ids, generation_defaults
-from . import BackendUnavailable
+from ...messages import NewSequence, StepRequest, StepResult, TokenLogprobs
+from ...model_manager import ModelInfo, ModelManager, eos_token_ids, generation_defaults
+from ..backend import BackendUnavailable, ModelBackend, StepHooks
 
 log = logging.getLogger("llmq.vllm")
 
 DEFAULT_CPU_KV_CACHE_GIB = 4   # VLLM_CPU_KVCACHE_SPACE when neither it nor LLMQ_KV_CACHE_MB is set
 
 
-class VllmBackend:
+class VllmBackend(ModelBackend):
     """Adapts vllm.LLMEngine (its engine core in this process) to StepRequest/StepResult."""
 
     def __init__(self, engine, info: ModelInfo, kv_capacity: tuple[int, int]):
@@ -47,7 +47,8 @@ class VllmBackend:
         self.prompt_logprobs: dict[str, int] = {}   # k, for requests that asked (until read)
 
     @classmethod
-    def load(cls, settings) -> "VllmBackend":
+    def load(cls, settings, hooks: StepHooks = StepHooks()) -> "VllmBackend":
+        """(vLLM neither interjects nor runs multi-step requests: it uses no hook.)"""
         _configure_env(settings)
         try:
             from vllm import EngineArgs, LLMEngine

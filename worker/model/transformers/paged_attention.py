@@ -4,7 +4,7 @@
 model. A forward pass given `kv_plan=` (a kv_cache.BatchPlan) writes each new token's keys and
 values into its pool slots, then attends each row over its own tokens only:
 
-- decode rows (one new token) on a CPU with the kernel (worker/cpu_kernels.py, the cache's
+- decode rows (one new token) on a CPU with the kernel (worker/model/transformers/cpu_kernels.py, the cache's
   `decode_kernel`): all of them in one call that reads each row's blocks in place;
 - decode rows otherwise (a GPU, or no kernel) in groups of similar length: the group's blocks are gathered into
   one padded [rows, kv heads, whole blocks, head dim] tensor and one SDPA call does the group; the

@@ -3,8 +3,8 @@
 One pool of `num_blocks` blocks of `block_size` token slots per layer (vLLM's PagedAttention
 layout); each sequence has a block table, the blocks holding its tokens in order. Memory grows
 with the sum of the sequences' lengths plus at most one partly filled block each, and a
-sequence's attention reads its own tokens only (worker/paged_attention.py). Full prompt blocks
-are shared between sequences through the prefix cache (worker/prefix_cache.py).
+sequence's attention reads its own tokens only (worker/model/transformers/paged_attention.py). Full prompt blocks
+are shared between sequences through the prefix cache (worker/model/transformers/prefix_cache.py).
 """
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ class PagedKVCache:
         self.lengths: dict[str, int] = {}       # tokens whose keys and values are stored
         self._slots: dict[str, torch.Tensor] = {}   # cached slot list per sequence
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-        # worker/cpu_kernels.py's function when decode rows are attended by it (CPU), else
+        # worker/model/transformers/cpu_kernels.py's function when decode rows are attended by it (CPU), else
         # None. The function, not its module: a builtin function deep-copies as itself.
         self.decode_kernel = None
 
@@ -298,7 +298,7 @@ class PagedKVCache:
         real tokens), longest first: each group is one padded attention call, so a row's cost
         follows its own length, not the batch's longest. A group also spans at most
         max_group_slots slots (rows x longest), so that its gathered keys and values are still
-        in the CPU's cache when its attention reads them (see ModelWorker)."""
+        in the CPU's cache when its attention reads them (see TransformersBackend)."""
         groups: list[list[Row]] = []
         for row in sorted(decodes, key=lambda r: -r.length):
             g = groups[-1] if groups else None

@@ -14,8 +14,8 @@ fork and join, a small N's poor blocking) weigh, and the fused ones ran a 64-row
 ~2.5 % and a 16-row one's ~6 % faster on the 2-core build machine. A fused matmul computes each
 output column as the separate one did (same weights, same k order), so the logits stay equal.
 
-Given the CPU kernels' module (worker/cpu_kernels.py), the layer's elementwise ops run fused
-(worker/layer_ops.cpp): the residual add with the next RMSNorm, the rotary embedding of q and k
+Given the CPU kernels' module (worker/model/transformers/cpu_kernels.py), the layer's elementwise ops run fused
+(worker/model/transformers/layer_ops.cpp): the residual add with the next RMSNorm, the rotary embedding of q and k
 straight out of the fused qkv, SiLU(gate) x up. At a 64-row decode step torch's ~25 small ops
 per layer took ~8 % of the step. The add and the rotary embedding stay torch's to the bit; the
 norm and SiLU differ in their last bits (a test bounds it), so transformers' logits are matched
@@ -33,7 +33,7 @@ from .paged_attention import paged_attention_forward
 
 
 class LayerKernels(NamedTuple):
-    """The fused elementwise ops a forward calls (worker/layer_ops.cpp's functions)."""
+    """The fused elementwise ops a forward calls (worker/model/transformers/layer_ops.cpp's functions)."""
     add_rms_norm: Callable
     silu_mul: Callable
     rotary: Callable

@@ -1,11 +1,11 @@
 // A Llama decoder layer's elementwise ops, fused: each is one pass over a row where torch ran
 // 3-9 ops, each a pass and a dispatch (at a 64-row decode step they were ~8 % of the step).
 //
-// Each rounds to the tensor's dtype where the torch ops it replaces did (worker/llama_forward.py
+// Each rounds to the tensor's dtype where the torch ops it replaces did (worker/model/transformers/llama_forward.py
 // has them), and the build keeps multiplies and adds apart (-ffp-contract=off), so the residual
 // add and the rotary embedding are torch's to the bit; the norm's sum of squares and SiLU's exp
 // differ in their last bits (another summation order, Cephes' exp). Rows are independent, so a
-// row's result does not depend on the batch around it. Built by worker/cpu_kernels.py.
+// row's result does not depend on the batch around it. Built by worker/model/transformers/cpu_kernels.py.
 //
 // bfloat16 has a second path at 16 lanes for CPUs with AVX512-BF16 (the ones dtype `auto` runs
 // in bfloat16): its native conversion rounds in one instruction where AVX2 takes eight, and

@@ -2,7 +2,7 @@
 //
 // One task per (decode row, kv head): the query heads sharing that kv head (GQA) score every
 // key of the row's blocks in fp32, then a softmax and the weighted sum of the values, so each
-// key and value is read once for all of its query heads. Built by worker/cpu_kernels.py with
+// key and value is read once for all of its query heads. Built by worker/model/transformers/cpu_kernels.py with
 // portable flags (AVX2 + FMA + F16C, never -march=native); a bfloat16 model over its bfloat16
 // cache takes a second path on CPUs with AVX512-BF16 (attend_wide).
 #include <torch/extension.h>

@@ -1,43 +1,38 @@
-"""The model worker: its own process, owning the model, the batch's KV cache and sampling.
-
-It answers StepRequests from the model executor with sampled token ids. Being a separate
-process, a crash or OOM here leaves the Celery worker (and its Redis bookkeeping) alive.
-"""
+"""The transformers backend: llmq's own batched decode over a Hugging Face causal LM, with a
+paged KV cache, a prefix cache, chunked prefill and the CPU kernels (the default backend)."""
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import signal
-import sys
 import time
 from typing import Callable
 
 import torch
 
-from common import logs
-
-from . import cpu_kernels, messages
+from ...messages import NewSequence, StepRequest, StepResult
+from ...model_manager import ModelManager
+from ..backend import ModelBackend, StepHooks
+from ..sampler import Sampler, SamplingState, prompt_logprobs
+from ..structured_output import Grammars
+from . import cpu_kernels
 from .kv_cache import PagedKVCache
 from .llama_forward import LlamaForward
-from .messages import CutShort, NewSequence, Ready, Shutdown, StepRequest, StepResult
-from .model_manager import ModelManager, pick_device, resolve_dtype
 from .packed_linear import pack_linears
 from .paged_attention import use_paged_attention
-from .sampler import Sampler, SamplingState, prompt_logprobs
-from .structured_output import Grammars
 
 log = logging.getLogger("llmq.model_worker")
 
 
-class ModelWorker:
+class TransformersBackend(ModelBackend):
     """Runs prefill and batched decode steps of one model on one device."""
 
     def __init__(self, model, info, max_num_seqs: int, prefix_cache_bytes: int = 0,
                  kv_cache_bytes: int = 0, prefill_chunk: int = 2048, block_size: int = 8,
                  decode_kernel: bool = True, kv_cache_dtype: str = "auto",
-                 layer_kernels: bool = True, prefill_pass_tokens: int = 0):
+                 layer_kernels: bool = True, prefill_pass_tokens: int = 0,
+                 hooks: StepHooks = StepHooks()):
         self.model = model
+        self.hooks = hooks
         self.info = info
         self.device = torch.device(info.device)
         use_paged_attention(model)
@@ -66,10 +61,9 @@ class ModelWorker:
         self.states: dict[str, SamplingState] = {}
         self.sampler = Sampler(Grammars(lambda: ModelManager(info.path).load_tokenizer(),
                                         info.eos_token_ids))
-        # Before each decoder layer, `between_layers` (set by main: None in tests and tools)
-        # may run an interjection that has arrived (a better priority's prefill, its own pass,
-        # docs/batches.md); never inside an interjection's own pass.
-        self.between_layers: Callable[[], None] | None = None
+        # Before each decoder layer, `hooks.between_layers` may run an interjection that has
+        # arrived (a better priority's prefill, its own pass, docs/batches.md); never inside
+        # an interjection's own pass.
         self._interjecting = False
         self._interjected_s = 0.0   # time spent in interjections, left out of the step's timing
         layers = decoder_layers(model)
@@ -96,7 +90,7 @@ class ModelWorker:
                  self.info.kv_cache_dtype, kernels)
 
     @classmethod
-    def load(cls, settings) -> "ModelWorker":
+    def load(cls, settings, hooks: StepHooks = StepHooks()) -> "TransformersBackend":
         model, info = ModelManager.from_settings(settings).load_model(settings.device, settings.dtype)
         if settings.max_model_len:
             info = dataclasses.replace(info, max_model_len=min(info.max_model_len,
@@ -106,7 +100,7 @@ class ModelWorker:
                      decode_kernel=settings.decode_kernel,
                      kv_cache_dtype=settings.kv_cache_dtype,
                      layer_kernels=settings.layer_kernels,
-                     prefill_pass_tokens=settings.prefill_pass_tokens)
+                     prefill_pass_tokens=settings.prefill_pass_tokens, hooks=hooks)
         if settings.test_fail_seed >= 0:
             log.warning("LLMQ_TEST_FAIL_SEED=%d: sequences with that seed fail (a test setting)",
                         settings.test_fail_seed)
@@ -191,12 +185,12 @@ class ModelWorker:
         """A decoder layer's forward pre-hook: the place a step in flight lets an
         interjection run (its pass touches only its own rows, blocks and the shared scratch,
         which the layer before has finished with)."""
-        if self.between_layers is None or self._interjecting:
+        if self.hooks.between_layers is None or self._interjecting:
             return
         self._interjecting = True
         t = time.perf_counter()
         try:
-            self.between_layers()
+            self.hooks.between_layers()
         finally:
             self._interjecting = False
             self._interjected_s += time.perf_counter() - t
@@ -429,7 +423,7 @@ DECODE_GROUP_BYTES = 768 << 10
 
 
 def kernel_fits(model) -> bool:
-    """Whether worker/decode_attention.cpp handles the model's attention shapes (up to 8 query
+    """Whether worker/model/transformers/decode_attention.cpp handles the model's attention shapes (up to 8 query
     heads per kv head, head dim a multiple of 8) and dtype."""
     cfg = model.config.get_text_config()
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -484,114 +478,3 @@ def auto_kv_budget(device: torch.device, most_ever: int, fraction: float = 0.4) 
 
         free = psutil.virtual_memory().available
     return max(1, min(int(free * fraction), most_ever))
-
-
-def _exit_at_once() -> None:
-    """Ends the process without the interpreter's teardown: this process keeps nothing to
-    save, and unwinding torch and transformers took ~2 s of every worker's shutdown."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _resolved_dtype(settings) -> str:
-    """LLMQ_DTYPE made concrete for this machine and backend, and logged: the backends read
-    this value (vLLM's gets float32 on CPU under auto)."""
-    device = pick_device(settings.device)
-    dtype = resolve_dtype(settings.dtype, device, settings.backend)
-    log.info("dtype %s on %s (LLMQ_DTYPE=%s)", dtype, device, settings.dtype)
-    return dtype
-
-
-def main(conn, settings) -> None:
-    """Entry point of the spawned process: load, warm up, then serve steps until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
-    if settings.device.startswith("cuda:") and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        os.environ["CUDA_VISIBLE_DEVICES"] = settings.device.split(":", 1)[1]
-        settings = settings.replace(device="cuda:0")
-    logs.configure("model_worker")
-    if settings.torch_threads > 0:
-        torch.set_num_threads(settings.torch_threads)
-    from .backends import load_backend
-
-    try:
-        settings = settings.replace(dtype=_resolved_dtype(settings))
-        worker = load_backend(settings)   # transformers (default) or another engine
-        worker.warm_up()
-    except Exception as exc:  # noqa: BLE001 - tell the executor why, in words, then exit
-        log.exception("model worker failed to load")
-        conn.send_bytes(messages.encode(RuntimeError(f"{type(exc).__name__}: {exc}")))
-        return
-    blocks, block_size = getattr(worker, "kv_capacity", (0, 0))
-    interjects = getattr(worker, "interjects", False)
-    conn.send_bytes(messages.encode(Ready(worker.info, blocks, block_size, interjects,
-                                          getattr(worker, "multi_step", False))))
-    # A backend that can decode ahead does so while the engine takes its turn (llama_cpp).
-    run_ahead = getattr(worker, "run_ahead", None)
-    deferred: list = []   # read between layers, not an interjection: served after the step
-
-    def send(msg) -> None:
-        conn.send_bytes(messages.encode(msg))
-
-    def serve(req: StepRequest) -> None:
-        send(worker.step(req, early=send))
-
-    def between_layers() -> None:
-        if not conn.poll():
-            return
-        try:
-            msg = messages.decode(conn.recv_bytes())
-            if not (isinstance(msg, StepRequest) and msg.interject):
-                deferred.append(msg)
-                return
-            serve(msg)
-        except Exception:  # noqa: BLE001 - not the interrupted step's failure: exit, and the
-            log.exception("interjection failed")   # executor restarts us and re-runs both
-            logging.shutdown()
-            os._exit(1)
-
-    cut = [False]   # this step's passes were cut short: newcomers wait, no running ahead
-
-    def another_pass() -> bool:
-        """Between a multi-step request's passes: go on unless the engine sent something
-        meanwhile (CutShort: newcomers wait; anything else is served after the step)."""
-        if not conn.poll():
-            return True
-        cut[0] = True
-        try:
-            msg = messages.decode(conn.recv_bytes())
-        except (EOFError, OSError):
-            return False   # the executor went away: the main loop finds out
-        if not isinstance(msg, CutShort):
-            deferred.append(msg)
-        return False
-
-    if interjects:
-        worker.between_layers = between_layers
-    if getattr(worker, "multi_step", False):
-        worker.another_pass = another_pass
-    while True:
-        try:
-            msg = deferred.pop(0) if deferred else messages.decode(conn.recv_bytes())
-        except (EOFError, OSError):
-            return   # the executor went away
-        if isinstance(msg, Shutdown):
-            _exit_at_once()
-        if isinstance(msg, CutShort):
-            continue   # it came after the step it was for had ended
-        cut[0] = False
-        try:
-            serve(msg)
-        except Exception as exc:  # noqa: BLE001 - a broken batch: report it, the executor restarts us
-            log.exception("step failed")
-            send(RuntimeError(f"{type(exc).__name__}: {exc}"))
-            return
-        # (Not after a cut: the newcomers' step is next, and a token run ahead would make
-        # them wait for one more pass and keep their prefill out of the decode's.)
-        if run_ahead is not None and not cut[0]:
-            try:
-                run_ahead()
-            except Exception:  # noqa: BLE001 - as a broken step: exit, the executor restarts us
-                log.exception("running ahead failed")
-                return

@@ -5,7 +5,7 @@ One llama.cpp context holds every running sequence, each in its own sequence slo
 one `llama_decode` over a flat batch (a token each for the running sequences, whole prompts for
 newcomers), so decode and prefill share one pass over the weights. A sequence that needs only
 what llama.cpp's samplers do (greedy, temperature, top-k/p, min-p, seed, logit_bias, min_tokens)
-is sampled in C by its own sampler chain (`llama_cpp_sampling`), its logits never copied out;
+is sampled in C by its own sampler chain (`sampling.py`), its logits never copied out;
 the others (logprobs, structured output, penalties) have their logits copied and go through
 llmq's own `Sampler`, as on the transformers backend.
 
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..messages import NewSequence, StepRequest, StepResult
-from ..model_manager import ModelInfo, ModelManager, eos_token_ids, generation_defaults
+from ...messages import NewSequence, StepRequest, StepResult
+from ...model_manager import ModelInfo, ModelManager, eos_token_ids, generation_defaults
+from ..backend import BackendUnavailable, ModelBackend, StepHooks
 from ..sampler import Sampler, SamplingState, prompt_logprobs
 from ..structured_output import Grammars
-from . import BackendUnavailable
-from .llama_cpp_sampling import ChainSampler, needs_logits
+from .sampling import ChainSampler, needs_logits
 
 log = logging.getLogger("llmq.llama_cpp")
 
@@ -42,13 +42,13 @@ DEFAULT_CONTEXT_PER_SEQUENCE = 2048
 NONE, PROMPT, SAMPLE = 0, 1, 2   # what a batch row's logits are for
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(ModelBackend):
     """Runs llmq steps as llama_decode calls over one multi-sequence llama.cpp context."""
 
     multi_step = True   # runs a request's num_steps decode passes back to back
 
     def __init__(self, lib, model, ctx, info: ModelInfo, max_num_seqs: int, n_batch: int,
-                 runs_ahead: bool = True):
+                 runs_ahead: bool = True, hooks: StepHooks = StepHooks()):
         self.lib = lib
         self.model = model
         self.ctx = ctx
@@ -69,12 +69,11 @@ class LlamaCppBackend:
         self.rows = np.empty((max_num_seqs, info.vocab_size), dtype=np.float32)
         self.sampler = Sampler(Grammars(lambda: self.tokenizer, info.eos_token_ids))
         self.tokenizer = None   # set by load(): structured output builds its grammars from it
-        # Asked before each pass after a multi-step request's first: False ends the passes
-        # there (the model process: the engine sent CutShort, newcomers wait).
-        self.another_pass = lambda: True
+        # hooks.another_pass is asked before each pass after a multi-step request's first
+        self.hooks = hooks
 
     @classmethod
-    def load(cls, settings) -> "LlamaCppBackend":
+    def load(cls, settings, hooks: StepHooks = StepHooks()) -> "LlamaCppBackend":
         try:
             import llama_cpp as lib
         except ImportError as exc:
@@ -124,7 +123,7 @@ class LlamaCppBackend:
         log.info("llama.cpp loaded %s: %d sequences x %d tokens of context, %d threads",
                  path, settings.max_num_seqs, per_seq, threads)
         backend = cls(lib, model, ctx, info, settings.max_num_seqs, n_batch,
-                      _runs_ahead(settings.run_ahead, threads))
+                      _runs_ahead(settings.run_ahead, threads), hooks)
         backend.tokenizer = tok
         return backend
 
@@ -209,7 +208,7 @@ class LlamaCppBackend:
             return
         for _ in range(req.num_steps - 1):
             live = [sid for sid in live if not self._ended(sid)]
-            if not live or not self.another_pass():
+            if not live or not self.hooks.another_pass():
                 return
             rows = sorted(((sid, self.states[sid].last_token_id, self.positions[sid], SAMPLE)
                            for sid in live), key=self._in_slot_order)

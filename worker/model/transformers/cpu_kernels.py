@@ -1,16 +1,16 @@
 """The CPU kernels' module: built once, loaded, or None.
 
 One module of three sources: decode attention over the paged KV cache
-(worker/decode_attention.cpp), a Llama layer's fused elementwise ops (worker/layer_ops.cpp) and
-their bindings (worker/cpu_kernels.cpp), with the AVX2 helpers they share (worker/simd.h);
+(worker/model/transformers/decode_attention.cpp), a Llama layer's fused elementwise ops (worker/model/transformers/layer_ops.cpp) and
+their bindings (worker/model/transformers/cpu_kernels.cpp), with the AVX2 helpers they share (worker/model/transformers/simd.h);
 bfloat16's ops and attention have AVX512-BF16 paths, compiled function by function and taken
 where the CPU has the instructions (docs/architecture.md, "The bfloat16 kernels").
-`python -m worker.cpu_kernels build` compiles it (`make model` runs it, so neither the tests nor
+`python -m worker.model.transformers.cpu_kernels build` compiles it (`make model` runs it, so neither the tests nor
 the first worker start pay the ~1 minute); otherwise the first use compiles it. The build is
 cached by torch under ~/.cache/torch_extensions (keyed by the sources' and the flags' hash, so
 an edit rebuilds). Without a compiler, ninja, or on a failed build, `load()` logs one line and
 returns None, and the torch paths serve: paged attention's gather + SDPA, and the layer's torch
-ops (worker/llama_forward.py).
+ops (worker/model/transformers/llama_forward.py).
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def _cpu_has(*flags: str) -> bool:
 
 def main(argv: list[str]) -> int:
     if argv[1:] != ["build"]:
-        print("usage: python -m worker.cpu_kernels build", file=sys.stderr)
+        print("usage: python -m worker.model.transformers.cpu_kernels build", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO)
     module = load(verbose=bool(os.environ.get("VERBOSE")))

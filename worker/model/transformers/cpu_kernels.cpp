@@ -1,4 +1,4 @@
-// The CPU kernels' Python module (built by worker/cpu_kernels.py): decode attention over the
+// The CPU kernels' Python module (built by worker/model/transformers/cpu_kernels.py): decode attention over the
 // paged KV cache (decode_attention.cpp) and a Llama layer's fused elementwise ops
 // (layer_ops.cpp).
 #include <torch/extension.h>

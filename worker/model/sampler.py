@@ -8,7 +8,7 @@ import torch
 
 from common.protocol import SamplingParams
 
-from .messages import TokenLogprobs
+from ..messages import TokenLogprobs
 from .structured_output import Grammars, apply_bitmask
 
 
@@ -80,7 +80,7 @@ class Sampler:
             return greedy_tokens(logits).tolist(), [None] * len(states)
         # A copy, even when the logits are float32 already: the edits below are made in place,
         # and a batch whose sampling failed is sampled again row by row from the same logits
-        # (ModelWorker._prefill_pass), which must find them as the model made them.
+        # (TransformersBackend._prefill_pass), which must find them as the model made them.
         logits = logits.to(torch.float32, copy=True)
         self._mask(logits, states)
         # Log-probabilities of the raw distribution (after the grammar mask, which decides what

@@ -1,0 +1,1 @@
+"""The vLLM backend (LLMQ_BACKEND=vllm, optional: make vllm)."""
