@@ -134,7 +134,7 @@ def run_raw_backend(backend: str, batches: list[int], new_tokens: int, progress=
 
     from common.protocol import SamplingParams
     from common.settings import Settings
-    from worker.model.loader import load_backend
+    from worker.model.backend import load_backend
     from worker.messages import NewSequence
     from worker.model_manager import ModelManager
 
@@ -184,7 +184,7 @@ def model_alone(rounds: list[list[list[int]]], new_tokens: int, dtype: str, mode
 
     from common.protocol import SamplingParams
     from common.settings import Settings
-    from worker.model.loader import load_backend
+    from worker.model.backend import load_backend
     from worker.messages import NewSequence
 
     rows = len(rounds[0])

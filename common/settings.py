@@ -36,7 +36,6 @@ def _float(name: str, default: float) -> float:
 # Settings with a fixed set of values: (field, variable, choices).
 _CHOICES = (
     ("batch_policy", "LLMQ_BATCH_POLICY", ("continuous", "static")),
-    ("backend", "LLMQ_BACKEND", ("transformers", "llama_cpp", "vllm")),
     ("dtype", "LLMQ_DTYPE", ("auto", "float32", "bfloat16", "float16")),
     ("kv_cache_dtype", "LLMQ_KV_CACHE_DTYPE", ("auto", "model", "float32", "bfloat16", "float16")),
     ("run_ahead", "LLMQ_RUN_AHEAD", ("auto", "on", "off")),
@@ -91,7 +90,7 @@ class Settings:
     model_cache_dir: str = os.path.expanduser("~/.cache/llmq/models")
     device: str = "auto"          # auto | cpu | cuda | cuda:N
     dtype: str = "auto"           # auto | float32 | bfloat16 | float16 (auto: resolve_dtype)
-    backend: str = "transformers"
+    backend: str = "transformers"   # a name in worker/model/backend.py BACKENDS (checked at load)
     torch_threads: int = 0           # CPU threads for the model (0 = the backend's default)
     max_model_len: int = 0           # context per sequence (0 = the model's; llama.cpp: 2048)
     prefix_cache_mb: int = 256       # model process: KV of recent prompt prefixes (0 = off)

@@ -21,7 +21,7 @@ class InProcessExecutor(ModelExecutor):
     def __init__(self, settings=None, backend_factory: Callable[[], object] | None = None):
         super().__init__(settings)
         if backend_factory is None:
-            from .model.loader import load_backend
+            from .model.backend import load_backend
 
             backend_factory = lambda: load_backend(settings)   # noqa: E731
         self._factory = backend_factory

@@ -14,7 +14,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.parametrize("var,value", [
     ("LLMQ_BATCH_POLICY", "fifo"),         # unknown choice (was a KeyError in the engine)
-    ("LLMQ_BACKEND", "onnx"),
     ("LLMQ_MAX_NUM_SEQS", "0"),            # a count that must be positive
     ("LLMQ_MAX_QUEUED", "-5"),
     ("LLMQ_RATE_LIMIT_RPM", "-1"),         # 0 = off, negative is a typo

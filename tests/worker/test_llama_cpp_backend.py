@@ -24,7 +24,7 @@ GREEDY = SamplingParams(temperature=0.0)
 @pytest.fixture(scope="module")
 def backend(default_model_dir):
     from common.settings import Settings
-    from worker.model.loader import load_backend
+    from worker.model.backend import load_backend
 
     b = load_backend(Settings.from_env(backend="llama_cpp", model="smollm2", max_num_seqs=4,
                                        max_model_len=256, torch_threads=1))

@@ -147,7 +147,7 @@ def test_a_kv_cache_dtype_vllm_would_not_honour_is_a_clear_error_at_start(
 
 def test_missing_vllm_is_a_clear_error(monkeypatch, tiny_vllm_model_dir):
     from worker.model.backend import BackendUnavailable
-    from worker.model.loader import load_backend
+    from worker.model.backend import load_backend
 
     monkeypatch.setitem(sys.modules, "vllm", None)   # as if it were not installed
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")   # restored after the test

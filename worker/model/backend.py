@@ -11,14 +11,14 @@ it. Selected by LLMQ_BACKEND:
   vllm          worker.model.vllm.backend.VllmBackend: vLLM's engine, in the model process
                 (optional extra: `make vllm`; its CPU build on x86-64, CUDA on GPU hosts)
 
-worker/model/loader.py picks one; a backend's own package is imported only when it is
-selected. Everything the model process
+A backend's own package is imported only when it is selected. Everything the model process
 reads from a backend is declared on ModelBackend below, with the default that means "not
 offered"; a new backend subclasses it and overrides what it can do (docs/architecture.md,
 "Writing a backend").
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -75,3 +75,22 @@ class ModelBackend:
 
 class BackendUnavailable(RuntimeError):
     """The selected backend's package is not installed (a clear error at start-up)."""
+
+
+# name (LLMQ_BACKEND) -> "module:class", imported only when chosen (and named, not imported,
+# here: the backends import this module).
+BACKENDS = {
+    "transformers": "worker.model.transformers.backend:TransformersBackend",
+    "llama_cpp": "worker.model.llama_cpp.backend:LlamaCppBackend",
+    "vllm": "worker.model.vllm.backend:VllmBackend",
+}
+
+
+def load_backend(settings, hooks: StepHooks = StepHooks()) -> ModelBackend:
+    """The backend LLMQ_BACKEND names, loaded."""
+    where = BACKENDS.get(settings.backend)
+    if where is None:
+        raise BackendUnavailable(f"unknown LLMQ_BACKEND {settings.backend!r}; choose one of "
+                                 f"{', '.join(BACKENDS)}")
+    module, cls = where.split(":")
+    return getattr(importlib.import_module(module), cls).load(settings, hooks)

@@ -52,7 +52,7 @@ def main(conn, settings) -> None:
 
     if settings.torch_threads > 0:
         torch.set_num_threads(settings.torch_threads)
-    from .loader import load_backend
+    from .backend import load_backend
 
     deferred: list = []   # read between layers, not an interjection: served after the step
     cut = [False]         # this step's passes were cut short: newcomers wait, no running ahead
