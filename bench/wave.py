@@ -6,7 +6,7 @@ steps until all are done), on the model worker the worker process builds (`Trans
 LLMQ_* settings, packed linears), on the CPU in fp32, with this machine's threads.
 Prints each wave's time, its parts and its output tok/s as a fraction of the compute limit
 (bench/efficiency.py's probe at batch 64): the ceiling the served figure is measured against.
-Figures and conclusions: docs/architecture.md (issue 17's c=64 paragraphs).
+Figures and conclusions: issue 17's notes.
 """
 from __future__ import annotations
 

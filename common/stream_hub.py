@@ -3,8 +3,8 @@
 An SSE response (OpenAI streaming, /v1/jobs/<id>/events, a waiting /v1/generate) follows its
 sequences' Redis event streams. Each doing its own blocking XREAD cost one round trip per token
 per stream: at 64 streams that was 64 XREADs per engine step, ~130 us of the API's CPU per
-token, on machines where the model shares the cores with the API (docs/architecture.md,
-issue 17: CPU the API takes is taken from the model's step, about twice over). The hub's one
+token, on machines where the model shares the cores with the API (CPU the API takes is
+taken from the model's step). The hub's one
 thread reads all of them with one XREAD (~5-30 us per token) and hands each subscription its
 entries.
 

@@ -6,7 +6,7 @@ share a batch: only the constrained rows are masked).
 llguidance over xgrammar (both are vLLM's): its import needs no torch, so the API validates a
 schema with the same library that the worker compiles it with, and it needs no triton. Its
 mask fill at batch 64 was ~1.5 ms a step slower than xgrammar's here, 1-2% of a decode step
-(bench/structured_mask.py; figures in docs/architecture.md).
+(bench/structured_mask.py measures it).
 """
 from __future__ import annotations
 

@@ -152,7 +152,8 @@ class TransformersBackend(ModelBackend):
                 and (s.seq_id in newcomers or not req.interject)]
         # A running prompt's chunk joins the decode's pass: a pass has a fixed cost about as
         # big as a 32-row decode's, so one pass instead of two keeps the decodes' step short
-        # while a long prompt is computed beside them (measured: docs/architecture.md).
+        # while a long prompt is computed beside them (docs/architecture.md, "Long prompts beside
+        # a decoding batch").
         riding = [s for s in todo if s.seq_id not in newcomers
                   and s.params.prompt_logprobs is None] if decode_ids else []
         first = [s for s in todo if s not in riding]

@@ -4,7 +4,7 @@ One module of three sources: decode attention over the paged KV cache
 (worker/model/transformers/decode_attention.cpp), a Llama layer's fused elementwise ops (worker/model/transformers/layer_ops.cpp) and
 their bindings (worker/model/transformers/cpu_kernels.cpp), with the AVX2 helpers they share (worker/model/transformers/simd.h);
 bfloat16's ops and attention have AVX512-BF16 paths, compiled function by function and taken
-where the CPU has the instructions (docs/architecture.md, "The bfloat16 kernels").
+where the CPU has the instructions (docs/architecture.md, "The CPU kernels").
 `python -m worker.model.transformers.cpu_kernels build` compiles it (`make model` runs it, so neither the tests nor
 the first worker start pay the ~1 minute); otherwise the first use compiles it. The build is
 cached by torch under ~/.cache/torch_extensions (keyed by the sources' and the flags' hash, so

@@ -73,8 +73,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         k, v = k[:r.length].transpose(0, 1)[None], v[:r.length].transpose(0, 1)[None]
         qr = q[None, :, start:start + r.num_new]
         # enable_gqa, not repeat_interleave: copying a long row's keys `rep` times per layer
-        # made a 4-token chunk at 3,000 tokens of context cost ~15x its attention (measured:
-        # docs/architecture.md, "Long prompts beside a decoding batch").
+        # made a 4-token chunk at 3,000 tokens of context cost ~15x its attention.
         if r.num_past == 0:
             o = F.scaled_dot_product_attention(qr, k, v, is_causal=True, scale=scaling,
                                                enable_gqa=rep > 1)

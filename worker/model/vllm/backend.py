@@ -102,7 +102,8 @@ class VllmBackend(ModelBackend):
             generation_defaults=generation_defaults(gen),
             kernels=f"vLLM ({device})",
             # a re-added request starts vLLM's grammar, seeded generator and penalty counts
-            # again (docs/architecture.md): vLLM preempts those itself, keeping them
+            # again (docs/architecture.md, "vLLM behind llmq"): vLLM preempts those itself,
+            # keeping them
             resumes_exactly=False)
         info = dataclasses.replace(info, kv_cache_dtype=(
             info.dtype if cache.cache_dtype == "auto" else str(cache.cache_dtype)))
