@@ -75,3 +75,35 @@ def test_a_lower_case_log_level_as_celery_takes_it(monkeypatch):
     finally:
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
+
+
+def test_every_setting_is_declared_once_and_documented():
+    """Each field names its variable in its declaration (nowhere else in the module), and
+    docs/settings.md lists every variable (docs/testing.md the test-only LLMQ_TEST_*)."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    source = Path(ROOT, "common", "settings.py").read_text()
+    docs = Path(ROOT, "docs", "settings.md").read_text()
+    testing = Path(ROOT, "docs", "testing.md").read_text()
+    names = [v for f in dataclasses.fields(Settings) for v in f.metadata["env"]]
+    assert len(names) == len(set(names))
+    declared = {v: len(re.findall(rf'"{v}"', source)) for v in names}
+    assert all(n == 1 for n in declared.values()), declared
+    undocumented = [v for v in names if v.startswith("LLMQ_") and f"`{v}`" not in
+                    (testing if v.startswith("LLMQ_TEST_") else docs)]
+    assert not undocumented, undocumented
+
+
+def test_variables_are_read_by_the_fields_type(monkeypatch):
+    monkeypatch.setenv("LLMQ_API_KEYS", " a, b ,")
+    monkeypatch.setenv("LLMQ_ALLOWED_HOSTS", "Api.Example.COM")
+    monkeypatch.setenv("LLMQ_PACKED_LINEARS", "0")
+    monkeypatch.setenv("LLMQ_WORKER_STALE", "20.5")
+    monkeypatch.delenv("LLMQ_REDIS_URL", raising=False)
+    monkeypatch.setenv("REDIS_URL", "redis://elsewhere:6380/0")
+    s = Settings.from_env(max_num_seqs=3)
+    assert (s.api_keys, s.allowed_hosts) == (("a", "b"), ("api.example.com",))
+    assert s.packed_linears is False and s.worker_stale_s == 20.5 and s.max_num_seqs == 3
+    assert s.redis_url == "redis://elsewhere:6380/0"
