@@ -53,7 +53,8 @@ _NON_NEGATIVE = (
     ("priority_window_s", "LLMQ_PRIORITY_WINDOW"),
     ("multi_step_window_s", "LLMQ_MULTI_STEP_WINDOW"),
     ("prefix_cache_mb", "LLMQ_PREFIX_CACHE_MB"), ("kv_cache_mb", "LLMQ_KV_CACHE_MB"),
-    ("max_stop", "LLMQ_MAX_STOP"), ("rate_limit_rpm", "LLMQ_RATE_LIMIT_RPM"),
+    ("max_stop", "LLMQ_MAX_STOP"), ("max_stop_token_ids", "LLMQ_MAX_STOP_TOKEN_IDS"),
+    ("rate_limit_rpm", "LLMQ_RATE_LIMIT_RPM"),
     ("rate_limit_tpm", "LLMQ_RATE_LIMIT_TPM"), ("key_max_streams", "LLMQ_KEY_MAX_STREAMS"),
     ("test_step_delay_s", "LLMQ_TEST_STEP_DELAY"), ("port", "LLMQ_PORT"),
     ("file_max_bytes_per_key", "LLMQ_FILE_MAX_BYTES_PER_KEY"),
@@ -108,6 +109,7 @@ class Settings:
     default_max_tokens: int = 256
     max_prompt_chars: int = 100_000
     max_stop: int = 16
+    max_stop_token_ids: int = 64     # a handful of EOS ids, with a wide margin
     max_body_bytes: int = 2 * 1024 * 1024
     # Engine.
     max_num_seqs: int = 64
@@ -260,6 +262,7 @@ class Settings:
             max_prompt_chars=_int("LLMQ_MAX_PROMPT_CHARS", d.max_prompt_chars),
             max_body_bytes=_int("LLMQ_MAX_BODY_BYTES", d.max_body_bytes),
             max_stop=_int("LLMQ_MAX_STOP", d.max_stop),
+            max_stop_token_ids=_int("LLMQ_MAX_STOP_TOKEN_IDS", d.max_stop_token_ids),
             pending_ttl_s=_int("LLMQ_PENDING_TTL", d.pending_ttl_s),
             worker_stale_s=_float("LLMQ_WORKER_STALE", d.worker_stale_s),
             sse_keepalive_s=_float("LLMQ_SSE_KEEPALIVE", d.sse_keepalive_s),
