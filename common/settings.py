@@ -25,6 +25,18 @@ def _number(kind: type, name: str, default):
     return value
 
 
+def _keys(name: str) -> tuple[str, ...]:
+    """A comma-separated list of API keys ("key1, key2": spaces are not part of a key). Unset
+    or empty means none; a value that names no key (",") is refused: it reads as a list of
+    keys, and would silently leave every route open."""
+    raw = _env(name, "")
+    keys = tuple(k.strip() for k in raw.split(",") if k.strip())
+    if raw.strip() and not keys:
+        raise ValueError(f"{name}={raw!r} names no key: give at least one key, or leave it "
+                         "unset for a server without keys")
+    return keys
+
+
 def _int(name: str, default: int) -> int:
     return _number(int, name, default)
 
@@ -61,6 +73,9 @@ _NON_NEGATIVE = (
     ("file_max_files_per_key", "LLMQ_FILE_MAX_FILES_PER_KEY"),
     # 0: no drain, the batch is handed back at once (a fault test kills the worker mid-hand-back)
     ("shutdown_grace_s", "LLMQ_SHUTDOWN_GRACE"),
+    ("webhook_max_per_host", "LLMQ_WEBHOOK_MAX_PER_HOST"),
+    ("webhook_max_per_key", "LLMQ_WEBHOOK_MAX_PER_KEY"),
+    ("webhook_breaker_failures", "LLMQ_WEBHOOK_BREAKER_FAILURES"),
 )
 _POSITIVE = (
     ("max_prompts", "LLMQ_MAX_PROMPTS"), ("max_tokens_limit", "LLMQ_MAX_TOKENS_LIMIT"),
@@ -79,6 +94,8 @@ _POSITIVE = (
     ("file_ttl_s", "LLMQ_FILE_TTL"), ("batch_max_inflight", "LLMQ_BATCH_MAX_INFLIGHT"),
     ("webhook_timeout_s", "LLMQ_WEBHOOK_TIMEOUT"),
     ("webhook_max_attempts", "LLMQ_WEBHOOK_MAX_ATTEMPTS"),
+    ("webhook_connect_timeout_s", "LLMQ_WEBHOOK_CONNECT_TIMEOUT"),
+    ("webhook_breaker_s", "LLMQ_WEBHOOK_BREAKER"),
 )
 
 
@@ -196,6 +213,17 @@ class Settings:
     webhook_allowed_hosts: tuple[str, ...] = field(default_factory=tuple)
     webhook_timeout_s: float = 10.0
     webhook_max_attempts: int = 20
+    # Deliveries run on their own queue (webhook_queue) and pool (scripts/delivery.sh), never on
+    # a generation thread. What one receiver can hold of that pool is bounded: the connection
+    # must open within webhook_connect_timeout_s, at most webhook_max_per_host deliveries to
+    # one host and webhook_max_per_key of one key's events are in flight at once (0: no cap),
+    # and a host whose attempts end without an answer webhook_breaker_failures times in a row
+    # (0: never) is left alone for webhook_breaker_s before one attempt probes it again.
+    webhook_connect_timeout_s: float = 3.0
+    webhook_max_per_host: int = 4
+    webhook_max_per_key: int = 4
+    webhook_breaker_failures: int = 5
+    webhook_breaker_s: float = 60.0
 
     def __post_init__(self):
         if self.webhook_secret:
@@ -226,6 +254,11 @@ class Settings:
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{var}={getattr(self, name)!r} must be in (0, 1]")
         return self
+
+    @property
+    def webhook_queue(self) -> str:
+        """The Celery queue of webhook deliveries, served by the delivery workers alone."""
+        return f"{self.queue}.webhooks"
 
     def webhook_key(self) -> bytes:
         """The HMAC key: the base64 part of LLMQ_WEBHOOK_SECRET (`whsec_<base64>`)."""
@@ -294,10 +327,8 @@ class Settings:
             worker_heartbeat_s=_float("LLMQ_WORKER_HEARTBEAT", d.worker_heartbeat_s),
             host=_env("LLMQ_HOST", d.host),
             port=_int("LLMQ_PORT", d.port),
-            # "key1, key2" is the natural way to write a list: spaces are not part of a key.
-            api_keys=tuple(k.strip() for k in _env("LLMQ_API_KEYS", "").split(",") if k.strip()),
-            metrics_keys=tuple(k.strip() for k in _env("LLMQ_METRICS_KEYS", "").split(",")
-                               if k.strip()),
+            api_keys=_keys("LLMQ_API_KEYS"),
+            metrics_keys=_keys("LLMQ_METRICS_KEYS"),
             allowed_hosts=tuple(h.strip().lower() for h in _env(
                 "LLMQ_ALLOWED_HOSTS", "").split(",") if h.strip()),
             key_queue_share=_float("LLMQ_KEY_QUEUE_SHARE", d.key_queue_share),
@@ -321,6 +352,13 @@ class Settings:
                 "LLMQ_WEBHOOK_ALLOWED_HOSTS", "").split(",") if h.strip()),
             webhook_timeout_s=_float("LLMQ_WEBHOOK_TIMEOUT", d.webhook_timeout_s),
             webhook_max_attempts=_int("LLMQ_WEBHOOK_MAX_ATTEMPTS", d.webhook_max_attempts),
+            webhook_connect_timeout_s=_float("LLMQ_WEBHOOK_CONNECT_TIMEOUT",
+                                             d.webhook_connect_timeout_s),
+            webhook_max_per_host=_int("LLMQ_WEBHOOK_MAX_PER_HOST", d.webhook_max_per_host),
+            webhook_max_per_key=_int("LLMQ_WEBHOOK_MAX_PER_KEY", d.webhook_max_per_key),
+            webhook_breaker_failures=_int("LLMQ_WEBHOOK_BREAKER_FAILURES",
+                                          d.webhook_breaker_failures),
+            webhook_breaker_s=_float("LLMQ_WEBHOOK_BREAKER", d.webhook_breaker_s),
         )
         values.update(overrides)
         return cls(**values).validate()
