@@ -151,6 +151,11 @@ def deliver(self, event_id_: str) -> dict:
         store.record_attempt(event_id_, f"refused: {exc}", delivered=False)
         log.warning("webhook refused: %s (%s)", exc, exc.detail, extra={"event_id": event_id_})
         return {**outcome, "outcome": "refused"}
+    except RedisError:
+        raise   # (autoretry_for: retried with backoff, not an attempt)
+    except Exception as exc:   # anything unforeseen is a failed attempt, retried, not a lost event
+        log.exception("webhook attempt failed", extra={"event_id": event_id_})
+        result, status = f"error: {type(exc).__name__}", None
     delivered = status is not None and 200 <= status < 300
     attempts = store.record_attempt(event_id_, result, delivered)
     if delivered:

@@ -110,14 +110,15 @@ class World:
             w.start(wait_ready=wait)
         return w
 
-    def delivery_worker(self, name: str = "d1", **env: str) -> WorkerProcess:
+    def delivery_worker(self, name: str = "d1", *, wait: bool = True, **env: str
+                        ) -> WorkerProcess:
         """A real delivery worker: webhook deliveries on their own queue and pool."""
         base = {"LLMQ_WORKER_STALE": str(STALE_S), "LLMQ_WORKER_HEARTBEAT": str(HEARTBEAT_S),
                 "LLMQ_LOG_FORMAT": "text", **env}
         w = DeliveryWorkerProcess(self.url, self.model_dir, self.tmp / f"{name}.log", name=name,
                                   extra_env=base)
         self.workers.append(w)
-        return w.start()
+        return w.start(wait_ready=wait)
 
     # API ---------------------------------------------------------------------------------------
     def api(self, **overrides: Any) -> "Api":

@@ -295,3 +295,19 @@ def test_webhook_deliveries_are_routed_to_their_own_queue():
     s = make_settings(queue="llmq")
     assert celery_config(s)["task_routes"] == {WEBHOOK_TASK: {"queue": "llmq.webhooks"}}
     assert s.webhook_queue != s.queue
+
+
+def test_an_unforeseen_error_before_the_post_is_a_failed_attempt_too(delivery, monkeypatch):
+    from worker import webhooks
+
+    run, store, posts = delivery
+    calls = []
+
+    def check(url, allowed):
+        calls.append(url)
+        if len(calls) == 1:
+            raise UnicodeError("odd host")
+        return PUBLIC
+    monkeypatch.setattr(webhooks, "check_url", check)
+    assert run([204])["outcome"] == "delivered" and len(posts) == 1
+    assert store.get_event("msg_1")["attempts"] == "2"
