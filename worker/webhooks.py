@@ -174,9 +174,10 @@ def attempt(s, store, event_id_: str, event: dict[str, str]) -> tuple[str, int |
     URL's errors (WebhookURLError) when it may not be sent there."""
     target = check_url(event["url"], s.webhook_allowed_hosts)
     owner = event.get("owner", "")
+    # (without API keys every event has the one owner "": a cap per key would be the pool's)
     reason, wait_s = store.start_delivery(
         event_id_, target.host, owner, s.webhook_timeout_s + LEASE_MARGIN_S,
-        s.webhook_max_per_host, s.webhook_max_per_key, s.webhook_breaker_s)
+        s.webhook_max_per_host, s.webhook_max_per_key if owner else 0, s.webhook_breaker_s)
     if reason != "ok":
         wait_s = wait_s if reason == "breaker" else min(wait_s, DEFER_S)
         raise Deferred({"breaker": f"{target.host} not answering",
