@@ -43,7 +43,11 @@ log = logging.getLogger("llmq.webhooks")
 
 DISPATCH_S = 0.5         # between two looks for due job events
 MAX_BACKOFF_S = 3600.0
-DEFER_S = 2.0            # a delivery held back by a cap is tried again after about this long
+# A delivery held back by a cap is tried again after DEFER_S, doubling with each time it was
+# put off or failed, up to MAX_DEFER_S: thousands of one key's events held back behind one
+# receiver cost the delivery pool a few task runs a second, not thousands.
+DEFER_S = 2.0
+MAX_DEFER_S = 64.0
 LEASE_MARGIN_S = 5.0     # a delivery's slots outlast its timeout by this much
 
 
@@ -139,7 +143,7 @@ def deliver(self, event_id_: str) -> dict:
         log.error("webhook not sent: LLMQ_WEBHOOK_SECRET is not set on this worker")
         return {**outcome, "outcome": "refused"}
     try:
-        result, status = attempt(s, store, event_id_, event)
+        result, status = attempt(s, store, event_id_, event, self.request.retries)
     except Deferred as exc:
         log.info("webhook delivery held back (%s)", exc, extra={"event_id": event_id_})
         raise self.retry(countdown=exc.wait_s) from None
@@ -168,10 +172,12 @@ def deliver(self, event_id_: str) -> dict:
     raise self.retry(countdown=backoff_s(attempts - 1))
 
 
-def attempt(s, store, event_id_: str, event: dict[str, str]) -> tuple[str, int | None]:
+def attempt(s, store, event_id_: str, event: dict[str, str], retries: int = 0
+            ) -> tuple[str, int | None]:
     """Posts the event once, within its host's and its key's caps: (what happened, the HTTP
-    status or None). Raises Deferred when the caps or the host's breaker hold it back, and the
-    URL's errors (WebhookURLError) when it may not be sent there."""
+    status or None). Raises Deferred when the caps or the host's breaker hold it back (for
+    longer the more `retries` its task has had), and the URL's errors (WebhookURLError) when it
+    may not be sent there."""
     target = check_url(event["url"], s.webhook_allowed_hosts)
     owner = event.get("owner", "")
     # (without API keys every event has the one owner "": a cap per key would be the pool's)
@@ -179,7 +185,8 @@ def attempt(s, store, event_id_: str, event: dict[str, str]) -> tuple[str, int |
         event_id_, target.host, owner, s.webhook_timeout_s + LEASE_MARGIN_S,
         s.webhook_max_per_host, s.webhook_max_per_key if owner else 0, s.webhook_breaker_s)
     if reason != "ok":
-        wait_s = wait_s if reason == "breaker" else min(wait_s, DEFER_S)
+        if reason != "breaker":   # (a breaker says when it opens again)
+            wait_s = min(MAX_DEFER_S, DEFER_S * 2.0 ** min(retries, 10))
         raise Deferred({"breaker": f"{target.host} not answering",
                         "host": f"{target.host} at its cap",
                         "key": "the key at its cap"}[reason], wait_s * random.uniform(1.0, 1.5))

@@ -311,3 +311,23 @@ def test_an_unforeseen_error_before_the_post_is_a_failed_attempt_too(delivery, m
     monkeypatch.setattr(webhooks, "check_url", check)
     assert run([204])["outcome"] == "delivered" and len(posts) == 1
     assert store.get_event("msg_1")["attempts"] == "2"
+
+
+def test_a_delivery_held_back_again_and_again_waits_longer_each_time(monkeypatch):
+    """Held back every ~2 s, thousands of one key's events behind one silent receiver would
+    keep the delivery pool busy putting them off."""
+    from worker import webhooks
+
+    class Busy:
+        def start_delivery(self, *args):
+            return "key", 30.0
+
+    monkeypatch.setattr(webhooks, "check_url", lambda url, allowed: PUBLIC)
+    monkeypatch.setattr(webhooks.random, "uniform", lambda a, b: 1.0)
+    s = make_settings(webhook_secret=SECRET)
+    waits = []
+    for retries in (0, 1, 2, 5, 50):
+        with pytest.raises(webhooks.Deferred) as held:
+            webhooks.attempt(s, Busy(), "msg_1", {"url": "x", "body": "{}"}, retries)
+        waits.append(held.value.wait_s)
+    assert waits == [2.0, 4.0, 8.0, 64.0, 64.0]
