@@ -10,7 +10,7 @@ export LLMQ_PORT ?= 8000
 export FLOWER_PORT ?= 5555
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help setup venv redis-server model llama-cpp vllm run api worker redis flower test test-fast \
+.PHONY: help setup venv redis-server model llama-cpp vllm run api worker delivery redis flower test test-fast \
   test-slow-engine bench bench-quick soak peers compose-check clean
 
 help:
@@ -19,7 +19,7 @@ help:
 	@echo "make test-slow-engine   the fault tests again, every engine step slowed to >= 50 ms"
 	@echo "make bench    benchmark (results in bench/results/); make bench-quick for a short run"
 	@echo "make soak     5,000 short requests with cancels and hang-ups, then an audit of Redis (SOAK_ARGS='-n 500')"
-	@echo "make api | worker | redis | flower   start one part alone"
+	@echo "make api | worker | delivery | redis | flower   start one part alone"
 	@echo "make llama-cpp   add the optional llama.cpp backend (compiles llama.cpp: ~10 min on 2 cores)"
 	@echo "make peers   build llama-server and check vLLM, the bench's peers (~7 min once, then cached)"
 	@echo "make vllm     add the optional vLLM backend (its CPU build on x86-64, CUDA build on GPU hosts)"
@@ -101,7 +101,10 @@ redis: redis-server
 	bash scripts/redis.sh
 
 flower: venv
-	$(BIN)/celery -A worker.celery_app flower --address=127.0.0.1 --port=$(FLOWER_PORT)
+	FLOWER_PORT=$(FLOWER_PORT) bash scripts/flower.sh
+
+delivery: venv
+	bash scripts/delivery.sh
 
 test: venv redis-server model
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

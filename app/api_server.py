@@ -466,6 +466,18 @@ def _hand_stream_slot_to_response(resp: Response) -> Response:
 
 
 # --- errors -----------------------------------------------------------------------------------
+# Redis full: it runs with maxmemory and noeviction (scripts/redis.sh, docker-compose.yml), so
+# past its bound it refuses writes, until results expire or are deleted: minutes, not seconds.
+REDIS_FULL_RETRY_S = 30
+
+
+def is_redis_full(exc: BaseException) -> bool:
+    """A write Redis refused at its maxmemory ("OOM command not allowed ..."; inside a
+    transaction, the same words after the command's name; kombu passes it on as it is)."""
+    return (isinstance(exc, redis.exceptions.OutOfMemoryError)
+            or "used memory > 'maxmemory'" in str(exc))
+
+
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(APIError)
     def _api_error(exc: APIError):
@@ -488,6 +500,12 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(redis.RedisError)
     def _redis_down(exc):
+        if is_redis_full(exc):
+            current_app.logger.error("redis is full (maxmemory): %s", exc)
+            return error_response(503, "the server's storage is full (Redis reached its "
+                                  "maxmemory); nothing was queued; retry later",
+                                  "service_unavailable", {"Retry-After": str(REDIS_FULL_RETRY_S)},
+                                  code="redis_full")
         current_app.logger.warning("redis unavailable: %s", exc)
         return error_response(503, "the queue is unavailable; retry shortly",
                               "service_unavailable", {"Retry-After": "2"})

@@ -11,6 +11,9 @@ from common import structured
 from common.protocol import SamplingParams
 
 MAX_LOGPROBS = 20   # vLLM's default --max-logprobs
+# logit_bias entries (OpenAI's cap): each is an edit of the logits at every token of the
+# sequence, inside the step the whole batch shares.
+MAX_LOGIT_BIAS = 300
 
 
 class Message(BaseModel):
@@ -142,6 +145,8 @@ class SamplingFields(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, v):
+        if v and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries (as OpenAI)")
         if v and any(not k.isdigit() or int(k) >= 2**31 for k in v):
             raise ValueError("keys must be token ids")
         return v

@@ -1,6 +1,8 @@
 """Celery settings shared by the API (a client that only sends) and the worker."""
 from __future__ import annotations
 
+from .webhook_store import WEBHOOK_TASK
+
 
 def celery_config(settings) -> dict:
     return dict(
@@ -14,6 +16,10 @@ def celery_config(settings) -> dict:
             "queue_order_strategy": "priority",
         },
         task_default_queue=settings.queue,
+        # Webhook deliveries wait on a receiver's network: their own queue, served by the
+        # delivery workers' own pool (scripts/delivery.sh), so that a receiver that never
+        # answers holds none of the task threads generation runs on.
+        task_routes={WEBHOOK_TASK: {"queue": settings.webhook_queue}},
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         task_ignore_result=True,

@@ -115,3 +115,18 @@ class Keys:
     @staticmethod
     def webhook_event(event_id: str) -> str:
         return f"{PREFIX}:webhook:event:{event_id}"
+
+    @staticmethod
+    def webhook_host_deliveries(host: str) -> str:
+        """zset: event ids being delivered to one host -> lease end (its cap)."""
+        return f"{PREFIX}:webhook:host:{host}:deliveries"
+
+    @staticmethod
+    def webhook_owner_deliveries(owner: str) -> str:
+        """zset: event ids of one owner being delivered -> lease end (its cap)."""
+        return f"{Keys.owner(owner or 'anonymous')}:webhook-deliveries"
+
+    @staticmethod
+    def webhook_breaker(host: str) -> str:
+        """hash: one host's failures in a row, and until when its circuit breaker is open."""
+        return f"{PREFIX}:webhook:host:{host}:breaker"

@@ -15,23 +15,28 @@ from dataclasses import dataclass, field
 
 
 def setting(default, env: str | tuple[str, ...], *, choices: tuple = (), minimum=None,
-            maximum=None, positive: bool = False, lower: bool = False):
+            maximum=None, positive: bool = False, lower: bool = False, keys: bool = False):
     """A Settings field read from `env` (the first of several names that is set): a number
     within [minimum, maximum] (> 0 when positive), one of `choices`, or a comma-separated
-    list (lowercased when lower)."""
+    list (lowercased when lower; a list of keys that names none is refused)."""
     meta = {"env": (env,) if isinstance(env, str) else env, "choices": choices,
-            "minimum": minimum, "maximum": maximum, "positive": positive, "lower": lower}
+            "minimum": minimum, "maximum": maximum, "positive": positive, "lower": lower,
+            "keys": keys}
     if isinstance(default, tuple):
         return field(default_factory=lambda: default, metadata=meta)
     return field(default=default, metadata=meta)
 
 
-def _parse(kind: str, name: str, raw: str, lower: bool):
+def _parse(kind: str, name: str, raw: str, meta) -> object:
     """One variable's text as the field's type (the annotation, a string here)."""
     if kind.startswith("tuple"):
         # "key1, key2" is the natural way to write a list: spaces are not part of a value.
-        items = (item.strip() for item in raw.split(","))
-        return tuple((item.lower() if lower else item) for item in items if item)
+        items = tuple(item.strip() for item in raw.split(",") if item.strip())
+        if meta["keys"] and raw.strip() and not items:
+            # "," reads as a list of keys, and would silently leave every route open.
+            raise ValueError(f"{name}={raw!r} names no key: give at least one key, or leave it "
+                             "unset for a server without keys")
+        return tuple(item.lower() for item in items) if meta["lower"] else items
     if kind == "str":
         return raw
     number = int if kind in ("int", "bool") else float
@@ -83,6 +88,8 @@ class Settings:
     default_max_tokens: int = setting(256, "LLMQ_DEFAULT_MAX_TOKENS", positive=True)
     max_prompt_chars: int = setting(100_000, "LLMQ_MAX_PROMPT_CHARS", positive=True)
     max_stop: int = setting(16, "LLMQ_MAX_STOP", minimum=0)
+    # a handful of EOS ids, with a wide margin
+    max_stop_token_ids: int = setting(64, "LLMQ_MAX_STOP_TOKEN_IDS", minimum=0)
     max_body_bytes: int = setting(2 * 1024 * 1024, "LLMQ_MAX_BODY_BYTES", positive=True)
     # Engine.
     max_num_seqs: int = setting(64, "LLMQ_MAX_NUM_SEQS", positive=True)
@@ -157,10 +164,10 @@ class Settings:
     # API.
     host: str = setting("127.0.0.1", "LLMQ_HOST")
     port: int = setting(8000, "LLMQ_PORT", minimum=1, maximum=65535)
-    api_keys: tuple[str, ...] = setting((), "LLMQ_API_KEYS")
+    api_keys: tuple[str, ...] = setting((), "LLMQ_API_KEYS", keys=True)
     # Keys that read the server's own figures (/metrics, /readyz's workers), which sum every
     # tenant's traffic: a Prometheus scraper's, not a tenant's (docs/security.md).
-    metrics_keys: tuple[str, ...] = setting((), "LLMQ_METRICS_KEYS")
+    metrics_keys: tuple[str, ...] = setting((), "LLMQ_METRICS_KEYS", keys=True)
     # Without keys on a loopback bind: the Host and Origin names answered besides loopback's
     # ("*": any), so a web page cannot reach the API through DNS rebinding or a cross-site form.
     allowed_hosts: tuple[str, ...] = setting((), "LLMQ_ALLOWED_HOSTS", lower=True)
@@ -186,6 +193,17 @@ class Settings:
                                                      lower=True)
     webhook_timeout_s: float = setting(10.0, "LLMQ_WEBHOOK_TIMEOUT", positive=True)
     webhook_max_attempts: int = setting(20, "LLMQ_WEBHOOK_MAX_ATTEMPTS", positive=True)
+    # Deliveries run on their own queue (webhook_queue) and pool (scripts/delivery.sh), never on
+    # a generation thread. What one receiver can hold of that pool is bounded: the connection
+    # must open within webhook_connect_timeout_s, at most webhook_max_per_host deliveries to
+    # one host and webhook_max_per_key of one key's events are in flight at once (0: no cap),
+    # and a host whose attempts end without an answer webhook_breaker_failures times in a row
+    # (0: never) is left alone for webhook_breaker_s before one attempt probes it again.
+    webhook_connect_timeout_s: float = setting(3.0, "LLMQ_WEBHOOK_CONNECT_TIMEOUT", positive=True)
+    webhook_max_per_host: int = setting(4, "LLMQ_WEBHOOK_MAX_PER_HOST", minimum=0)
+    webhook_max_per_key: int = setting(4, "LLMQ_WEBHOOK_MAX_PER_KEY", minimum=0)
+    webhook_breaker_failures: int = setting(5, "LLMQ_WEBHOOK_BREAKER_FAILURES", minimum=0)
+    webhook_breaker_s: float = setting(60.0, "LLMQ_WEBHOOK_BREAKER", positive=True)
 
     def __post_init__(self):
         if self.webhook_secret:
@@ -212,6 +230,11 @@ class Settings:
                              f"than LLMQ_WORKER_STALE={self.worker_stale_s!r}")
         return self
 
+    @property
+    def webhook_queue(self) -> str:
+        """The Celery queue of webhook deliveries, served by the delivery workers alone."""
+        return f"{self.queue}.webhooks"
+
     def webhook_key(self) -> bytes:
         """The HMAC key: the base64 part of LLMQ_WEBHOOK_SECRET (`whsec_<base64>`)."""
         prefix, _, b64 = self.webhook_secret.partition("_")
@@ -230,7 +253,7 @@ class Settings:
         for f in dataclasses.fields(cls):
             var = next((v for v in f.metadata["env"] if v in os.environ), None)
             if var is not None and f.name not in overrides:
-                values[f.name] = _parse(f.type, var, os.environ[var], f.metadata["lower"])
+                values[f.name] = _parse(f.type, var, os.environ[var], f.metadata)
         values.update(overrides)
         return cls(**values).validate()
 

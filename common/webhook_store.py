@@ -11,6 +11,13 @@ Keys:
                                     ("" due when it happens, "d:<unix s>" dispatching, "sent")
   llmq:webhooks:watch         set   seq ids whose registration still has events to send
   llmq:webhook:event:<id>     hash  one event to deliver: url, body, owner; attempts, delivered_at
+
+Deliveries in flight are capped per destination host and per owner, and a host whose attempts
+keep ending without an answer is left alone for a while (a circuit breaker), so that one key's
+receiver that accepts and never answers cannot hold the whole delivery pool:
+  llmq:webhook:host:<host>:deliveries     zset  event id -> lease end
+  llmq:owner:<owner>:webhook-deliveries   zset  event id -> lease end
+  llmq:webhook:host:<host>:breaker        hash  failures (in a row), open_until (unix s)
 """
 from __future__ import annotations
 
@@ -117,6 +124,57 @@ return 1
 """
 
 
+# A delivery may start: not while its host's breaker is open (then a single attempt probes the
+# host once the breaker's time is up, the others wait for its outcome), nor past its host's or
+# its owner's cap of deliveries in flight. Leases (not counters) hold the slots, so a worker
+# that dies mid-delivery frees its slots when they run out.
+# KEYS: host deliveries, owner deliveries, breaker. ARGV: event id, now, lease end, cap per
+# host, cap per owner (0: none), breaker time. Returns {reason, seconds to wait} or {"ok", 0}.
+_ACQUIRE = """
+local now = tonumber(ARGV[2])
+local open_until = tonumber(redis.call('HGET', KEYS[3], 'open_until') or '0')
+if open_until > now then return {'breaker', tostring(open_until - now)} end
+local caps = {tonumber(ARGV[4]), tonumber(ARGV[5])}
+local names = {'host', 'key'}
+for i = 1, 2 do
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+  if caps[i] > 0 and not redis.call('ZSCORE', KEYS[i], ARGV[1])
+     and redis.call('ZCARD', KEYS[i]) >= caps[i] then
+    local first = redis.call('ZRANGE', KEYS[i], 0, 0, 'WITHSCORES')
+    return {names[i], tostring(tonumber(first[2]) - now)}
+  end
+end
+if open_until > 0 then
+  redis.call('HSET', KEYS[3], 'open_until', now + tonumber(ARGV[6]))
+end
+for i = 1, 2 do
+  redis.call('ZADD', KEYS[i], ARGV[3], ARGV[1])
+  redis.call('EXPIREAT', KEYS[i], math.ceil(tonumber(ARGV[3])))
+end
+return {'ok', '0'}
+"""
+
+# A delivery ended: its slots are freed; an answer closes the host's breaker, no answer counts
+# a failure, and `threshold` failures in a row open it for `breaker time` seconds.
+# KEYS: host deliveries, owner deliveries, breaker. ARGV: event id, answered (1/0), now,
+# threshold (0: no breaker), breaker time. Returns the failures in a row.
+_RELEASE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if ARGV[2] == '1' then
+  redis.call('DEL', KEYS[3])
+  return 0
+end
+if tonumber(ARGV[4]) <= 0 then return 0 end
+local n = redis.call('HINCRBY', KEYS[3], 'failures', 1)
+if n >= tonumber(ARGV[4]) then
+  redis.call('HSET', KEYS[3], 'open_until', tonumber(ARGV[3]) + tonumber(ARGV[5]))
+end
+redis.call('EXPIRE', KEYS[3], math.ceil(10 * tonumber(ARGV[5])) + 3600)
+return n
+"""
+
+
 class WebhookStore:
     """Registrations of job webhooks, and the events waiting for (or after) delivery."""
 
@@ -124,6 +182,8 @@ class WebhookStore:
         self.r, self.ttl_s = client, ttl_s
         self._due = client.register_script(_DUE)
         self._sent = client.register_script(_SENT)
+        self._acquire = client.register_script(_ACQUIRE)
+        self._release = client.register_script(_RELEASE)
 
     def register_jobs(self, seq_ids: list[str], url: str, events: list[str]) -> None:
         wanted = ",".join(e for e in EVENTS if e in events)
@@ -173,11 +233,36 @@ class WebhookStore:
     def get_event(self, event_id_: str) -> dict[str, str] | None:
         return self.r.hgetall(event_key(event_id_)) or None
 
-    def record_attempt(self, event_id_: str, result: str, delivered: bool) -> None:
+    def record_attempt(self, event_id_: str, result: str, delivered: bool) -> int:
+        """Counts an attempt; returns the event's attempts so far."""
         fields = {"last_result": result}
         if delivered:
             fields["delivered_at"] = str(time.time())
         pipe = self.r.pipeline(transaction=False)
         pipe.hincrby(event_key(event_id_), "attempts", 1)
         pipe.hset(event_key(event_id_), mapping=fields)
-        pipe.execute()
+        return int(pipe.execute()[0])
+
+    def start_delivery(self, event_id_: str, host: str, owner: str, lease_s: float,
+                       max_per_host: int, max_per_owner: int, breaker_s: float
+                       ) -> tuple[str, float]:
+        """("ok", 0) and the delivery's slots taken for lease_s, or why it must wait (its
+        host's breaker is open, its "host" or its "key" is at its cap) and about how long."""
+        now = time.time()
+        reason, wait = self._acquire(
+            keys=self._delivery_keys(host, owner),
+            args=[event_id_, now, now + lease_s, max_per_host, max_per_owner, breaker_s])
+        return reason, float(wait)
+
+    def end_delivery(self, event_id_: str, host: str, owner: str, answered: bool,
+                     breaker_failures: int, breaker_s: float) -> int:
+        """Frees the delivery's slots and counts the host's answer or its failure to give one;
+        returns the host's failures in a row."""
+        return int(self._release(keys=self._delivery_keys(host, owner),
+                                 args=[event_id_, int(answered), time.time(), breaker_failures,
+                                       breaker_s]))
+
+    @staticmethod
+    def _delivery_keys(host: str, owner: str) -> list[str]:
+        return [Keys.webhook_host_deliveries(host), Keys.webhook_owner_deliveries(owner),
+                Keys.webhook_breaker(host)]

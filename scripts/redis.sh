@@ -2,6 +2,9 @@
 # Redis for llmq on 127.0.0.1:$REDIS_PORT, in the foreground (`make redis`; `make run` starts it
 # too): append-only file on, a password generated once and kept in $LLMQ_RUN_DIR/redis.password,
 # and that folder (run/ by default) private to this user, as everything Redis writes into it.
+# Its memory is bounded (LLMQ_REDIS_MAXMEMORY, by default half the host's RAM) with noeviction:
+# a full Redis refuses writes (the API answers 503 redis_full) instead of evicting records and
+# queued messages, or growing until the host kills it.
 # `scripts/redis.sh url` prints the redis:// URL with that password instead, on REDIS_PORT or,
 # without it, on the port the last Redis started here listens on (make run moves off a port
 # where a Redis without a password answers).
@@ -24,6 +27,7 @@ fi
 chmod -R go-rwx "$RUN"   # what an older run left readable (append-only file, logs)
 # The password goes in a config file only this user reads, not on the command line (ps shows
 # every process's arguments to every user).
-printf 'port %s\nbind 127.0.0.1\ndir "%s"\nappendonly yes\nrequirepass %s\n' \
-  "$PORT" "$(cd "$RUN" && pwd)" "$pw" >"$RUN/redis.conf"
+maxmemory="${LLMQ_REDIS_MAXMEMORY:-$(awk '/^MemTotal:/ { print int($2 / 2) "kb" }' /proc/meminfo 2>/dev/null || true)}"
+printf 'port %s\nbind 127.0.0.1\ndir "%s"\nappendonly yes\nrequirepass %s\nmaxmemory %s\nmaxmemory-policy noeviction\n' \
+  "$PORT" "$(cd "$RUN" && pwd)" "$pw" "${maxmemory:-2gb}" >"$RUN/redis.conf"
 exec redis-server "$RUN/redis.conf"

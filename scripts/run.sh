@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# `make run`: Redis (unless REDIS_URL points elsewhere), WORKERS workers, the API and Flower.
+# `make run`: Redis (unless REDIS_URL points elsewhere), WORKERS workers, a delivery worker
+# (webhook deliveries: their own queue and pool, scripts/delivery.sh), the API and Flower (behind
+# a login: user llmq, a password generated once and kept in run/flower.password).
 #
 # Ctrl-C stops them in an order that loses nothing: the API first (no new work), then the
 # workers (each lets its batch finish for LLMQ_SHUTDOWN_GRACE seconds and hands the rest back
@@ -24,7 +26,7 @@ ngpu=0
 command -v nvidia-smi >/dev/null 2>&1 && ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 WORKERS="${WORKERS:-$(( ngpu > 0 ? ngpu : 1 ))}"
 
-redis=(); workers=(); api=(); flower=()
+redis=(); workers=(); deliveries=(); api=(); flower=()
 stopping=0
 
 alive() {
@@ -76,6 +78,7 @@ stop_in_order() {
   # A worker exits by itself within the grace plus its hand-back (at the latest 20 s past the
   # grace, when Redis does not answer); the rest of the margin is for a loaded host.
   stop_part "the workers (up to $grace_s s to finish their batch)" $(( grace_s + 30 )) "${workers[@]}"
+  stop_part "the delivery worker" 30 "${deliveries[@]}"
   wait_gone 5 "${api[@]}" || { echo "the API still running: killed"; kill_hard "${api[@]}"; }
   stop_part "Flower" 10 "${flower[@]}"
   stop_part "Redis" 30 "${redis[@]}"   # it writes its append-only file out first
@@ -85,7 +88,7 @@ stop_in_order() {
 stop_at_once() {
   echo; echo "stopping everything at once..."
   exec 2>/dev/null   # no "Killed" line from bash for each part
-  kill_hard "${api[@]}" "${workers[@]}" "${flower[@]}"
+  kill_hard "${api[@]}" "${workers[@]}" "${deliveries[@]}" "${flower[@]}"
   # Redis leaves in a moment on SIGTERM, with its append-only file written out.
   if [ ${#redis[@]} -gt 0 ]; then
     kill -TERM "${redis[@]}" 2>/dev/null
@@ -172,16 +175,18 @@ for i in $(seq 0 $(( WORKERS - 1 ))); do
   workers+=($!)
   echo "worker: llmq-$dev (log $RUN/worker$i.log)"
 done
+setsid bash scripts/delivery.sh >"$RUN/delivery.log" 2>&1 &
+deliveries+=($!)
+echo "delivery worker: webhooks (log $RUN/delivery.log)"
 # The API's graceful timeout is the workers' grace: its streams can follow the drain to its end.
 setsid .venv/bin/gunicorn --bind "$LLMQ_HOST:$LLMQ_PORT" --worker-class app.http_worker.ThreadWorker --workers 2 \
   --threads 256 --timeout 0 --graceful-timeout "$grace_s" app.wsgi:application \
   >"$RUN/api.log" 2>&1 &
 api+=($!)
-setsid .venv/bin/celery -A worker.celery_app flower --address=127.0.0.1 --port="$FLOWER_PORT" \
-  >"$RUN/flower.log" 2>&1 &
+LLMQ_RUN_DIR="$RUN" FLOWER_PORT="$FLOWER_PORT" setsid bash scripts/flower.sh >"$RUN/flower.log" 2>&1 &
 flower+=($!)
 echo "api:    http://$LLMQ_HOST:$LLMQ_PORT (log $RUN/api.log)"
-echo "flower: http://127.0.0.1:$FLOWER_PORT (log $RUN/flower.log)"
+echo "flower: http://127.0.0.1:$FLOWER_PORT (user llmq, password in $RUN/flower.password, log $RUN/flower.log)"
 # died NAME LOG PID...: true (and says why, with the log's end) when every PID has exited.
 died() {
   local name=$1 log=$2; shift 2
@@ -211,7 +216,7 @@ elif [ "$stopping" = 0 ]; then
   echo "try: curl -s http://$LLMQ_HOST:$LLMQ_PORT/v1/generate -d '{\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}]}'"
   echo "Ctrl-C stops everything (the workers get up to ${grace_s} s to finish their batch)."
 fi
-all=("${redis[@]}" "${workers[@]}" "${api[@]}" "${flower[@]}")
+all=("${redis[@]}" "${workers[@]}" "${deliveries[@]}" "${api[@]}" "${flower[@]}")
 until [ "$stopping" = 1 ]; do
   wait   # returns when a signal comes, or once every part has exited
   alive "${all[@]}" || break

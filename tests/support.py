@@ -160,13 +160,18 @@ class WorkerProcess:
         env.update(self.extra_env)
         return env
 
+    def pool(self) -> tuple[str, str]:
+        """(its task threads, its queue)."""
+        env = self.env()
+        return env.get("LLMQ_TASK_THREADS", env["LLMQ_MAX_NUM_SEQS"]), env.get("LLMQ_QUEUE", "llmq")
+
     def start(self, wait_ready: bool = True) -> "WorkerProcess":
         log = open(self.log_path, "ab")
+        threads, queue = self.pool()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
-             "--pool", "threads", "--concurrency",
-             self.env().get("LLMQ_TASK_THREADS", self.env()["LLMQ_MAX_NUM_SEQS"]),
-             "--queues", self.env().get("LLMQ_QUEUE", "llmq"), "--prefetch-multiplier", "1",
+             "--pool", "threads", "--concurrency", threads,
+             "--queues", queue, "--prefetch-multiplier", "1",
              "--task-events",
              "--hostname", self.hostname, "--loglevel", "INFO", "--without-mingle",
              "--without-gossip"],
@@ -208,6 +213,24 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+class DeliveryWorkerProcess(WorkerProcess):
+    """A real delivery worker (webhook deliveries' own queue and pool, no model) as
+    scripts/delivery.sh starts it."""
+
+    def pool(self) -> tuple[str, str]:
+        env = self.env()
+        return env.get("LLMQ_WEBHOOK_THREADS", "4"), env.get("LLMQ_QUEUE", "llmq") + ".webhooks"
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Until Celery says it is ready (it loads no model: seconds)."""
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"delivery worker exited: {self.log_path.read_text()[-3000:]}")
+            return f"{self.hostname} ready." in self.log_path.read_text(errors="replace")
+
+        wait_until(ready, timeout_s, "the delivery worker to be ready")
 
 
 def stop_workers(workers) -> None:

@@ -286,8 +286,8 @@ class BatchDriver:
         kind = f"batch.{obj['status']}" if event == "completed" else f"batch.{event}"
         eid = event_id(self.batch_id, event)
         self.svc.webhooks.put_event(eid, url, event_body(kind, obj), self.h["owner"])
-        self.svc.celery.send_task(WEBHOOK_TASK, args=[eid], task_id=eid,
-                                  queue=self.svc.settings.queue, priority=0)
+        # (its queue: the delivery workers', common/celery_config.py's task_routes)
+        self.svc.celery.send_task(WEBHOOK_TASK, args=[eid], task_id=eid, priority=0)
         self.batches.set_fields(self.batch_id, **{f"webhook_{event}": "sent"})
         self.h[f"webhook_{event}"] = "sent"
 

@@ -73,9 +73,20 @@ def _json_logs(logger=None, **_kw):
         logs.use_json(logger.handlers, "worker")
 
 
+def serves_generation(worker, settings: Settings) -> bool:
+    """Whether a Celery worker takes generation tasks (its --queues name the generation queue):
+    a delivery worker (scripts/delivery.sh, the webhook queue alone) has no engine and no
+    model."""
+    return worker is None or settings.queue in worker.app.amqp.queues.consume_from
+
+
 @signals.worker_init.connect
 def _start_engine(sender=None, **_kw):
     app = sender.app if sender is not None else celery
+    if not serves_generation(sender, app.llmq_settings):
+        log.info("a delivery worker (no engine): queues %s",
+                 ", ".join(sender.app.amqp.queues.consume_from))
+        return
     name = getattr(sender, "hostname", None) or f"llmq@{socket.gethostname()}-{os.getpid()}"
     log.info("starting engine %s", name)
     try:

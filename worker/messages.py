@@ -19,7 +19,7 @@ class NewSequence:
     token_ids: list[int]           # prompt, plus output already made (after a restart)
     params: SamplingParams         # resolved: no None left for temperature
     num_output_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)

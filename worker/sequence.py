@@ -76,11 +76,11 @@ class Sequence:
         return self.state is SequenceState.FINISHED
 
     @functools.cached_property
-    def stop_token_ids(self) -> tuple[int, ...]:
+    def stop_token_ids(self) -> frozenset[int]:
         """Tokens that end this sequence (EOS unless ignored, plus the request's own); made
-        once, since the output processor reads it for every token."""
+        once, as a set, since the output processor looks every token up in it."""
         eos = () if self.params.ignore_eos else self.eos_token_ids
-        return tuple(eos) + tuple(self.params.stop_token_ids)
+        return frozenset(eos) | frozenset(self.params.stop_token_ids)
 
     def append_token(self, token_id: int) -> None:
         """Records a sampled token. Whether it ends the sequence is the output processor's

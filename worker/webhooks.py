@@ -8,6 +8,13 @@ part of LLMQ_WEBHOOK_SECRET (`whsec_<base64>`) or, with API keys, with the job's
 key derived from it (common/webhook_store.py: owner_key). Every attempt resolves the host
 again, checks every address (common/webhook_guard.py) and connects to a checked address: DNS
 rebinding after the check at submit reaches nothing private. Redirects are not followed.
+
+Deliveries run on their own queue (Settings.webhook_queue, routed in common/celery_config.py)
+and pool, the delivery workers' (scripts/delivery.sh), never on a generation thread. One
+receiver holds little of that pool: a connection must open within LLMQ_WEBHOOK_CONNECT_TIMEOUT,
+a host and a key have a cap of deliveries in flight, and a host that keeps not answering is
+left alone for a while (common/webhook_store.py). A delivery held back by those is queued again
+for later without counting as an attempt: the event is still delivered at least once.
 """
 from __future__ import annotations
 
@@ -36,6 +43,20 @@ log = logging.getLogger("llmq.webhooks")
 
 DISPATCH_S = 0.5         # between two looks for due job events
 MAX_BACKOFF_S = 3600.0
+# A delivery held back by a cap is tried again after DEFER_S, doubling with each time it was
+# put off or failed, up to MAX_DEFER_S: thousands of one key's events held back behind one
+# receiver cost the delivery pool a few task runs a second, not thousands.
+DEFER_S = 2.0
+MAX_DEFER_S = 64.0
+LEASE_MARGIN_S = 5.0     # a delivery's slots outlast its timeout by this much
+
+
+class Deferred(Exception):
+    """The delivery must wait: its host's breaker is open, or its host or key is at its cap."""
+
+    def __init__(self, reason: str, wait_s: float):
+        super().__init__(f"{reason}: wait {wait_s:.1f} s")
+        self.wait_s = wait_s
 
 
 def sign(key: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
@@ -60,27 +81,32 @@ def _abort(conn) -> None:
             pass
 
 
-def post(target: Target, body: bytes, headers: dict[str, str], timeout_s: float) -> int:
+def post(target: Target, body: bytes, headers: dict[str, str], timeout_s: float,
+         connect_timeout_s: float | None = None) -> int:
     """POSTs to the checked addresses in turn (the first that answers) and returns the status,
-    all within timeout_s. A socket timeout counts per read, so a receiver that answers a byte
-    at a time would hold a task thread (shared with generation) for ever: past the deadline the
-    socket is shut down under the read. The answer's body is never read."""
+    all within timeout_s, each connection opened within connect_timeout_s. A socket timeout
+    counts per read, so a receiver that answers a byte at a time would hold a delivery thread
+    for ever: past the deadline the socket is shut down under the read. The answer's body is
+    never read."""
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     for addr in target.addresses:
         left = deadline - time.monotonic()
         if left <= 0:
             break
+        connect_s = min(left, connect_timeout_s or left)
         if target.scheme == "https":
-            conn = urllib3.connection.HTTPSConnection(addr, target.port, timeout=left,
+            conn = urllib3.connection.HTTPSConnection(addr, target.port, timeout=connect_s,
                                                       server_hostname=target.host,
                                                       assert_hostname=target.host)
         else:
-            conn = urllib3.connection.HTTPConnection(addr, target.port, timeout=left)
+            conn = urllib3.connection.HTTPConnection(addr, target.port, timeout=connect_s)
         timer = threading.Timer(left, _abort, args=(conn,))
         timer.daemon = True
         timer.start()
         try:
+            conn.connect()   # (and the TLS handshake) within connect_s
+            conn.timeout = max(0.001, deadline - time.monotonic())   # each read after it
             conn.request("POST", target.path, body=body, preload_content=False,
                          headers={**headers, "Host": target.host_header})
             return conn.getresponse().status
@@ -93,15 +119,17 @@ def post(target: Target, body: bytes, headers: dict[str, str], timeout_s: float)
     raise last or TimeoutError(f"no answer from {target.host_header} within {timeout_s:g} s")
 
 
-# max_retries=None: the attempts are counted here (LLMQ_WEBHOOK_MAX_ATTEMPTS); Celery's own
-# default (3) ended every event after 4 attempts, in about 8 s. A Redis error (the event or its
-# attempt could not be read or written) is retried with backoff too: a task that fails is
-# acknowledged (acks_late acks failures), and the event would be lost.
+# max_retries=None: the attempts are counted here (LLMQ_WEBHOOK_MAX_ATTEMPTS, in the event's
+# record, so a delivery held back is not one); Celery's own default (3) ended every event after
+# 4 attempts, in about 8 s. A Redis error (the event or its attempt could not be read or
+# written) is retried with backoff too: a task that fails is acknowledged (acks_late acks
+# failures), and the event would be lost.
 @shared_task(name=WEBHOOK_TASK, bind=True, max_retries=None, autoretry_for=(RedisError,),
              retry_backoff=True, retry_backoff_max=int(MAX_BACKOFF_S), retry_jitter=True)
 def deliver(self, event_id_: str) -> dict:
     """One attempt to deliver an event; a failure is retried later (backoff), at most
-    LLMQ_WEBHOOK_MAX_ATTEMPTS attempts in all."""
+    LLMQ_WEBHOOK_MAX_ATTEMPTS attempts in all. A delivery its host or key cannot take now is
+    queued again for later, not counted as an attempt."""
     svc = services(self.app)
     s, store = svc.settings, svc.webhooks
     event = store.get_event(event_id_)
@@ -115,15 +143,10 @@ def deliver(self, event_id_: str) -> dict:
         log.error("webhook not sent: LLMQ_WEBHOOK_SECRET is not set on this worker")
         return {**outcome, "outcome": "refused"}
     try:
-        target = check_url(event["url"], s.webhook_allowed_hosts)
-        timestamp, body = int(time.time()), event["body"].encode()
-        status = post(target, body, {
-            "Content-Type": "application/json", "User-Agent": "llmq-webhooks",
-            "webhook-id": event_id_, "webhook-timestamp": str(timestamp),
-            "webhook-signature": sign(owner_key(s.webhook_key(), event.get("owner", "")),
-                                      event_id_, timestamp, body)},
-            s.webhook_timeout_s)
-        result = f"HTTP {status}"
+        result, status = attempt(s, store, event_id_, event, self.request.retries)
+    except Deferred as exc:
+        log.info("webhook delivery held back (%s)", exc, extra={"event_id": event_id_})
+        raise self.retry(countdown=exc.wait_s) from None
     except WebhookUnresolvable as exc:
         result, status = str(exc), None
         log.info("webhook host unresolvable: %s (%s)", exc, exc.detail,
@@ -132,22 +155,62 @@ def deliver(self, event_id_: str) -> dict:
         store.record_attempt(event_id_, f"refused: {exc}", delivered=False)
         log.warning("webhook refused: %s (%s)", exc, exc.detail, extra={"event_id": event_id_})
         return {**outcome, "outcome": "refused"}
-    except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as exc:
-        result, status = f"error: {exc}", None
+    except RedisError:
+        raise   # (autoretry_for: retried with backoff, not an attempt)
     except Exception as exc:   # anything unforeseen is a failed attempt, retried, not a lost event
         log.exception("webhook attempt failed", extra={"event_id": event_id_})
         result, status = f"error: {type(exc).__name__}", None
     delivered = status is not None and 200 <= status < 300
-    store.record_attempt(event_id_, result, delivered)
+    attempts = store.record_attempt(event_id_, result, delivered)
     if delivered:
         return {**outcome, "outcome": "delivered"}
-    attempt = self.request.retries + 1
-    if attempt >= s.webhook_max_attempts:
-        log.error("webhook given up after %d attempts: %s", attempt, result,
+    if attempts >= s.webhook_max_attempts:
+        log.error("webhook given up after %d attempts: %s", attempts, result,
                   extra={"event_id": event_id_})
         return {**outcome, "outcome": f"given up: {result}"}
-    log.warning("webhook attempt %d failed: %s", attempt, result, extra={"event_id": event_id_})
-    raise self.retry(countdown=backoff_s(self.request.retries))
+    log.warning("webhook attempt %d failed: %s", attempts, result, extra={"event_id": event_id_})
+    raise self.retry(countdown=backoff_s(attempts - 1))
+
+
+def attempt(s, store, event_id_: str, event: dict[str, str], retries: int = 0
+            ) -> tuple[str, int | None]:
+    """Posts the event once, within its host's and its key's caps: (what happened, the HTTP
+    status or None). Raises Deferred when the caps or the host's breaker hold it back (for
+    longer the more `retries` its task has had), and the URL's errors (WebhookURLError) when it
+    may not be sent there."""
+    target = check_url(event["url"], s.webhook_allowed_hosts)
+    owner = event.get("owner", "")
+    # (without API keys every event has the one owner "": a cap per key would be the pool's)
+    reason, wait_s = store.start_delivery(
+        event_id_, target.host, owner, s.webhook_timeout_s + LEASE_MARGIN_S,
+        s.webhook_max_per_host, s.webhook_max_per_key if owner else 0, s.webhook_breaker_s)
+    if reason != "ok":
+        if reason != "breaker":   # (a breaker says when it opens again)
+            wait_s = min(MAX_DEFER_S, DEFER_S * 2.0 ** min(retries, 10))
+        raise Deferred({"breaker": f"{target.host} not answering",
+                        "host": f"{target.host} at its cap",
+                        "key": "the key at its cap"}[reason], wait_s * random.uniform(1.0, 1.5))
+    status = None
+    try:
+        timestamp, body = int(time.time()), event["body"].encode()
+        status = post(target, body, {
+            "Content-Type": "application/json", "User-Agent": "llmq-webhooks",
+            "webhook-id": event_id_, "webhook-timestamp": str(timestamp),
+            "webhook-signature": sign(owner_key(s.webhook_key(), owner),
+                                      event_id_, timestamp, body)},
+            s.webhook_timeout_s, s.webhook_connect_timeout_s)
+        return f"HTTP {status}", status
+    except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as exc:
+        return f"error: {exc}", None
+    except Exception as exc:   # anything unforeseen is a failed attempt, retried, not a lost event
+        log.exception("webhook attempt failed", extra={"event_id": event_id_})
+        return f"error: {type(exc).__name__}", None
+    finally:
+        failures = store.end_delivery(event_id_, target.host, owner, status is not None,
+                                      s.webhook_breaker_failures, s.webhook_breaker_s)
+        if s.webhook_breaker_failures and failures == s.webhook_breaker_failures:
+            log.warning("webhook host %s: %d attempts in a row without an answer; left alone "
+                        "for %g s", target.host, failures, s.webhook_breaker_s)
 
 
 def dispatch_job_events(svc: Services) -> None:
@@ -159,8 +222,8 @@ def dispatch_job_events(svc: Services) -> None:
             eid = event_id(seq_id, kind)
             svc.webhooks.put_event(eid, url, event_body(kind, job_from_record(rec)),
                                    rec.get("owner", ""))
-            svc.celery.send_task(WEBHOOK_TASK, args=[eid], task_id=eid,
-                                 queue=svc.settings.queue, priority=0)
+            # (its queue: the delivery workers', common/celery_config.py's task_routes)
+            svc.celery.send_task(WEBHOOK_TASK, args=[eid], task_id=eid, priority=0)
         svc.webhooks.job_event_sent(seq_id, event)
 
 

@@ -39,6 +39,8 @@ def world(tmp_path_factory, tiny_model_dir):
         # machine (the expiry test relied on this one's being slow enough).
         w.worker("w1", min_step_s=0.01, LLMQ_WEBHOOK_SECRET=SECRET, LLMQ_WEBHOOK_ALLOWED_HOSTS="127.0.0.1",
                  LLMQ_BATCH_MAX_INFLIGHT=str(INFLIGHT), LLMQ_MAX_NUM_SEQS=str(SLOTS))
+        w.delivery_worker("d1", LLMQ_WEBHOOK_SECRET=SECRET,
+                          LLMQ_WEBHOOK_ALLOWED_HOSTS="127.0.0.1")
         yield w
     finally:
         w.close()
@@ -187,11 +189,14 @@ def test_batch_runs_through_the_sdk_with_a_malformed_line_and_signed_webhooks(
     assert completed[0].body["data"]["request_counts"] == {"total": 9, "completed": 6,
                                                            "failed": 3}
 
-    # Celery (and so Flower) names them: the driver, each line, each delivery.
+    # Celery (and so Flower) names them: the driver, each line, each delivery (the last on the
+    # delivery worker, never on a generation one).
     log = world.workers[0].log_path.read_text()
     assert "Task llmq.batch[" in log
     assert f"Task llmq.batch_line[{out[0]['response']['request_id']}] received" in log
-    assert f"Task llmq.webhook[{completed[0].webhook_id}] received" in log
+    assert "Task llmq.webhook[" not in log
+    deliveries = world.workers[1].log_path.read_text()
+    assert f"Task llmq.webhook[{completed[0].webhook_id}] received" in deliveries
 
 
 def test_a_batch_whose_every_line_is_malformed_fails_with_its_errors(api, model):

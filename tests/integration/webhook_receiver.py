@@ -71,3 +71,39 @@ class WebhookReceiver:
 
     def stop(self) -> None:
         self.server.shutdown()
+
+
+class SilentReceiver:
+    """Accepts connections and never answers: each delivery to it lasts its whole timeout.
+    `connections` counts those it accepted."""
+
+    def __init__(self):
+        import socket
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held: list = []
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def connections(self) -> int:
+        with self.lock:
+            return len(self.held)
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.held.append(conn)
+
+    def stop(self) -> None:
+        self.closed.set()
+        self.sock.close()
+        with self.lock:
+            for conn in self.held:
+                conn.close()

@@ -19,8 +19,8 @@ import psutil
 import redis
 import requests
 
-from support import (FAIL_ENV, ApiServer, RedisServer, WorkerProcess, min_step_env,
-                     wait_until)
+from support import (FAIL_ENV, ApiServer, DeliveryWorkerProcess, RedisServer, WorkerProcess,
+                     min_step_env, wait_until)
 
 STALE_S = 3.0          # LLMQ_WORKER_STALE of every world: a silent worker is dead after 3 s
 HEARTBEAT_S = 0.2      # LLMQ_WORKER_HEARTBEAT
@@ -109,6 +109,16 @@ class World:
         if start:
             w.start(wait_ready=wait)
         return w
+
+    def delivery_worker(self, name: str = "d1", *, wait: bool = True, **env: str
+                        ) -> WorkerProcess:
+        """A real delivery worker: webhook deliveries on their own queue and pool."""
+        base = {"LLMQ_WORKER_STALE": str(STALE_S), "LLMQ_WORKER_HEARTBEAT": str(HEARTBEAT_S),
+                "LLMQ_LOG_FORMAT": "text", **env}
+        w = DeliveryWorkerProcess(self.url, self.model_dir, self.tmp / f"{name}.log", name=name,
+                                  extra_env=base)
+        self.workers.append(w)
+        return w.start(wait_ready=wait)
 
     # API ---------------------------------------------------------------------------------------
     def api(self, **overrides: Any) -> "Api":

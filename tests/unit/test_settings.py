@@ -24,6 +24,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("LLMQ_MAX_STEP", "inf"),
     ("LLMQ_WORKER_HEARTBEAT", "30"),       # beats further apart than a peer waits (15 s)
     ("LLMQ_PORT", "99999"),
+    ("LLMQ_API_KEYS", ","),                # a list naming no key: every route was left open
+    ("LLMQ_API_KEYS", " , ,"),
+    ("LLMQ_METRICS_KEYS", ","),
+    ("LLMQ_WEBHOOK_MAX_PER_HOST", "-1"),
+    ("LLMQ_WEBHOOK_CONNECT_TIMEOUT", "0"),
+    ("LLMQ_MAX_STOP_TOKEN_IDS", "-1"),
 ])
 def test_bad_setting_names_its_variable(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
@@ -107,3 +113,20 @@ def test_variables_are_read_by_the_fields_type(monkeypatch):
     assert (s.api_keys, s.allowed_hosts) == (("a", "b"), ("api.example.com",))
     assert s.packed_linears is False and s.worker_stale_s == 20.5 and s.max_num_seqs == 3
     assert s.redis_url == "redis://elsewhere:6380/0"
+
+
+def test_keys_are_a_list_and_unset_or_empty_means_none(monkeypatch):
+    monkeypatch.setenv("LLMQ_API_KEYS", " k1 , k2,")
+    assert Settings.from_env().api_keys == ("k1", "k2")
+    for empty in ("", "  "):
+        monkeypatch.setenv("LLMQ_API_KEYS", empty)
+        assert Settings.from_env().api_keys == ()
+
+
+def test_the_api_refuses_to_start_on_a_key_list_naming_no_key():
+    env = dict(os.environ, PYTHONPATH=ROOT, LLMQ_API_KEYS=",",
+               LLMQ_REDIS_URL="redis://127.0.0.1:1/0")
+    p = subprocess.run([sys.executable, "-c", "import app; app.create_app()"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "ValueError: LLMQ_API_KEYS=',' names no key" in p.stderr

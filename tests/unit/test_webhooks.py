@@ -39,7 +39,7 @@ def delivery(monkeypatch):
     monkeypatch.setattr(webhooks, "check_url", lambda url, allowed: PUBLIC)
 
     def run(answers, **overrides):
-        def post(target, body, headers, timeout_s):
+        def post(target, body, headers, timeout_s, connect_timeout_s=None):
             posts.append((body, headers))
             answer = answers[min(len(posts), len(answers)) - 1]
             if isinstance(answer, BaseException):
@@ -188,3 +188,146 @@ def test_the_default_retries_outlast_an_afternoon_of_downtime(delivery, monkeypa
     assert run([503])["outcome"] == "given up: HTTP 503"
     assert len(posts) == make_settings().webhook_max_attempts == len(waits) + 1
     assert sum(waits) >= 6 * 3600 and max(waits) <= 3600 * 1.25
+
+
+# --- one receiver holds little of the delivery pool (issue 48) -----------------------------------
+def test_a_connection_must_open_within_the_connect_timeout():
+    """The one timeout covered the connect too: a host that never completes the handshake
+    held a delivery thread for the whole LLMQ_WEBHOOK_TIMEOUT."""
+    import time
+
+    import urllib3
+
+    from worker.webhooks import post
+
+    srv = socket.create_server(("127.0.0.1", 0), backlog=0)   # never accepts: SYNs queue up
+    port, fill = srv.getsockname()[1], []
+    try:
+        for _ in range(4):   # fill the accept queue; then connects hang
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", port))
+            fill.append(c)
+        start = time.monotonic()
+        with pytest.raises(urllib3.exceptions.ConnectTimeoutError):
+            post(Target("http", "hooks.example.com", port, "/in", ("127.0.0.1",)), b"{}", {},
+                 timeout_s=20, connect_timeout_s=0.5)
+        assert time.monotonic() - start < 5
+    finally:
+        for c in fill:
+            c.close()
+        srv.close()
+
+
+@pytest.fixture
+def slots():
+    return WebhookStore(fakeredis.FakeRedis(decode_responses=True), 60)
+
+
+def test_deliveries_in_flight_are_capped_per_host_and_per_key(slots):
+    start = lambda eid, host, owner: slots.start_delivery(eid, host, owner, 30, 2, 3, 60)[0]
+    assert [start(e, "a.example", "k1") for e in ("e1", "e2", "e3")] == ["ok", "ok", "host"]
+    assert start("e2", "a.example", "k1") == "ok"        # its own slot again (a redelivery)
+    assert start("e4", "b.example", "k1") == "ok"        # another host: the key's third
+    assert start("e5", "c.example", "k1") == "key"       # the key's cap, whatever the host
+    assert start("e6", "c.example", "k2") == "ok"        # another key is not held back
+    slots.end_delivery("e1", "a.example", "k1", True, 5, 60)
+    assert start("e3", "a.example", "k1") == "ok"        # a freed slot is taken
+
+
+def test_a_dead_deliverys_slots_free_when_their_lease_runs_out(slots):
+    assert slots.start_delivery("e1", "a.example", "k1", -1, 1, 1, 60)[0] == "ok"   # expired
+    assert slots.start_delivery("e2", "a.example", "k1", 30, 1, 1, 60)[0] == "ok"
+
+
+def test_a_host_that_keeps_not_answering_is_left_alone_then_probed_once(slots, monkeypatch):
+    from common import webhook_store
+
+    now = [1000.0]
+    monkeypatch.setattr(webhook_store.time, "time", lambda: now[0])
+
+    def attempt(eid: str, answered: bool | None = None) -> str:
+        reason = slots.start_delivery(eid, "down.example", "k1", 30, 0, 0, 60)[0]
+        if reason == "ok" and answered is not None:
+            slots.end_delivery(eid, "down.example", "k1", answered, 3, 60)
+        return reason
+
+    assert [attempt(f"e{i}", False) for i in range(3)] == ["ok"] * 3
+    assert slots.start_delivery("e9", "down.example", "k1", 30, 0, 0, 60) == ("breaker", 60.0)
+    assert attempt("x", True) == "breaker"      # another host's answer would not matter
+    now[0] += 61
+    assert attempt("probe") == "ok"             # one attempt probes the host ...
+    assert attempt("other") == "breaker"        # ... the others wait for its outcome
+    slots.end_delivery("probe", "down.example", "k1", False, 3, 60)
+    assert attempt("other") == "breaker"        # it failed: open again
+    now[0] += 61
+    assert attempt("probe2", True) == "ok"      # it answered: closed
+    assert attempt("other") == "ok"
+
+
+def test_an_answer_of_any_status_keeps_the_breaker_closed(slots):
+    """The breaker guards the pool's threads from hosts that hold them; a receiver answering
+    503 at once holds none (its events get their attempts and backoff as before)."""
+    for i in range(10):
+        assert slots.start_delivery(f"e{i}", "busy.example", "k1", 30, 0, 0, 60)[0] == "ok"
+        slots.end_delivery(f"e{i}", "busy.example", "k1", True, 3, 60)
+
+
+def test_a_held_back_delivery_is_not_an_attempt_and_is_delivered_later(delivery, monkeypatch):
+    run, store, posts = delivery
+    real, held = store.start_delivery, []
+
+    def once_busy(*args):
+        if not held:
+            held.append(args)
+            return "host", 1.0
+        return real(*args)
+    monkeypatch.setattr(store, "start_delivery", once_busy)
+    assert run([204])["outcome"] == "delivered"
+    assert held and len(posts) == 1
+    assert store.get_event("msg_1")["attempts"] == "1"
+
+
+def test_webhook_deliveries_are_routed_to_their_own_queue():
+    from common.celery_config import celery_config
+    from common.webhook_store import WEBHOOK_TASK
+
+    s = make_settings(queue="llmq")
+    assert celery_config(s)["task_routes"] == {WEBHOOK_TASK: {"queue": "llmq.webhooks"}}
+    assert s.webhook_queue != s.queue
+
+
+def test_an_unforeseen_error_before_the_post_is_a_failed_attempt_too(delivery, monkeypatch):
+    from worker import webhooks
+
+    run, store, posts = delivery
+    calls = []
+
+    def check(url, allowed):
+        calls.append(url)
+        if len(calls) == 1:
+            raise UnicodeError("odd host")
+        return PUBLIC
+    monkeypatch.setattr(webhooks, "check_url", check)
+    assert run([204])["outcome"] == "delivered" and len(posts) == 1
+    assert store.get_event("msg_1")["attempts"] == "2"
+
+
+def test_a_delivery_held_back_again_and_again_waits_longer_each_time(monkeypatch):
+    """Held back every ~2 s, thousands of one key's events behind one silent receiver would
+    keep the delivery pool busy putting them off."""
+    from worker import webhooks
+
+    class Busy:
+        def start_delivery(self, *args):
+            return "key", 30.0
+
+    monkeypatch.setattr(webhooks, "check_url", lambda url, allowed: PUBLIC)
+    monkeypatch.setattr(webhooks.random, "uniform", lambda a, b: 1.0)
+    s = make_settings(webhook_secret=SECRET)
+    waits = []
+    for retries in (0, 1, 2, 5, 50):
+        with pytest.raises(webhooks.Deferred) as held:
+            webhooks.attempt(s, Busy(), "msg_1", {"url": "x", "body": "{}"}, retries)
+        waits.append(held.value.wait_s)
+    assert waits == [2.0, 4.0, 8.0, 64.0, 64.0]

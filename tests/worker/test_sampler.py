@@ -278,3 +278,41 @@ def test_sampling_leaves_float32_logits_as_the_model_made_them():
     Sampler()(logits, [biased, state(GREEDY)])
     assert torch.equal(logits, before)
     assert Sampler()(logits[:1], [biased]) == [0]   # 10 > 6: as the first time
+
+
+# --- per-sequence work done once, not per token ---------------------------------------------
+class CountingSet(frozenset):
+    """A stop-id set that counts how often it is walked through."""
+    walks = 0
+
+    def __iter__(self):
+        type(self).walks += 1
+        return super().__iter__()
+
+
+class CountingBias(dict):
+    """A logit_bias that counts how often its entries are read."""
+    reads = 0
+
+    def items(self):
+        type(self).reads += 1
+        return super().items()
+
+
+def test_stop_ids_and_bias_become_tensors_once_per_sequence_not_per_token():
+    """The min_tokens mask was rebuilt from the stop-id tuple at every token (1,000,000 ids:
+    ~267 ms a token) and the bias tensor from the dict (a whole-vocabulary bias: ~23 ms), all
+    inside the step every sequence waits on: both are made at the first step and kept."""
+    vocab, steps = 1000, 10
+    bias = CountingBias({t: -50.0 for t in range(0, 300)})   # 0..299 out of the running
+    st = state(SamplingParams(temperature=0.0, min_tokens=steps + 1, logit_bias=bias))
+    st.stop_token_ids = CountingSet(range(300, 600))           # 300..599 blocked (min_tokens)
+    sampler = Sampler()
+    for i in range(steps):
+        logits = torch.zeros(1, vocab)
+        logits[0, :600] = 10.0        # only the bias and the mask keep these out
+        logits[0, 600 + i] = 1.0
+        [tok] = sampler(logits, [st])
+        assert tok == 600 + i
+        st.record(tok)
+    assert CountingSet.walks == 1 and CountingBias.reads == 1

@@ -17,11 +17,16 @@ class SamplingState:
     """Per-sequence sampling state kept in the model worker (RNG, tokens for penalties)."""
 
     params: SamplingParams
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
     token_ids: list[int] = field(default_factory=list)   # prompt + output, for penalties
     num_output_tokens: int = 0
     generator: torch.Generator | None = None
     matcher: Any = None   # structured output: its grammar's matcher, made at the first sample
+    # The stop ids and the bias as index tensors, made at the first step that needs them and
+    # kept: rebuilt from the Python containers at every token, they cost in proportion to
+    # their size inside the step every sequence of the batch waits on.
+    _stop_ids: torch.Tensor | None = field(default=None, repr=False)
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, params: SamplingParams, token_ids: list[int], num_output_tokens: int,
@@ -35,7 +40,7 @@ class SamplingState:
                 gen.manual_seed(int(params.seed) + num_output_tokens)
             else:
                 gen.seed()
-        return cls(params, tuple(stop_token_ids), list(token_ids), num_output_tokens, gen)
+        return cls(params, frozenset(stop_token_ids), list(token_ids), num_output_tokens, gen)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -54,6 +59,22 @@ class SamplingState:
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
+
+    def stop_ids(self, device) -> torch.Tensor:
+        """The stop token ids as a tensor (blocked while min_tokens applies)."""
+        if self._stop_ids is None:
+            self._stop_ids = torch.tensor(sorted(self.stop_token_ids), dtype=torch.long,
+                                          device=device)
+        return self._stop_ids
+
+    def bias(self, vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias as (token ids, values) tensors, ids outside the vocabulary left out (the
+        worker admits only ids of this vocabulary)."""
+        if self._bias is None:
+            bias = {t: b for t, b in self.params.logit_bias.items() if 0 <= t < vocab_size}
+            self._bias = (torch.tensor(list(bias), dtype=torch.long, device=device),
+                          torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
+        return self._bias
 
     def record(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -92,10 +113,9 @@ class Sampler:
             # vLLM's order: the bias, then the repetition penalty (on prompt and output), then
             # the frequency and presence penalties (on the output): combined, the order decides
             # the logit, and a greedy pick with it.
-            if p.logit_bias:   # (the worker admits only ids of this vocabulary)
-                bias = {t: b for t, b in p.logit_bias.items() if 0 <= t < logits.shape[-1]}
-                ids = torch.tensor(list(bias), device=logits.device, dtype=torch.long)
-                logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device)
+            if p.logit_bias:
+                ids, values = st.bias(logits.shape[-1], logits.device)
+                logits[i].index_add_(0, ids, values)
             if p.repetition_penalty not in (None, 1.0):
                 ids = torch.tensor(sorted(set(st.token_ids)), device=logits.device)
                 seen = logits[i, ids]
@@ -108,8 +128,7 @@ class Sampler:
                                                return_counts=True)
                     logits[i, ids] -= p.frequency_penalty * counts + p.presence_penalty
             if st.num_output_tokens < p.min_tokens and st.stop_token_ids:
-                blocked = logits[i].clone()
-                blocked[list(st.stop_token_ids)] = float("-inf")
+                blocked = logits[i].index_fill(0, st.stop_ids(logits.device), float("-inf"))
                 if torch.isfinite(blocked).any():   # a finished grammar allows only EOS
                     logits[i] = blocked
         out = greedy_tokens(logits)
