@@ -20,7 +20,7 @@ from common.webhook_guard import WebhookURLError
 from common.webhook_store import owner_key, secret_of
 from common.store import SequenceStore, is_seq_id, valid_stream_id
 
-from . import submit_hooks
+from . import queue_info, submit_hooks
 from .errors import APIError, error_response, failure_of
 from .limits import check_limits
 from .schemas import JobRequest, SamplingFields
@@ -262,7 +262,8 @@ def accepted(req: JobRequest, jobs: list[dict]):
 
 @bp.get("/v1/jobs/<seq_id>")
 def get_job(seq_id: str):
-    return jsonify(find_job(seq_id))
+    job = find_job(seq_id)
+    return jsonify(queue_info.annotate(job, job))
 
 
 @bp.delete("/v1/jobs/<seq_id>")
