@@ -22,7 +22,8 @@ local list = KEYS[p + 1]
 local n = math.min(redis.call('LLEN', list), tonumber(ARGV[3]))
 local chunk = 128
 for start = 0, n - 1, chunk do
-  local items = redis.call('LRANGE', list, -(start + chunk), -(start + 1))
+  local size = math.min(chunk, n - start)
+  local items = redis.call('LRANGE', list, -(start + size), -(start + 1))
   for j = #items, 1, -1 do
     if string.find(items[j], ARGV[1], 1, true) then return {ahead + start + #items - j, 1} end
   end
