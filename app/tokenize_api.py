@@ -51,8 +51,10 @@ def _parsed(model_cls):
 def _counter():
     counter = engine().prompt_counter.get()
     if counter is None:
-        raise APIError(503, "the API has no tokenizer for this model (its files are not "
-                       "visible to the API)", "service_unavailable", {"Retry-After": "30"},
+        # As /v1/webhooks/secret answers a feature this server lacks: not a 5xx (nothing
+        # failed), and no retry will change it while the model's files stay out of sight.
+        raise APIError(404, "the API has no tokenizer for this model (its files are not "
+                       "visible to the API process)", "not_found_error",
                        code="tokenizer_unavailable")
     return counter
 
