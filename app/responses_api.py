@@ -31,7 +31,7 @@ from .client_connection import client_gone
 from .errors import APIError, failure_of
 from .openai_api import model_id, served_model_names
 from .response_events import ResponseEventLog
-from .schemas import SamplingFields
+from .schemas import SamplingFields, WebhookFields
 from .waiting import WaitTimedOut, wait_or_cancel
 
 bp = Blueprint("responses", __name__)
@@ -80,9 +80,14 @@ class TextConfig(BaseModel):
     verbosity: Literal["low", "medium", "high"] | None = None   # accepted; no effect
 
 
+class Submitted(SamplingFields, WebhookFields):
+    """What a response queues: its sampling fields and its webhook (OpenAI-shaped events at
+    its end: response.completed, .incomplete, .failed or .cancelled)."""
+
+
 class ResponseCreate(BaseModel):
     """POST /v1/responses: OpenAI's fields, and llmq's sampling extras (seed, top_k, min_p,
-    repetition_penalty, stop, priority)."""
+    repetition_penalty, stop, priority) and `webhook`."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
@@ -105,20 +110,21 @@ class ResponseCreate(BaseModel):
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     priority: int | None = None
+    webhook: str | None = None
 
-    def sampling(self, batch_priority: int) -> SamplingFields:
+    def sampling(self, batch_priority: int) -> Submitted:
         """Our sampling fields (their ranges and the grammar checked there); flex is the
         batch priority."""
         fields: dict[str, Any] = {k: getattr(self, k) for k in (
             "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "stop",
-            "priority") if getattr(self, k) is not None}
+            "priority", "webhook") if getattr(self, k) is not None}
         if self.service_tier == "flex" and self.priority is None:
             fields["priority"] = batch_priority
         fmt = self.text.format if self.text else None
         if fmt is not None and (spec := fmt.response_format()) is not None:
             fields["response_format"] = spec
         try:
-            return SamplingFields.model_validate(fields)
+            return Submitted.model_validate(fields)
         except ValidationError as exc:
             err = exc.errors()[0]
             loc = [str(x) for x in err["loc"]]
@@ -242,12 +248,7 @@ def create_response():
     sampling = req.sampling(settings().batch_priority)
     if req.stream:
         take_stream_slot()
-    job = submit([{"messages": system + conversation}], sampling,
-                 max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens")[0]
-    seq_id = job["id"]
     doc = {"model": req.model or model_id(), "instructions": req.instructions,
-           "input": [{"id": f"msg_{seq_id.removeprefix('seq-')}_in{i}", **it,
-                      "status": "completed"} for i, it in enumerate(items)],
            "conversation": conversation, "max_output_tokens": req.max_output_tokens,
            "temperature": req.temperature, "top_p": req.top_p,
            "text": req.text.model_dump(by_alias=True, exclude_none=True) if req.text else None,
@@ -255,7 +256,19 @@ def create_response():
            "background": bool(req.background),
            "previous_response_id": req.previous_response_id,
            "service_tier": req.service_tier or "default", "user": req.user}
-    store().save(seq_id, doc)
+
+    def save(jobs: list[dict]) -> None:
+        # Before its message goes: a worker (and the webhook dispatcher, which shapes the
+        # events of a sequence with a request document as OpenAI's) never sees it without.
+        hexid = jobs[0]["id"].removeprefix("seq-")
+        doc["input"] = [{"id": f"msg_{hexid}_in{i}", **it, "status": "completed"}
+                        for i, it in enumerate(items)]
+        store().save(jobs[0]["id"], doc)
+
+    job = submit([{"messages": system + conversation}], sampling,
+                 max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens",
+                 on_created=save)[0]
+    seq_id = job["id"]
     headers = {"X-Request-Id": seq_id}
     if req.stream:
         return _sse(job, doc, -1, cancel_on_close=not req.background)
