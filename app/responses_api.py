@@ -18,7 +18,7 @@ from typing import Any, Iterator, Literal
 
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request, \
     stream_with_context
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from common.protocol import EVENT_DONE
 from common.response_objects import response_object, seq_id_of, status_of
@@ -111,6 +111,13 @@ class ResponseCreate(BaseModel):
     stop: str | list[str] | None = None
     priority: int | None = None
     webhook: str | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v):
+        if v and any(len(k) > 64 or len(x) > 512 for k, x in v.items()):   # OpenAI's bounds
+            raise ValueError("metadata keys are at most 64 characters, values at most 512")
+        return v
 
     def sampling(self, batch_priority: int) -> Submitted:
         """Our sampling fields (their ranges and the grammar checked there); flex is the

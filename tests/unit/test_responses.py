@@ -3,6 +3,7 @@ sequence's stored Redis stream (replays, resets, a re-run that diverges), Idempo
 claims, queue positions, and the routes' shapes, refusals and ownership."""
 from __future__ import annotations
 
+import io
 import json
 import threading
 
@@ -197,6 +198,18 @@ def test_concurrent_requests_with_one_key_run_once(api):
     assert len(api.celery.calls) == 1
     ids = {a.get_json()["id"] for a in answers if a.status_code == 202}
     assert len(ids) == 1 and all(a.status_code in (202, 409) for a in answers)
+
+
+def test_an_upload_is_the_same_request_whatever_its_multipart_boundary(api):
+    def upload(content: bytes):
+        return api.client.post("/v1/files", headers=key("f"), data={
+            "purpose": "batch", "file": (io.BytesIO(content), "in.jsonl")})
+
+    first, again = upload(b'{"a": 1}\n'), upload(b'{"a": 1}\n')
+    assert first.status_code == again.status_code == 200, first.get_data(as_text=True)
+    assert again.get_json()["id"] == first.get_json()["id"]
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert assert_error(upload(b'{"a": 2}\n'), 422)["code"] == "idempotency_key_reused"
 
 
 def test_keys_are_scoped_per_api_key(keyed):
