@@ -251,7 +251,12 @@ def test_queue_position_counts_better_priorities_and_those_ahead_in_its_own():
     assert q.position("llmq", "seq-p4-0", 4) == 3
     assert q.position("llmq", "seq-p4-4", 4) == 7
     assert q.position("llmq", "seq-p9-0", 9) == 8
-    assert q.position("llmq", "seq-p4-4", 4, scan=2) is None   # past the scan: not found
+    # read from both ends: the newest and the next are found at once, the middle past the scan
+    assert q.position("llmq", "seq-p4-4", 4, scan=2) == 7
+    assert q.position("llmq", "seq-p4-0", 4, scan=2) == 3
+    assert q.position("llmq", "seq-p4-2", 4, scan=2) is None
+    for i in range(5):   # every one, from either end, whatever the chunking
+        assert q.position("llmq", f"seq-p4-{i}", 4, scan=5) == 3 + i
     assert q.position("llmq", "seq-missing", None) is None
 
 
