@@ -8,8 +8,9 @@ seq-<hex>), its output message's id msg_<hex>.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from .webhook_store import event_body
 
 RESPONSE_PREFIX, SEQ_PREFIX = "resp_", "seq-"
 
@@ -149,12 +150,9 @@ class EventShapes:
         return {"type": "error", "code": code, "message": message, "param": None}
 
 
-def webhook_event(job: dict[str, Any], event_id: str, created_at: int) -> tuple[str, str]:
-    """(type, body) of a finished response's webhook event in OpenAI's shape (what the SDK's
-    `client.webhooks.unwrap` parses): {"id": "evt_...", "object": "event", "type":
-    "response.completed" (or .incomplete, .failed, .cancelled), "created_at", "data": {"id"}}.
-    `event_id` is the delivery's stable id (the webhook-id header, msg_<hex>)."""
+def webhook_event(job: dict[str, Any], event_id: str) -> tuple[str, str]:
+    """(type, body) of a finished response's webhook event, as OpenAI sends it (what the
+    SDK's `client.webhooks.unwrap` parses): type response.completed (or .incomplete,
+    .failed, .cancelled), data {"id": "resp_..."}."""
     kind = TERMINAL_EVENTS[status_of(job)[0]]
-    body = {"id": "evt_" + event_id.removeprefix("msg_"), "object": "event", "type": kind,
-            "created_at": created_at, "data": {"id": response_id(job["id"])}}
-    return kind, json.dumps(body, separators=(",", ":"))
+    return kind, event_body(kind, {"id": response_id(job["id"])}, event_id)

@@ -162,11 +162,11 @@ def dispatch_job_events(svc: Services) -> None:
             job = job_from_record(rec)
             if event == "completed" and _is_response(svc, seq_id):
                 eid = event_id(seq_id, "response.end")
-                _kind, body = webhook_event(job, eid, int(time.time()))
+                _kind, body = webhook_event(job, eid)
             else:
                 kind = f"job.{event}"
                 eid = event_id(seq_id, kind)
-                body = event_body(kind, job)
+                body = event_body(kind, job, eid)
             svc.webhooks.put_event(eid, url, body, rec.get("owner", ""))
             svc.celery.send_task(WEBHOOK_TASK, args=[eid], task_id=eid,
                                  queue=svc.settings.queue, priority=0)

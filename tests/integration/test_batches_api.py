@@ -186,6 +186,11 @@ def test_batch_runs_through_the_sdk_with_a_malformed_line_and_signed_webhooks(
     assert completed[0].body["data"]["output_file_id"] == done.output_file_id
     assert completed[0].body["data"]["request_counts"] == {"total": 9, "completed": 6,
                                                            "failed": 3}
+    # ... and in OpenAI's event shape: the SDK verifies and parses it.
+    secret = api.with_key(KEYS[0]).request("GET", "/v1/webhooks/secret").json()["secret"]
+    event = client.webhooks.unwrap(completed[0].raw, completed[0].headers, secret=secret)
+    assert (event.type, event.data.id, event.object) == ("batch.completed", batch.id, "event")
+    assert event.id == "evt_" + completed[0].webhook_id.removeprefix("msg_")
 
     # Celery (and so Flower) names them: the driver, each line, each delivery.
     log = world.workers[0].log_path.read_text()
