@@ -14,7 +14,8 @@ def create_app(settings: Settings | None = None, *, redis_client=None, celery=No
     from common.store import SequenceStore
 
     from .api_server import bp, health_store, register_error_handlers
-    from . import batches_api, files_api, jobs_list_api, metrics, openapi
+    from . import (batches_api, files_api, idempotency, jobs_list_api, metrics, openapi,
+                   responses_api, tokenize_api)
     from .openai_api import bp as openai_bp
 
     settings = settings or Settings.from_env()
@@ -32,8 +33,9 @@ def create_app(settings: Settings | None = None, *, redis_client=None, celery=No
                               "engine": LLMEngine(settings, store, celery),
                               "health_store": health_store(settings, redis_client)}
     app.register_blueprint(bp)
+    idempotency.init_app(app)   # after bp: its authentication names the owner first
     app.register_blueprint(openai_bp)
-    for feature in (jobs_list_api, files_api, batches_api):
+    for feature in (jobs_list_api, files_api, batches_api, responses_api, tokenize_api):
         feature.init_app(app)
     metrics.init_app(app)
     openapi.init_app(app)

@@ -6,7 +6,7 @@ import hmac
 import ipaddress
 import json
 import time
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import redis
@@ -20,7 +20,7 @@ from common.webhook_guard import WebhookURLError
 from common.webhook_store import owner_key, secret_of
 from common.store import SequenceStore, is_seq_id, valid_stream_id
 
-from . import submit_hooks
+from . import queue_info, submit_hooks
 from .errors import APIError, error_response, failure_of
 from .limits import check_limits
 from .schemas import JobRequest, SamplingFields
@@ -200,12 +200,14 @@ def owned_params(req: SamplingFields, default_max_tokens: int,
 
 def submit(inputs: list[dict[str, Any]], req: SamplingFields,
            default_max_tokens: int | None = None, max_tokens: int | None = None,
-           max_tokens_param: str = "max_tokens", n: int = 1) -> list[dict]:
+           max_tokens_param: str = "max_tokens", n: int = 1,
+           on_created: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Checks the request's limits and webhook, then queues one sequence per input with its
     sampling and queueing fields, owned by the caller (every submitting route, OpenAI's
     included, comes through here). `max_tokens` overrides the field (OpenAI's
     max_completion_tokens); with n > 1, n sequences per input, each with its own seed
-    (input-major order)."""
+    (input-major order). `on_created(jobs)`: the route's own writes beside the records, made
+    before any worker can see them."""
     s, eng = settings(), engine()
     default_max_tokens = default_max_tokens or s.default_max_tokens
     check_limits(s, req, inputs, max_tokens=max_tokens or req.max_tokens,
@@ -220,8 +222,14 @@ def submit(inputs: list[dict[str, Any]], req: SamplingFields,
     # Indexed and hooked before the messages go: a failure there is a 503 with nothing queued
     # (after them, the 503 came for jobs that ran anyway, and a retry ran them twice).
     ext, owner = current_app.extensions["llmq"], g.owner
+
+    def before_queue(jobs):
+        submit_hooks.index_and_hook(ext, owner, jobs, hook)
+        if on_created is not None:
+            on_created(jobs)
+
     return eng.submit(inputs, params, owner, req.timeout, req.priority,
-                      before_queue=lambda jobs: submit_hooks.index_and_hook(ext, owner, jobs, hook),
+                      before_queue=before_queue,
                       unqueue=lambda ids: submit_hooks.unindex_and_unhook(ext, owner, ids, hook))
 
 
@@ -262,7 +270,8 @@ def accepted(req: JobRequest, jobs: list[dict]):
 
 @bp.get("/v1/jobs/<seq_id>")
 def get_job(seq_id: str):
-    return jsonify(find_job(seq_id))
+    job = find_job(seq_id)
+    return jsonify(queue_info.annotate(job, job))
 
 
 @bp.delete("/v1/jobs/<seq_id>")

@@ -14,7 +14,9 @@ from spectree.page import PAGE_TEMPLATES
 
 from .batches_api import BatchCreate
 from .openai_api import ChatCompletionRequest, CompletionRequest
+from .responses_api import ResponseCreate
 from .schemas import JobRequest
+from .tokenize_api import DetokenizeRequest, TokenizeRequest
 
 
 class ErrorBody(BaseModel):
@@ -43,6 +45,15 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class RunMetrics(BaseModel):
+    """How a finished sequence went: waited, first token (from submission), output tokens per
+    second of running time, runs (more than 1: a worker was lost and another ran it again)."""
+    queue_s: float | None
+    ttft_s: float | None
+    tokens_per_s: float | None
+    attempts: int
+
+
 class JobOut(BaseModel):
     id: str
     object: Literal["job"] = "job"
@@ -61,6 +72,10 @@ class JobOut(BaseModel):
     # with "logprobs" (and "prompt_logprobs") in the request: one entry per token
     logprobs: list[dict[str, Any]] | None = None
     prompt_logprobs: list[dict[str, Any]] | None = None
+    # queued: its place in line and when it may start; finished: how it went (docs/api.md)
+    queue_position: int | None = None
+    estimated_start_s: float | None = None
+    metrics: RunMetrics | None = None
 
 
 class JobListOut(BaseModel):
@@ -225,6 +240,58 @@ class BatchOut(BaseModel):
     metadata: dict[str, str] | None = None
 
 
+class ResponseOut(BaseModel):
+    """OpenAI's Response object (docs/api.md: the Responses API), with llmq's queue figures."""
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["queued", "in_progress", "completed", "failed", "cancelled", "incomplete"]
+    background: bool | None = None
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, Any] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str
+    output: list[dict[str, Any]]
+    previous_response_id: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    completed_at: float | None = None
+    queue_position: int | None = None
+    estimated_start_s: float | None = None
+    metrics: RunMetrics | None = None
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool
+
+
+class InputItemPage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
+class TokenizeOut(BaseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeOut(BaseModel):
+    prompt: str
+
+
 class WebhookSecret(BaseModel):
     object: Literal["webhook_secret"]
     secret: str = Field(description="whsec_<base64>: verifies this key's webhook events")
@@ -243,7 +310,8 @@ _FAILED = {"HTTP_500": ErrorOut, "HTTP_504": ErrorOut}
 # documentation lives here, in one table. Validation stays in the views (skip_validation) so
 # every error has the one JSON shape.
 ROUTES: dict[str, tuple[type | None, dict, str]] = {
-    "api.create_jobs": (JobRequest, {"HTTP_202": JobOut, **_ERRORS}, "jobs"),
+    "api.create_jobs": (JobRequest, {"HTTP_202": JobOut, "HTTP_409": ErrorOut, **_ERRORS},
+                        "jobs"),
     "api.get_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
     "api.cancel_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
     # 204: resumed at the done event, nothing follows (EventSource stops reconnecting)
@@ -278,6 +346,24 @@ ROUTES: dict[str, tuple[type | None, dict, str]] = {
     "batches.list_batches": (None, {"HTTP_200": BatchPage, **_ERRORS}, "batches"),
     "batches.retrieve_batch": (None, {"HTTP_200": BatchOut, "HTTP_404": ErrorOut}, "batches"),
     "batches.cancel_batch": (None, {"HTTP_200": BatchOut, "HTTP_404": ErrorOut}, "batches"),
+    # 409: a request with the same Idempotency-Key is still being answered
+    "responses.create_response": (ResponseCreate, {"HTTP_200": ResponseOut, "HTTP_404": ErrorOut,
+                                                   "HTTP_409": ErrorOut, **_ERRORS},
+                                  "responses"),
+    # with ?stream=true: the response's events (text/event-stream) after `starting_after`
+    "responses.retrieve_response": (None, {"HTTP_200": ResponseOut, "HTTP_400": ErrorOut,
+                                           "HTTP_404": ErrorOut, "HTTP_429": ErrorOut},
+                                    "responses"),
+    "responses.cancel_response": (None, {"HTTP_200": ResponseOut, "HTTP_404": ErrorOut},
+                                  "responses"),
+    "responses.delete_response": (None, {"HTTP_200": ResponseDeleted, "HTTP_404": ErrorOut},
+                                  "responses"),
+    "responses.list_input_items": (None, {"HTTP_200": InputItemPage, "HTTP_400": ErrorOut,
+                                          "HTTP_404": ErrorOut}, "responses"),
+    "tokenize.tokenize": (TokenizeRequest, {"HTTP_200": TokenizeOut, "HTTP_404": ErrorOut,
+                                            **_ERRORS}, "operations"),
+    "tokenize.detokenize": (DetokenizeRequest, {"HTTP_200": DetokenizeOut, "HTTP_404": ErrorOut,
+                                                **_ERRORS}, "operations"),
 }
 
 # Every route but the health checks needs a key when LLMQ_API_KEYS is set (401) and, without

@@ -90,6 +90,12 @@ class Keys:
         return f"{Keys.owner(owner or 'anonymous')}:{kind}"
 
     @staticmethod
+    def idempotency(owner: str, digest: str) -> str:
+        """hash: one Idempotency-Key of an owner (its request's fingerprint, then its answer);
+        `digest` is the key's hash, so a client's key never becomes part of a name."""
+        return f"{Keys.owner(owner or 'anonymous')}:idem:{digest}"
+
+    @staticmethod
     def rate(owner: str, window: int) -> str:
         """hash: an owner's sequences and tokens in one minute (rate limits)."""
         return f"{PREFIX}:rate:{owner}:{window}"
@@ -107,6 +113,12 @@ class Keys:
     def batch(batch_id: str, part: str = "") -> str:
         """hash: a batch; with `part`, one of its lists and hashes (lines, answers)."""
         return f"{PREFIX}:batch:{batch_id}" + (f":{part}" if part else "")
+
+    @staticmethod
+    def response(seq_id: str) -> str:
+        """string: a Responses API response's request (input items, instructions, the
+        conversation so far) as JSON; its sequence's record holds the rest."""
+        return f"{PREFIX}:response:{seq_id}"
 
     @staticmethod
     def webhook_registration(seq_id: str) -> str:

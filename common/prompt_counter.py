@@ -66,13 +66,24 @@ class PromptCounter:
         {"messages": [...]})."""
         if inp.get("prompt_token_ids") is not None:
             return len(inp["prompt_token_ids"])
+        return len(self.token_ids(inp))
+
+    def token_ids(self, inp: dict[str, Any], add_special_tokens: bool | None = None,
+                  add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of a prompt, or of messages through the chat template (whose text
+        holds its special tokens already: none are added unless asked)."""
         if inp.get("messages") is not None:
             if self.template is None:
                 raise ValueError("the model has no chat template; send a raw prompt")
-            text = self.template.render(messages=inp["messages"], add_generation_prompt=True,
+            text = self.template.render(messages=inp["messages"],
+                                        add_generation_prompt=add_generation_prompt,
                                         tools=None, documents=None, **self.special)
-            return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
-        return len(self.tokenizer.encode(inp["prompt"]).ids)
+            return self.tokenizer.encode(text, add_special_tokens=bool(add_special_tokens)).ids
+        return self.tokenizer.encode(inp["prompt"], add_special_tokens=add_special_tokens
+                                     is not False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 class LazyPromptCounter:

@@ -64,10 +64,15 @@ def secret_of(key: bytes) -> str:
     return "whsec_" + base64.b64encode(key).decode()
 
 
-def event_body(event_type: str, data: dict[str, Any]) -> str:
-    """The payload, as Standard Webhooks suggests: {"type", "timestamp", "data"}."""
-    stamp = datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    return json.dumps({"type": event_type, "timestamp": stamp, "data": data},
+def event_body(event_type: str, data: dict[str, Any], event_id_: str) -> str:
+    """The payload, as Standard Webhooks suggests ({"type", "timestamp", "data"}) and in
+    OpenAI's event shape as well ({"id": "evt_...", "object": "event", "type", "created_at",
+    "data": {"id", ...}}: the SDK's `client.webhooks.unwrap` parses a batch's events)."""
+    now = datetime.now(timezone.utc)
+    stamp = now.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return json.dumps({"id": "evt_" + event_id_.removeprefix("msg_"), "object": "event",
+                       "type": event_type, "created_at": int(now.timestamp()),
+                       "timestamp": stamp, "data": data},
                       ensure_ascii=False, separators=(",", ":"))
 
 

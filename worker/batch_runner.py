@@ -285,7 +285,7 @@ class BatchDriver:
                            self.batches.live_counts(self.batch_id))
         kind = f"batch.{obj['status']}" if event == "completed" else f"batch.{event}"
         eid = event_id(self.batch_id, event)
-        self.svc.webhooks.put_event(eid, url, event_body(kind, obj), self.h["owner"])
+        self.svc.webhooks.put_event(eid, url, event_body(kind, obj, eid), self.h["owner"])
         # (its queue: the delivery workers', common/celery_config.py's task_routes)
         self.svc.celery.send_task(WEBHOOK_TASK, args=[eid], task_id=eid, priority=0)
         self.batches.set_fields(self.batch_id, **{f"webhook_{event}": "sent"})

@@ -33,6 +33,8 @@ import urllib3.connection
 from celery import shared_task, signals
 from redis.exceptions import RedisError
 
+from common.response_objects import webhook_event
+from common.response_store import ResponseStore
 from common.store import job_from_record
 from common.webhook_guard import Target, WebhookUnresolvable, WebhookURLError, check_url
 from common.webhook_store import WEBHOOK_TASK, event_body, event_id, owner_key
@@ -214,17 +216,30 @@ def attempt(s, store, event_id_: str, event: dict[str, str], retries: int = 0
 
 
 def dispatch_job_events(svc: Services) -> None:
-    """Queues a delivery for every job event that became due (see common/webhook_store.py)."""
+    """Queues a delivery for every job event that became due (see common/webhook_store.py).
+    A Responses API response's end is told in OpenAI's shape (response.completed, ...: what
+    `client.webhooks.unwrap` parses); a job's in llmq's (job.started, job.completed)."""
     for seq_id, event, url in svc.webhooks.due_job_events():
         rec = svc.sequences.get_record(seq_id)
         if rec:
-            kind = f"job.{event}"
-            eid = event_id(seq_id, kind)
-            svc.webhooks.put_event(eid, url, event_body(kind, job_from_record(rec)),
-                                   rec.get("owner", ""))
+            job = job_from_record(rec)
+            if event == "completed" and _is_response(svc, seq_id):
+                eid = event_id(seq_id, "response.end")
+                _kind, body = webhook_event(job, eid)
+            else:
+                kind = f"job.{event}"
+                eid = event_id(seq_id, kind)
+                body = event_body(kind, job, eid)
+            svc.webhooks.put_event(eid, url, body, rec.get("owner", ""))
             # (its queue: the delivery workers', common/celery_config.py's task_routes)
             svc.celery.send_task(WEBHOOK_TASK, args=[eid], task_id=eid, priority=0)
         svc.webhooks.job_event_sent(seq_id, event)
+
+
+def _is_response(svc: Services, seq_id: str) -> bool:
+    """Whether the sequence is a Responses API response (it has a request document)."""
+    return svc.sequences.beside(ResponseStore, svc.settings.pending_ttl_s).load(seq_id) \
+        is not None
 
 
 @signals.worker_ready.connect

@@ -188,6 +188,11 @@ def test_batch_runs_through_the_sdk_with_a_malformed_line_and_signed_webhooks(
     assert completed[0].body["data"]["output_file_id"] == done.output_file_id
     assert completed[0].body["data"]["request_counts"] == {"total": 9, "completed": 6,
                                                            "failed": 3}
+    # ... and in OpenAI's event shape: the SDK verifies and parses it.
+    secret = api.with_key(KEYS[0]).request("GET", "/v1/webhooks/secret").json()["secret"]
+    event = client.webhooks.unwrap(completed[0].raw, completed[0].headers, secret=secret)
+    assert (event.type, event.data.id, event.object) == ("batch.completed", batch.id, "event")
+    assert event.id == "evt_" + completed[0].webhook_id.removeprefix("msg_")
 
     # Celery (and so Flower) names them: the driver, each line, each delivery (the last on the
     # delivery worker, never on a generation one).
@@ -388,6 +393,23 @@ def test_job_webhooks_are_signed_retried_and_keep_their_id(api, receiver):
         assert first.webhook_id == again.webhook_id            # stable per event
         assert first.body["data"]["id"] == job["id"]
     assert receiver.of_type("job.completed")[0].body["data"]["status"] == "succeeded"
+
+
+def test_a_responses_webhook_is_openais_event_and_the_sdk_unwraps_it(api, model, receiver):
+    client = sdk(api)
+    secret = api.with_key(KEYS[0]).request("GET", "/v1/webhooks/secret").json()["secret"]
+    r = client.responses.create(model=model, input="Hook me", background=True,
+                                max_output_tokens=4, temperature=0,
+                                extra_body={"webhook": receiver.url + "/responses"})
+    done = wait_until(lambda: receiver.of_type("response.incomplete")
+                      or receiver.of_type("response.completed"), 60, "the response's event")
+    event = client.webhooks.unwrap(done[0].raw, done[0].headers, secret=secret)
+    assert event.type == f"response.{client.responses.retrieve(r.id).status}"
+    assert event.data.id == r.id and event.object == "event" and event.id.startswith("evt_")
+    seq_id = "seq-" + r.id.removeprefix("resp_")   # told once, in OpenAI's shape only
+    assert all(d.body["data"]["id"] != seq_id for d in receiver.of_type("job.completed"))
+    with pytest.raises(openai.InvalidWebhookSignatureError):
+        client.webhooks.unwrap(done[0].raw + b" ", done[0].headers, secret=secret)
 
 
 def test_another_keys_event_sent_to_a_receiver_does_not_verify_with_its_secret(api, receiver):

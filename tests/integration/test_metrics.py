@@ -176,6 +176,12 @@ ROUTES = {
     "/healthz": {"get"},
     "/readyz": {"get"},
     "/metrics": {"get"},
+    "/v1/responses": {"post"},
+    "/v1/responses/{resp_id}": {"get", "delete"},
+    "/v1/responses/{resp_id}/cancel": {"post"},
+    "/v1/responses/{resp_id}/input_items": {"get"},
+    "/tokenize": {"post"},
+    "/detokenize": {"post"},
 }
 
 

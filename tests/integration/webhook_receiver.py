@@ -8,7 +8,7 @@ import hmac
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -25,6 +25,8 @@ class Delivery:
     timestamp: str
     signature_ok: bool
     body: dict
+    raw: bytes = b""                                   # as sent (for an SDK's own check)
+    headers: dict = field(default_factory=dict)
 
 
 class WebhookReceiver:
@@ -63,7 +65,8 @@ class WebhookReceiver:
                  if s.startswith("v1,")]
         ok = any(hmac.compare_digest(expected, g) for g in given)
         with self.lock:
-            self.deliveries.append(Delivery(path, msg_id, stamp, ok, json.loads(raw)))
+            self.deliveries.append(Delivery(path, msg_id, stamp, ok, json.loads(raw), raw,
+                                            dict(headers.items())))
 
     def of_type(self, event_type: str) -> list[Delivery]:
         with self.lock:

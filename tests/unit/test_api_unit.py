@@ -93,7 +93,9 @@ def test_post_prompt_creates_a_queued_job_and_sends_one_task(api):
     req = store.load_request(job["id"])
     assert req.prompt == "Hello 🎉"
     assert (req.params.max_tokens, req.params.stop) == (5, ["\n"])
-    assert client.get(f"/v1/jobs/{job['id']}").get_json() == job
+    # GET adds where it stands (no message in a real broker here: next, no rate known yet)
+    assert client.get(f"/v1/jobs/{job['id']}").get_json() == {
+        **job, "queue_position": 0, "estimated_start_s": None}
 
 
 def test_default_max_tokens_and_top_k_normalisation(api):

@@ -1,0 +1,73 @@
+"""What a Responses API response keeps beside its sequence: the request as given (input items,
+instructions, text format, metadata) and the conversation it continues, so that GET shows it
+and a later `previous_response_id` rebuilds the conversation.
+
+Keys:
+  llmq:response:<seq id>   string  the response's request as JSON
+
+The sequence's record (common/store.py) holds the output text, status, usage and times. The
+document expires with the record: it is written with the record's pending TTL, and every read
+cuts its TTL down to the record's (a finished record lives LLMQ_RESULT_TTL), so a conversation
+lasts as long as the response it continues can be read.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis
+
+from .keys import Keys
+from .protocol import SequenceStatus
+
+# The document, with its TTL cut to the record's; nil (and the document gone) once the record
+# is. KEYS: document, record.
+_LOAD = """
+local doc = redis.call('GET', KEYS[1])
+if not doc then return false end
+local left = redis.call('PTTL', KEYS[2])
+if left == -2 then
+  redis.call('DEL', KEYS[1])
+  return false
+end
+if left > 0 and redis.call('PTTL', KEYS[1]) > left then redis.call('PEXPIRE', KEYS[1], left) end
+return doc
+"""
+
+# Deletes a response: its document always, its record and events only once finished (a
+# running sequence's engine would write a headless record back). Returns 1 when the record
+# went too. KEYS: document, record, events. ARGV: the finished statuses.
+_DELETE = """
+redis.call('DEL', KEYS[1])
+local st = redis.call('HGET', KEYS[2], 'status')
+if st and string.find(',' .. ARGV[1] .. ',', ',' .. st .. ',', 1, true) then
+  redis.call('DEL', KEYS[2], KEYS[3])
+  return 1
+end
+return 0
+"""
+
+_FINISHED = ",".join(s.value for s in SequenceStatus if s.is_finished)
+
+
+class ResponseStore:
+    """Reads and writes responses' request documents."""
+
+    def __init__(self, client: redis.Redis, ttl_s: int):
+        self.r, self.ttl_s = client, ttl_s
+        self._load = client.register_script(_LOAD)
+        self._delete = client.register_script(_DELETE)
+
+    def save(self, seq_id: str, doc: dict[str, Any]) -> None:
+        self.r.set(Keys.response(seq_id), json.dumps(doc, ensure_ascii=False,
+                                                     separators=(",", ":")), ex=self.ttl_s)
+
+    def load(self, seq_id: str) -> dict[str, Any] | None:
+        raw = self._load(keys=[Keys.response(seq_id), Keys.record(seq_id)])
+        return json.loads(raw) if raw else None
+
+    def delete(self, seq_id: str) -> bool:
+        """Deletes the document, and the record with its events when the sequence has
+        finished; True when the record went too."""
+        return bool(self._delete(keys=[Keys.response(seq_id), Keys.record(seq_id),
+                                       Keys.events(seq_id)], args=[_FINISHED]))
