@@ -22,8 +22,10 @@ from common.batch_store import (BATCH_TASK, DISPATCH_GRACE_S, BatchStore, line_r
 from common.llm_engine import TooLarge
 from common.protocol import SequenceRequest
 
-from .api_server import (APIError, _describe, checked_webhook, engine, owned_params,
-                         parse_json_body, settings)
+from .context import engine, settings
+from .errors import APIError
+from .request_body import describe, parse_json_body
+from .submit import checked_webhook, owned_params
 from .files_api import file_store, jsonl_lines
 from .limits import check_limits
 from .listing import list_params, page_json
@@ -193,7 +195,7 @@ def create_batch():
     try:
         req = BatchCreate.model_validate(parse_json_body())
     except ValidationError as exc:
-        raise APIError(400, _describe(exc)) from None
+        raise APIError(400, describe(exc)) from None
     hook = checked_webhook(req)
     meta = file_store().get(req.input_file_id, g.owner)
     if meta is None:

@@ -9,7 +9,8 @@ from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 
 from common.file_store import FileStore, StorageFull
 
-from .api_server import APIError, settings
+from .context import settings
+from .errors import APIError
 from .listing import list_params, page_json
 
 bp = Blueprint("files", __name__)

@@ -12,7 +12,7 @@ from common.protocol import SequenceStatus
 from common.store import job_from_record, record_key
 from common.webhook_store import WebhookStore
 
-from .api_server import APIError
+from .errors import APIError
 from .listing import list_params, page_json
 
 bp = Blueprint("jobs_list", __name__)

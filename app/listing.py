@@ -6,7 +6,7 @@ from flask import jsonify, request
 
 from common.owner_index import UnknownCursor
 
-from .api_server import APIError
+from .errors import APIError
 
 
 def list_params(default_limit: int, max_limit: int) -> tuple[str | None, int]:

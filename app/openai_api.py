@@ -18,7 +18,9 @@ from common.openai_responses import (ChoiceShaper, best_candidates, finish_reaso
                                      response_body, usage)
 from common.protocol import EVENT_DONE, EVENT_RESET, EVENT_TOKEN, SamplingParams
 
-from .api_server import engine, parse_json_body, settings, submit
+from .context import engine, settings
+from .request_body import parse_json_body
+from .submit import submit
 from .client_connection import client_gone
 from .errors import APIError, failure_of
 from .schemas import MAX_LOGPROBS, SamplingFields

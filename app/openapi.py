@@ -310,20 +310,20 @@ _FAILED = {"HTTP_500": ErrorOut, "HTTP_504": ErrorOut}
 # documentation lives here, in one table. Validation stays in the views (skip_validation) so
 # every error has the one JSON shape.
 ROUTES: dict[str, tuple[type | None, dict, str]] = {
-    "api.create_jobs": (JobRequest, {"HTTP_202": JobOut, "HTTP_409": ErrorOut, **_ERRORS},
+    "jobs.create_jobs": (JobRequest, {"HTTP_202": JobOut, "HTTP_409": ErrorOut, **_ERRORS},
                         "jobs"),
-    "api.get_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
-    "api.cancel_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
+    "jobs.get_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
+    "jobs.cancel_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
     # 204: resumed at the done event, nothing follows (EventSource stops reconnecting)
-    "api.stream_job": (None, {"HTTP_200": None, "HTTP_204": None, "HTTP_400": ErrorOut,
+    "jobs.stream_job": (None, {"HTTP_200": None, "HTTP_204": None, "HTTP_400": ErrorOut,
                               "HTTP_404": ErrorOut, "HTTP_429": ErrorOut}, "jobs"),
     # 202: still running after LLMQ_WAIT_TIMEOUT (the job as it stands)
-    "api.generate": (JobRequest, {"HTTP_200": JobOut, "HTTP_202": JobOut, **_ERRORS,
+    "jobs.generate": (JobRequest, {"HTTP_200": JobOut, "HTTP_202": JobOut, **_ERRORS,
                                   **_FAILED}, "jobs"),
-    "api.webhook_secret": (None, {"HTTP_200": WebhookSecret, "HTTP_404": ErrorOut}, "jobs"),
-    "api.health": (None, {"HTTP_200": None, "HTTP_503": None}, "operations"),
-    "api.healthz": (None, {"HTTP_200": Health}, "operations"),
-    "api.readyz": (None, {"HTTP_200": Health, "HTTP_503": Health}, "operations"),
+    "jobs.webhook_secret": (None, {"HTTP_200": WebhookSecret, "HTTP_404": ErrorOut}, "jobs"),
+    "health.health": (None, {"HTTP_200": None, "HTTP_503": None}, "operations"),
+    "health.healthz": (None, {"HTTP_200": Health}, "operations"),
+    "health.readyz": (None, {"HTTP_200": Health, "HTTP_503": Health}, "operations"),
     "openai.completions": (CompletionRequest, {"HTTP_200": CompletionOut, "HTTP_404": ErrorOut,
                                                **_ERRORS, **_FAILED}, "openai"),
     "openai.chat_completions": (ChatCompletionRequest, {"HTTP_200": ChatCompletionOut,
@@ -368,7 +368,7 @@ ROUTES: dict[str, tuple[type | None, dict, str]] = {
 
 # Every route but the health checks needs a key when LLMQ_API_KEYS is set (401) and, without
 # keys, answers only local names (403 host_not_allowed); /metrics also 403s a tenant's key.
-_OPEN = {"api.health", "api.healthz", "api.readyz"}
+_OPEN = {"health.health", "health.healthz", "health.readyz"}
 for _endpoint, (_body, _resp, _tag) in ROUTES.items():
     if _endpoint not in _OPEN:
         _resp.setdefault("HTTP_401", ErrorOut)

@@ -2,7 +2,7 @@
 stream=true and starting_after: the stored event stream, resumed), cancel, delete and
 input_items.
 
-A response is a sequence like any other (queued through api_server.submit: limits, rate
+A response is a sequence like any other (queued through submit.submit: limits, rate
 limits, fair share, priorities; visible at /v1/jobs/seq-<hex>), rendered with the chat
 template from its messages. What the sequence's record does not hold (the input items,
 instructions, the conversation so far, the request's echo fields) is its request document
@@ -26,7 +26,10 @@ from common.response_store import ResponseStore
 from common.store import is_seq_id
 
 from . import queue_info
-from .api_server import engine, parse_json_body, settings, submit, take_stream_slot
+from .context import engine, settings
+from .request_body import parse_json_body
+from .streaming import take_stream_slot
+from .submit import submit
 from .client_connection import client_gone
 from .errors import APIError, failure_of
 from .openai_api import model_id, served_model_names

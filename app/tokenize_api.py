@@ -8,7 +8,8 @@ from typing import Annotated, Any
 from flask import Blueprint, Flask, jsonify
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .api_server import _describe, engine, parse_json_body, settings
+from .context import engine, settings
+from .request_body import describe, parse_json_body
 from .errors import APIError
 from .openai_api import ChatMessage, _text_content, served_model_names
 
@@ -41,7 +42,7 @@ def _parsed(model_cls):
         req = model_cls.model_validate(parse_json_body())
     except ValidationError as exc:
         loc = exc.errors()[0]["loc"]
-        raise APIError(400, _describe(exc), param=str(loc[0]) if loc else None) from None
+        raise APIError(400, describe(exc), param=str(loc[0]) if loc else None) from None
     if req.model is not None and req.model not in served_model_names():
         raise APIError(404, f"The model `{req.model}` does not exist.", "invalid_request_error",
                        param="model", code="model_not_found")

@@ -1,5 +1,5 @@
 """Without API keys on a loopback bind, the API answers only requests that name it locally
-(app/api_server.py `_refuse_foreign_names`): a web page on this machine can otherwise read its
+(app/auth.py `_refuse_foreign_names`): a web page on this machine can otherwise read its
 jobs through DNS rebinding (Host: attacker.example, resolving to 127.0.0.1) and post jobs with
 a cross-site form (an Origin header, no preflight)."""
 from __future__ import annotations

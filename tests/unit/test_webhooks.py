@@ -20,7 +20,7 @@ from .factories import RecordingCelery, make_settings
 
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
-OWNER = "0123456789abcdef0123456789abcdef"   # an API key's owner id (app/api_server.py)
+OWNER = "0123456789abcdef0123456789abcdef"   # an API key's owner id (app/auth.py)
 PUBLIC = Target("http", "hooks.example.com", 80, "/in", ("93.184.216.34",))
 
 
