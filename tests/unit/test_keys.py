@@ -58,7 +58,8 @@ def test_the_check_sees_a_key_spelled_elsewhere(tmp_path):
 
 # The stores: the only modules that hold a Redis client as `.r` and call it.
 STORE_MODULES = {Path("common", n) for n in ("store.py", "batch_store.py", "file_store.py",
-                                              "webhook_store.py", "owner_index.py")}
+                                              "webhook_store.py", "owner_index.py",
+                                              "reconcile_store.py")}
 
 
 def redis_touches(path: Path) -> list[str]:
