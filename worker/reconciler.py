@@ -11,12 +11,6 @@ from common.reconcile_store import ReconcileStore
 
 log = logging.getLogger("llmq.engine")
 
-# A dead consumer's unacknowledged message for a sequence that has ended goes this long after
-# its delivery (a live worker acknowledges as its sequence ends, within milliseconds); with a
-# pass every LLMQ_WORKER_STALE / 2, no such message outlives its sequence's end by a minute.
-UNACKED_GRACE_S = 30.0
-
-
 class Reconciler:
     """Finds sequences `queued` with no message anywhere (kombu's fetch is two round trips: a
     consumer killed between them loses the message) and queues them again, at most once per
@@ -51,7 +45,10 @@ class Reconciler:
             # the claim only set the time it was last seen.
             self.requeue(seq_id, priority)
             sent.append(seq_id)
-        dropped = self.store.sweep_unacked(UNACKED_GRACE_S)
+        # A dead consumer's message for a sequence that has ended goes once it was delivered
+        # lost_after_s ago (a live worker acknowledges its message as the sequence ends, so
+        # this is only a margin): none outlives its sequence's end by 1.5 x LLMQ_WORKER_STALE.
+        dropped = self.store.sweep_unacked(self.lost_after_s)
         if dropped:
             log.info("dropped %d unacknowledged messages of ended sequences", dropped)
         return sent

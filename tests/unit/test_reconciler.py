@@ -21,7 +21,7 @@ from common.llm_engine import new_seq_id
 from common.protocol import GENERATE_TASK, FinishReason, SamplingParams, SequenceRequest
 from common.reconcile_store import ReconcileStore
 from common.store import SequenceStore, queue_lists
-from worker.reconciler import UNACKED_GRACE_S, Reconciler
+from worker.reconciler import Reconciler
 
 from .factories import make_settings
 
@@ -202,8 +202,8 @@ def test_a_duplicate_of_a_message_that_was_not_lost_is_skipped(store, recon, r):
 
 
 # --- kombu's unacked ----------------------------------------------------------------------------
-def test_unacked_messages_of_ended_sequences_are_dropped_after_the_grace(store, recon, r):
-    long_ago = time.time() - UNACKED_GRACE_S - 1
+def test_unacked_messages_of_ended_sequences_are_dropped_once_delivered_long_ago(store, recon, r):
+    long_ago = time.time() - LOST_AFTER_S - 1
     done, late, queued, gone = (new_seq_id() for _ in range(4))
     accept(store, done, late, queued)
     for s in (done, late):
@@ -211,7 +211,7 @@ def test_unacked_messages_of_ended_sequences_are_dropped_after_the_grace(store, 
     tags = {s: deliver(r, celery_message(s), long_ago) for s in (done, queued, gone)}
     tags[late] = deliver(r, celery_message(late), time.time())
     tags["batch"] = deliver(r, celery_message("c" * 32, task="llmq.batch"), long_ago)
-    assert recon.sweep_unacked(UNACKED_GRACE_S) == 2     # ended, and expired (no record)
+    assert recon.sweep_unacked(LOST_AFTER_S) == 2     # ended, and expired (no record)
     kept = set(r.hkeys(Keys.kombu_unacked))
     assert kept == set(r.zrange(Keys.kombu_unacked_index, 0, -1))
     assert kept == {tags[late], tags[queued], tags["batch"]}
