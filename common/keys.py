@@ -22,6 +22,9 @@ class Keys:
     metrics = f"{PREFIX}:metrics"              # hash: histogram buckets and counters
     batches_active = f"{PREFIX}:batches:active"   # zset: batch id -> driver lease end
     webhooks_watch = f"{PREFIX}:webhooks:watch"   # set: ids with a webhook registration
+    # zset: webhook events queued for delivery, neither delivered nor settled -> when their
+    # message was last sent or seen (the reconciler's list of what might have lost it)
+    webhooks_pending = f"{PREFIX}:webhooks:pending"
     # zset: ids admitted to the queue whose messages are not sent yet -> when (the queue cap
     # counts them with the broker's lists)
     admitting = f"{PREFIX}:admitting"

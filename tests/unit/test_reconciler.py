@@ -221,3 +221,26 @@ def test_the_kombu_keys_are_kombus():
     channel = kombu.transport.redis.Channel
     assert (channel.unacked_key, channel.unacked_index_key) == (
         Keys.kombu_unacked, Keys.kombu_unacked_index)
+
+
+# --- webhook deliveries -------------------------------------------------------------------------
+def test_a_webhook_delivery_lost_in_the_broker_is_claimed_once_a_waiting_one_is_not(r, recon):
+    from common.webhook_store import WebhookStore
+
+    hooks = WebhookStore(r, 600)
+    for eid in ("msg_lost", "msg_queued", "msg_retrying", "msg_done", "msg_given_up"):
+        hooks.put_event(eid, "http://hooks.example.com/in", "{}", "")
+    r.zadd(Keys.webhooks_pending, {eid: old() for eid in r.zrange(Keys.webhooks_pending, 0, -1)})
+    r.lpush(QUEUE, celery_message("msg_queued", task="llmq.webhook"))
+    # A retry waits in a worker for its countdown (delivered long ago, not acknowledged).
+    deliver(r, celery_message("msg_retrying", task="llmq.webhook"), old() - 3600)
+    hooks.record_attempt("msg_done", "HTTP 204", delivered=True)
+    hooks.record_attempt("msg_given_up", "HTTP 503", delivered=False, final=True)
+    assert set(r.zrange(Keys.webhooks_pending, 0, -1)) == {"msg_lost", "msg_queued",
+                                                            "msg_retrying"}
+    assert recon.claim_lost_events(LOST_AFTER_S) == ["msg_lost"]
+    assert recon.claim_lost_events(LOST_AFTER_S) == []          # claimed (and the rest seen)
+    r.delete(Keys.webhook_event("msg_lost"))                    # expired: no longer watched
+    r.zadd(Keys.webhooks_pending, {"msg_lost": old()})
+    assert recon.claim_lost_events(LOST_AFTER_S) == []
+    assert "msg_lost" not in r.zrange(Keys.webhooks_pending, 0, -1)
