@@ -11,6 +11,7 @@ from common.reconcile_store import ReconcileStore
 
 log = logging.getLogger("llmq.engine")
 
+
 class Reconciler:
     """Finds sequences `queued` with no message anywhere (kombu's fetch is two round trips: a
     consumer killed between them loses the message) and queues them again, at most once per
