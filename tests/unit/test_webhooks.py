@@ -50,7 +50,8 @@ def delivery(monkeypatch):
         settings = make_settings(webhook_secret=SECRET, **overrides)
         app = create_celery(settings)
         app.llmq_services = Services(settings, RecordingCelery(), SequenceStore(r), FileStore(r, 60),
-                                     BatchStore(r, 60), store, ReconcileStore(r, ["llmq"]))
+                                     BatchStore(r, 60), store,
+                                     ReconcileStore(r, ["llmq"]))
         return app.tasks["llmq.webhook"].apply(args=["msg_1"]).get()
 
     return run, store, posts
