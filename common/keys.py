@@ -22,9 +22,20 @@ class Keys:
     metrics = f"{PREFIX}:metrics"              # hash: histogram buckets and counters
     batches_active = f"{PREFIX}:batches:active"   # zset: batch id -> driver lease end
     webhooks_watch = f"{PREFIX}:webhooks:watch"   # set: ids with a webhook registration
+    # zset: webhook events queued for delivery, neither delivered nor settled -> when their
+    # message was last sent or seen (the reconciler's list of what might have lost it)
+    webhooks_pending = f"{PREFIX}:webhooks:pending"
     # zset: ids admitted to the queue whose messages are not sent yet -> when (the queue cap
     # counts them with the broker's lists)
     admitting = f"{PREFIX}:admitting"
+    # zset: ids accepted and not started (nor ended) -> when their message was last sent or
+    # seen in the broker: the reconciler's list of what might have lost its message
+    unstarted = f"{PREFIX}:unstarted"
+    # kombu's own Redis keys (its Channel's unacked_key and unacked_index_key defaults, which
+    # common/celery_config.py leaves as they are): delivered, unacknowledged messages by
+    # delivery tag, and the time each was delivered
+    kombu_unacked = "unacked"
+    kombu_unacked_index = "unacked_index"
 
     @staticmethod
     def around(name: Callable[[str], str]) -> tuple[str, str]:

@@ -15,6 +15,8 @@ Keys (all names are built in common/keys.py, and read and written only by the st
   llmq:owner-secret        string the HMAC secret naming owners, when no setting gives one
   llmq:held:<name>         set     ids whose message that worker received, task not yet ended
   llmq:admitting           zset    ids admitted to the queue, message not sent yet -> when
+  llmq:unstarted           zset    ids accepted and not yet started or ended -> when their
+                                   message was last sent or seen (common/reconcile_store.py)
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ CANCELLED_KEY = Keys.cancelled
 WORKERS_KEY = Keys.workers
 OWNER_SECRET_KEY = Keys.owner_secret
 ADMITTING_KEY = Keys.admitting
+UNSTARTED_KEY = Keys.unstarted
 record_key, events_key, channel = Keys.record, Keys.events, Keys.channel
 worker_key, running_key, held_key = Keys.worker, Keys.running, Keys.held
 owner_seqs_key, owner_streams_key, rate_key = Keys.owner_seqs, Keys.owner_streams, Keys.rate
@@ -59,6 +62,12 @@ PRIORITY_SEP = "\x06\x16"   # kombu's Redis priority-queue separator
 _SEQ_ID = re.compile(r"seq-[0-9a-f]{32}")
 _STREAM_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")   # ASCII digits only
 _U64 = 2**64 - 1
+
+
+def queue_lists(queue: str) -> list[str]:
+    """The broker's lists of one queue: Celery's Redis transport keeps one per priority step
+    (name, name + sep + step)."""
+    return [queue] + [f"{queue}{PRIORITY_SEP}{p}" for p in range(1, 10)]
 
 
 def is_seq_id(seq_id: str) -> bool:
@@ -102,6 +111,7 @@ local n = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'worker', ARGV[2],
            'text', '', 'completion_tokens', 0)
 redis.call('SADD', KEYS[3], ARGV[4])
+redis.call('ZREM', KEYS[4], ARGV[4])
 return {st, n}
 """
 
@@ -112,9 +122,10 @@ return {st, n}
 # set). The caller queues them all again, once each; with a sender (ARGV[7]), they move to the
 # sender's running set and each leaves it only once its message is sent (_RESENT): a send that
 # fails part-way leaves the rest there, for the sender's next reap or whoever reaps the sender.
-# KEYS: the worker's running set, workers, its held set, the sender's running set. ARGV: worker,
-# stale cutoff (or 'force'), reset reason, maxlen, held too ('1'), events ttl, sender ('1'),
-# then record, events and channel keys as prefix and suffix pairs (the ids are read here).
+# KEYS: the worker's running set, workers, its held set, the sender's running set, unstarted.
+# ARGV: worker, stale cutoff (or 'force'), reset reason, maxlen, held too ('1'), events ttl,
+# sender ('1'), then record, events and channel keys as prefix and suffix pairs (the ids are
+# read here), now.
 _RECLAIM = """
 if ARGV[2] ~= 'force' then
   local beat = redis.call('ZSCORE', KEYS[2], ARGV[1])
@@ -156,6 +167,8 @@ redis.call('DEL', KEYS[1])
 if ARGV[7] == '1' then
   for _, id in ipairs(out) do redis.call('SADD', KEYS[4], id) end
 end
+-- queued again, unstarted: their new messages are watched as the first ones were
+for _, id in ipairs(out) do redis.call('ZADD', KEYS[5], ARGV[14], id) end
 return out
 """
 
@@ -170,9 +183,10 @@ return redis.call('SREM', KEYS[2], ARGV[2])
 
 # Finishes a record if its status is one of ARGV[1] (comma separated): writes the fields, appends
 # the done event, publishes it and sets the TTLs, all at once so no reader sees half of it.
-# KEYS: record, events, channel, cancelled, metrics, its owner's sequences. ARGV: statuses,
-# fields, done event, pub/sub message, maxlen, ttl, id, the running set around the worker the
-# record names (ARGV[8] .. worker .. ARGV[10]: only the script reads which), attempt, counter.
+# KEYS: record, events, channel, cancelled, metrics, its owner's sequences, unstarted. ARGV:
+# statuses, fields, done event, pub/sub message, maxlen, ttl, id, the running set around the
+# worker the record names (ARGV[8] .. worker .. ARGV[10]: only the script reads which),
+# attempt, counter.
 _FINISH = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return 0 end
@@ -185,6 +199,7 @@ redis.call('PUBLISH', KEYS[3], ARGV[4])
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('EXPIRE', KEYS[2], ARGV[6])
 redis.call('SREM', KEYS[4], ARGV[7])
+redis.call('ZREM', KEYS[7], ARGV[7])
 local w = redis.call('HGET', KEYS[1], 'worker')
 if w and w ~= '' then redis.call('SREM', ARGV[8] .. w .. ARGV[10], ARGV[7]) end
 local owner = redis.call('HGET', KEYS[1], 'owner')
@@ -207,13 +222,15 @@ return 1
 # yet) against LLMQ_MAX_QUEUED, and with keys the key's unfinished sequences against its share.
 # Checked and then written in two round trips, concurrent submissions all passed the check
 # before any wrote (16 at once took a key to 13 of its 5).
-# KEYS: admitting, the owner's sequences, the queue's lists. ARGV: now, admitting-stale-before,
-# owner-stale-before, max queued, owner cap (0: none), pending TTL, ids...
+# Each admitted id also enters the unstarted index (common/reconcile_store.py), here rather than
+# in a round trip of its own.
+# KEYS: admitting, the owner's sequences, unstarted, the queue's lists. ARGV: now,
+# admitting-stale-before, owner-stale-before, max queued, owner cap (0: none), pending TTL, ids...
 _ADMIT = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
 local n = #ARGV - 6
 local depth = redis.call('ZCARD', KEYS[1])
-for i = 3, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
+for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
 if depth + n > tonumber(ARGV[4]) then return {'queue', depth} end
 local mine = 0
 local cap = tonumber(ARGV[5])
@@ -224,6 +241,7 @@ if cap > 0 then
 end
 for i = 7, #ARGV do
   redis.call('ZADD', KEYS[1], ARGV[1], ARGV[i])
+  redis.call('ZADD', KEYS[3], ARGV[1], ARGV[i])
   if cap > 0 then redis.call('ZADD', KEYS[2], ARGV[1], ARGV[i]) end
 end
 redis.call('EXPIRE', KEYS[1], 600)
@@ -577,7 +595,7 @@ class SequenceStore:
         `running`: the attempt of it this worker's engine runs now, if any (a second message
         for it is skipped)."""
         prev, attempt = self._start(
-            keys=[record_key(seq_id), WORKERS_KEY, running_key(worker)],
+            keys=[record_key(seq_id), WORKERS_KEY, running_key(worker), UNSTARTED_KEY],
             args=[_now(), worker, time.time() - stale_s, seq_id,
                   "" if running is None else int(running)])
         if prev == SequenceStatus.RUNNING.value and attempt:
@@ -604,10 +622,11 @@ class SequenceStore:
         cutoff = "force" if stale_s is None else str(time.time() - stale_s)
         return list(self._reclaim(
             keys=[running_key(worker), WORKERS_KEY, held_key(worker),
-                  running_key(sender or worker)],
+                  running_key(sender or worker), UNSTARTED_KEY],
             args=[worker, cutoff, json.dumps(reason), self.stream_maxlen, "1" if held else "0",
                   self.pending_ttl_s, "1" if sender else "0",
-                  *Keys.around(record_key), *Keys.around(events_key), *Keys.around(channel)]))
+                  *Keys.around(record_key), *Keys.around(events_key), *Keys.around(channel),
+                  time.time()]))
 
     def resent(self, sender: str, seq_id: str) -> None:
         """A sequence `sender` took back has its new message (see reclaim)."""
@@ -724,7 +743,8 @@ class SequenceStore:
             job = job_from_record({**rec, **fields})
             self._finish(
                 keys=[record_key(it.seq_id), events_key(it.seq_id), channel(it.seq_id),
-                      CANCELLED_KEY, METRICS_KEY, owner_seqs_key(rec.get("owner", ""))],
+                      CANCELLED_KEY, METRICS_KEY, owner_seqs_key(rec.get("owner", "")),
+                      UNSTARTED_KEY],
                 args=[",".join(s.value for s in it.only_if), json.dumps(fields),
                       encode_event(EVENT_DONE, job)["data"], encode_pubsub(EVENT_DONE, job),
                       self.stream_maxlen, self.result_ttl_s, it.seq_id, running_pre,
@@ -761,9 +781,8 @@ class SequenceStore:
         """Messages in the broker queue. Celery's Redis transport keeps one list per queue and
         priority step (name, name + sep + step)."""
         pipe = self.r.pipeline(transaction=False)
-        pipe.llen(queue)
-        for p in range(1, 10):
-            pipe.llen(f"{queue}{PRIORITY_SEP}{p}")
+        for name in queue_lists(queue):
+            pipe.llen(name)
         return sum(pipe.execute())
 
     def reserve_usage(self, owner: str, seqs: int, tokens: int, rpm: int, tpm: int
@@ -785,9 +804,8 @@ class SequenceStore:
         sequences before them) or the cap that refused them ("queue" or "key") and its count.
         Admitted ids count towards the queue until `sent` (or unadmit) takes them out."""
         now = time.time()
-        queue_keys = [queue] + [f"{queue}{PRIORITY_SEP}{p}" for p in range(1, 10)]
         kind, count = self._admit(
-            keys=[ADMITTING_KEY, owner_seqs_key(owner), *queue_keys],
+            keys=[ADMITTING_KEY, owner_seqs_key(owner), UNSTARTED_KEY, *queue_lists(queue)],
             args=[now, now - ADMITTING_S, now - self.pending_ttl_s, max_queued, owner_cap,
                   int(self.pending_ttl_s), *seq_ids])
         return (kind.decode() if isinstance(kind, bytes) else kind), int(count)
@@ -803,6 +821,7 @@ class SequenceStore:
         if seq_ids:
             pipe = self.r.pipeline(transaction=True)
             pipe.zrem(ADMITTING_KEY, *seq_ids)
+            pipe.zrem(UNSTARTED_KEY, *seq_ids)
             if owner:
                 pipe.zrem(owner_seqs_key(owner), *seq_ids)
             pipe.execute()

@@ -10,7 +10,11 @@ Keys:
   llmq:webhook:job:<seq_id>   hash  url, events ("started,completed"), and per event its state
                                     ("" due when it happens, "d:<unix s>" dispatching, "sent")
   llmq:webhooks:watch         set   seq ids whose registration still has events to send
-  llmq:webhook:event:<id>     hash  one event to deliver: url, body, owner; attempts, delivered_at
+  llmq:webhook:event:<id>     hash  one event to deliver: url, body, owner; attempts, delivered_at,
+                                    settled (the last attempt's result, once no attempt follows)
+  llmq:webhooks:pending       zset  event ids queued for delivery and not settled -> when their
+                                    message was last sent or seen (common/reconcile_store.py
+                                    sends again those whose message the broker lost)
 
 Deliveries in flight are capped per destination host and per owner, and a host whose attempts
 keep ending without an answer is left alone for a while (a circuit breaker), so that one key's
@@ -35,6 +39,7 @@ import redis
 from .keys import Keys
 
 WATCH_KEY = Keys.webhooks_watch
+PENDING_KEY = Keys.webhooks_pending
 WEBHOOK_TASK = "llmq.webhook"   # the Celery task that delivers one event (sent by name)
 EVENTS = ("started", "completed")        # in the order they happen
 EVENT_TTL_S = 3 * 24 * 3600              # longer than any retry schedule
@@ -226,27 +231,38 @@ class WebhookStore:
     def put_event(self, event_id_: str, url: str, body: str, owner: str) -> None:
         """Stores an event for its delivery task (kept if already there: a redispatch sends the
         body first built, so every attempt signs the same bytes), with the owner whose key
-        signs it."""
+        signs it; pending until its delivery settles."""
         key = event_key(event_id_)
         pipe = self.r.pipeline(transaction=True)
         pipe.hsetnx(key, "url", url)
         pipe.hsetnx(key, "body", body)
         pipe.hsetnx(key, "owner", owner)
         pipe.expire(key, EVENT_TTL_S)
+        pipe.zadd(PENDING_KEY, {event_id_: time.time()})
         pipe.execute()
 
     def get_event(self, event_id_: str) -> dict[str, str] | None:
         return self.r.hgetall(event_key(event_id_)) or None
 
-    def record_attempt(self, event_id_: str, result: str, delivered: bool) -> int:
-        """Counts an attempt; returns the event's attempts so far."""
+    def record_attempt(self, event_id_: str, result: str, delivered: bool,
+                       final: bool = False) -> int:
+        """Counts an attempt and its result; returns the event's attempts so far. `final`
+        (implied by `delivered`): no attempt follows, and the event is no longer pending."""
         fields = {"last_result": result}
         if delivered:
             fields["delivered_at"] = str(time.time())
-        pipe = self.r.pipeline(transaction=False)
+        if delivered or final:
+            fields["settled"] = result
+        pipe = self.r.pipeline(transaction=True)
         pipe.hincrby(event_key(event_id_), "attempts", 1)
         pipe.hset(event_key(event_id_), mapping=fields)
+        if delivered or final:
+            pipe.zrem(PENDING_KEY, event_id_)
         return int(pipe.execute()[0])
+
+    def settled(self, event_id_: str) -> None:
+        """A delivery task found its event settled before (or expired): no longer pending."""
+        self.r.zrem(PENDING_KEY, event_id_)
 
     def start_delivery(self, event_id_: str, host: str, owner: str, lease_s: float,
                        max_per_host: int, max_per_owner: int, breaker_s: float

@@ -24,7 +24,7 @@ from common.llm_engine import Overloaded, TooLarge
 from common.openai_responses import ChoiceShaper, response_body
 from common.protocol import GENERATE_TASK, INPUT_ERROR_CODES, SamplingParams, SequenceStatus
 from common.store import job_from_record
-from common.webhook_store import WEBHOOK_TASK, event_body, event_id
+from common.webhook_store import event_body, event_id
 
 from .services import BatchLineSender, Services, services, start_loop
 
@@ -286,8 +286,7 @@ class BatchDriver:
         kind = f"batch.{obj['status']}" if event == "completed" else f"batch.{event}"
         eid = event_id(self.batch_id, event)
         self.svc.webhooks.put_event(eid, url, event_body(kind, obj, eid), self.h["owner"])
-        # (its queue: the delivery workers', common/celery_config.py's task_routes)
-        self.svc.celery.send_task(WEBHOOK_TASK, args=[eid], task_id=eid, priority=0)
+        self.svc.send_delivery(eid)
         self.batches.set_fields(self.batch_id, **{f"webhook_{event}": "sent"})
         self.h[f"webhook_{event}"] = "sent"
 

@@ -18,13 +18,15 @@ from typing import Callable
 from redis.exceptions import RedisError
 
 from common.protocol import FinishReason
-from common.store import SequenceStore
+from common.reconcile_store import ReconcileStore
+from common.store import SequenceStore, queue_lists
 
 from .input_processor import InputProcessor, Rejected
 from .liveness import Liveness
 from .messages import NewSequence, StepRequest
 from .model_executor import ModelExecutor, ModelWorkerDied
 from .output_processor import OutputProcessor
+from .reconciler import Reconciler
 from .sequence import Sequence
 from .workload_manager import POLICIES, SchedulerOutput, WorkloadManager
 
@@ -122,7 +124,10 @@ class EngineCore:
         self._stop = threading.Event()
         self.inputs = InputProcessor(name, settings, store, executor, tokenizer)
         self.output = OutputProcessor(store, self.scheduler, tokenizer)
-        self.liveness = Liveness(name, settings, store, self.stats, self._send_back, self._stop)
+        self.liveness = Liveness(
+            name, settings, store, self.stats, self._send_back, self._stop,
+            Reconciler(settings, store.beside(ReconcileStore, queue_lists(settings.queue)),
+                       self.requeue))
         self.inbox: queue.Queue[Sequence] = queue.Queue()
         self.bell = Bell()
         # Newcomers prefilled inside the step in flight, their result not yet in (one at a time).

@@ -9,16 +9,21 @@ from typing import Callable, Iterator
 
 from common.store import SequenceStore
 
+from .reconciler import Reconciler
+
 log = logging.getLogger("llmq.engine")
 
 
 class Liveness:
     """Heart-beats while the engine advances and, once it has beaten steadily itself, reaps
-    workers whose heartbeat stopped: their running sequences go back to the queue."""
+    workers whose heartbeat stopped (their running sequences go back to the queue) and runs
+    the reconciler (sequences whose message the broker lost go back too)."""
 
     def __init__(self, name: str, settings, store: SequenceStore, stats: Callable[[], dict],
-                 requeue: Callable[..., None], stop: threading.Event):
+                 requeue: Callable[..., None], stop: threading.Event,
+                 reconciler: Reconciler | None = None):
         self.name = name
+        self.reconciler = reconciler
         self.settings = settings
         self.store = store
         self.stats = stats
@@ -110,6 +115,11 @@ class Liveness:
                 self.reap_dead_workers()
             except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again next beat
                 log.warning("reaping failed: %s", exc)
+            if self.reconciler is not None and self.reconciler.due():
+                try:
+                    self.reconciler.run()
+                except Exception as exc:  # noqa: BLE001 - Redis or the broker: next pass
+                    log.warning("reconciling failed: %s", exc)
 
     def reap_dead_workers(self) -> None:
         """Takes back what workers that stopped heart-beating were running (after sending what

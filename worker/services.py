@@ -13,8 +13,9 @@ from typing import Callable
 
 from common.batch_store import BatchStore
 from common.file_store import FileStore
-from common.store import SequenceStore
-from common.webhook_store import WebhookStore
+from common.reconcile_store import ReconcileStore
+from common.store import SequenceStore, queue_lists
+from common.webhook_store import WEBHOOK_TASK, WebhookStore
 
 log = logging.getLogger("llmq.worker")
 _lock = threading.Lock()
@@ -35,6 +36,7 @@ class Services:
     files: FileStore
     batches: BatchStore
     webhooks: WebhookStore
+    reconcile: ReconcileStore
     stopping: threading.Event = field(default_factory=threading.Event)
     driver_slots: threading.BoundedSemaphore = field(
         default_factory=lambda: threading.BoundedSemaphore(MAX_DRIVERS))
@@ -44,6 +46,11 @@ class Services:
         from common.llm_engine import LLMEngine
 
         return LLMEngine(self.settings, self.sequences, BatchLineSender(self.celery))
+
+    def send_delivery(self, event_id: str) -> None:
+        """Queues one webhook event's delivery task (under the event's id, on every send), on
+        the delivery workers' queue (common/celery_config.py's task_routes)."""
+        self.celery.send_task(WEBHOOK_TASK, args=[event_id], task_id=event_id, priority=0)
 
 
 class BatchLineSender:
@@ -68,7 +75,8 @@ def services(app) -> Services:
             seqs = engine.store if engine is not None else SequenceStore.from_settings(s)
             svc = Services(s, app, seqs, seqs.beside(FileStore, s.file_ttl_s),
                            seqs.beside(BatchStore, s.file_ttl_s),
-                           seqs.beside(WebhookStore, s.pending_ttl_s))
+                           seqs.beside(WebhookStore, s.pending_ttl_s),
+                           seqs.beside(ReconcileStore, queue_lists(s.webhook_queue)))
             app.llmq_services = svc
         return svc
 

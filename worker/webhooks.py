@@ -136,12 +136,13 @@ def deliver(self, event_id_: str) -> dict:
     s, store = svc.settings, svc.webhooks
     event = store.get_event(event_id_)
     outcome = {"event_id": event_id_}
-    if event is None:
-        return {**outcome, "outcome": "expired"}
-    if event.get("delivered_at"):
-        return {**outcome, "outcome": "delivered before"}
+    if event is None or event.get("delivered_at") or event.get("settled"):
+        store.settled(event_id_)   # (a second message: a redispatch, or the reconciler's)
+        return {**outcome, "outcome": "expired" if event is None else
+                "delivered before" if event.get("delivered_at") else "settled before"}
     if not s.webhook_secret:   # set on the API but not on this worker: nothing to sign with
-        store.record_attempt(event_id_, "refused: LLMQ_WEBHOOK_SECRET is not set", False)
+        store.record_attempt(event_id_, "refused: LLMQ_WEBHOOK_SECRET is not set", False,
+                             final=True)
         log.error("webhook not sent: LLMQ_WEBHOOK_SECRET is not set on this worker")
         return {**outcome, "outcome": "refused"}
     try:
@@ -154,7 +155,7 @@ def deliver(self, event_id_: str) -> dict:
         log.info("webhook host unresolvable: %s (%s)", exc, exc.detail,
                  extra={"event_id": event_id_})
     except WebhookURLError as exc:   # now resolves to a refused address: never sent there
-        store.record_attempt(event_id_, f"refused: {exc}", delivered=False)
+        store.record_attempt(event_id_, f"refused: {exc}", delivered=False, final=True)
         log.warning("webhook refused: %s (%s)", exc, exc.detail, extra={"event_id": event_id_})
         return {**outcome, "outcome": "refused"}
     except RedisError:
@@ -163,7 +164,10 @@ def deliver(self, event_id_: str) -> dict:
         log.exception("webhook attempt failed", extra={"event_id": event_id_})
         result, status = f"error: {type(exc).__name__}", None
     delivered = status is not None and 200 <= status < 300
-    attempts = store.record_attempt(event_id_, result, delivered)
+    # The event counts its attempts (not the task's retries): a delivery sent again after its
+    # message was lost starts again at retries 0, and must not get a whole new schedule.
+    final = int(event.get("attempts") or 0) + 1 >= s.webhook_max_attempts
+    attempts = store.record_attempt(event_id_, result, delivered, final=final)
     if delivered:
         return {**outcome, "outcome": "delivered"}
     if attempts >= s.webhook_max_attempts:
@@ -231,8 +235,7 @@ def dispatch_job_events(svc: Services) -> None:
                 eid = event_id(seq_id, kind)
                 body = event_body(kind, job, eid)
             svc.webhooks.put_event(eid, url, body, rec.get("owner", ""))
-            # (its queue: the delivery workers', common/celery_config.py's task_routes)
-            svc.celery.send_task(WEBHOOK_TASK, args=[eid], task_id=eid, priority=0)
+            svc.send_delivery(eid)
         svc.webhooks.job_event_sent(seq_id, event)
 
 
@@ -242,7 +245,19 @@ def _is_response(svc: Services, seq_id: str) -> bool:
         is not None
 
 
+def redeliver_lost(svc: Services) -> None:
+    """Queues again the deliveries whose message the broker lost (kombu's fetch is two round
+    trips: a consumer killed between them loses the message, and the event, marked sent, would
+    never be delivered); see common/reconcile_store.py."""
+    for eid in svc.reconcile.claim_lost_events(svc.settings.worker_stale_s):
+        log.warning("webhook delivery queued again: its message was lost",
+                    extra={"event_id": eid})
+        svc.send_delivery(eid)
+
+
 @signals.worker_ready.connect
 def _start_dispatcher(sender=None, **_kw):
     svc = services(sender.app)
     start_loop(svc, "llmq-webhooks", DISPATCH_S, lambda: dispatch_job_events(svc))
+    start_loop(svc, "llmq-webhooks-reconciler", svc.settings.worker_stale_s / 2,
+               lambda: redeliver_lost(svc))

@@ -14,6 +14,7 @@ import pytest
 from common.batch_store import BatchStore, line_seq_id, new_batch_id
 from common.file_store import new_file_id
 from common.owner_index import OwnerIndex, UnknownCursor, index_key
+from common.reconcile_store import ReconcileStore
 from common.settings import Settings
 from common.store import record_key
 from common.webhook_guard import WebhookUnresolvable, WebhookURLError, check_url
@@ -413,7 +414,7 @@ def test_delivery_resolves_again_and_never_connects_to_a_private_address(r, monk
     app = create_celery(settings)
     store = WebhookStore(r, 60)
     app.llmq_services = Services(settings, RecordingCelery(), SequenceStore(r), FileStore(r, 60),
-                                 _Batches(r, 60), store)
+                                 _Batches(r, 60), store, ReconcileStore(r, ["llmq"]))
     store.put_event("msg_1", "http://hooks.example.com/in", "{}", "")
     monkeypatch.setattr(webhooks, "check_url", lambda url, allowed: check_url(
         url, allowed, resolve=resolver("10.0.0.7")))

@@ -12,6 +12,7 @@ import pytest
 from common.batch_store import BatchStore, line_seq_id
 from common.file_store import FileStore, StorageFull, content_key, file_key
 from common.protocol import FinishReason
+from common.reconcile_store import ReconcileStore
 from common.store import SequenceStore
 from common.webhook_store import WebhookStore
 
@@ -145,7 +146,8 @@ def a_driver_past_its_first_submit(api: Api, text: str, **settings):
     seqs = SequenceStore(api.r)
     svc = Services(s, celery, seqs, seqs.beside(FileStore, s.file_ttl_s),
                    seqs.beside(BatchStore, s.file_ttl_s),
-                   seqs.beside(WebhookStore, s.pending_ttl_s))
+                   seqs.beside(WebhookStore, s.pending_ttl_s),
+                   seqs.beside(ReconcileStore, ["llmq"]))
     driver = BatchDriver(svc, bid, token)
     driver.keep_lease(force=True)
     svc.batches.set_fields(bid, status="in_progress")

@@ -60,7 +60,7 @@ def test_the_check_sees_a_key_spelled_elsewhere(tmp_path):
 STORE_MODULES = {Path("common", n) for n in ("store.py", "batch_store.py", "file_store.py",
                                               "webhook_store.py", "owner_index.py",
                                               "response_store.py", "idempotency_store.py",
-                                              "queue_store.py")}
+                                              "queue_store.py", "reconcile_store.py")}
 
 
 def redis_touches(path: Path) -> list[str]:

@@ -12,9 +12,10 @@ import redis
 
 from common.batch_store import BatchStore
 from common.file_store import FileStore
+from common.reconcile_store import ReconcileStore
 from common.store import SequenceStore
 from common.webhook_guard import Target
-from common.webhook_store import WebhookStore, owner_key
+from common.webhook_store import PENDING_KEY, WebhookStore, event_key, owner_key
 
 from .factories import RecordingCelery, make_settings
 
@@ -49,7 +50,8 @@ def delivery(monkeypatch):
         settings = make_settings(webhook_secret=SECRET, **overrides)
         app = create_celery(settings)
         app.llmq_services = Services(settings, RecordingCelery(), SequenceStore(r), FileStore(r, 60),
-                                     BatchStore(r, 60), store)
+                                     BatchStore(r, 60), store,
+                                     ReconcileStore(r, ["llmq"]))
         return app.tasks["llmq.webhook"].apply(args=["msg_1"]).get()
 
     return run, store, posts
@@ -331,3 +333,15 @@ def test_a_delivery_held_back_again_and_again_waits_longer_each_time(monkeypatch
             webhooks.attempt(s, Busy(), "msg_1", {"url": "x", "body": "{}"}, retries)
         waits.append(held.value.wait_s)
     assert waits == [2.0, 4.0, 8.0, 64.0, 64.0]
+
+
+def test_a_delivery_sent_again_keeps_its_count_and_a_settled_one_is_not_posted(delivery):
+    """The reconciler sends a delivery again when the broker lost its message (a new message:
+    Celery's retries start at 0): the event's own count of attempts still bounds it, and once
+    it is settled (given up, delivered) another message posts nothing."""
+    run, store, posts = delivery
+    store.r.hset(event_key("msg_1"), "attempts", 5)   # five attempts before the loss
+    assert run([503], webhook_max_attempts=7)["outcome"] == "given up: HTTP 503"
+    assert len(posts) == 2 and store.get_event("msg_1")["settled"] == "HTTP 503"
+    assert store.r.zscore(PENDING_KEY, "msg_1") is None        # no longer watched
+    assert run([204])["outcome"] == "settled before" and len(posts) == 2
