@@ -80,6 +80,21 @@ _POSITIVE = (
 )
 
 
+# The engine's defaults on a GPU (field, variable, value), taken by Settings.for_device where
+# the environment leaves the field unset. The CPU defaults above them are tuned for a few cores
+# (a pass there costs about as much as its tokens); on a GPU a pass of an eager PyTorch model
+# costs mostly its ~1,000-2,000 kernel launches, whatever the batch, so a step carries many
+# more rows and prompt tokens for the same time (vLLM's GPU defaults: 256 sequences, 8,192
+# batched tokens).
+_CUDA_DEFAULTS = (
+    ("max_num_seqs", "LLMQ_MAX_NUM_SEQS", 256),
+    ("max_num_batched_tokens", "LLMQ_MAX_NUM_BATCHED_TOKENS", 8192),
+    ("long_prefill_tokens", "LLMQ_LONG_PREFILL_TOKEN_THRESHOLD", 512),
+    ("long_prefill_chunk", "LLMQ_LONG_PREFILL_CHUNK", 512),
+    ("prefill_pass_tokens", "LLMQ_PREFILL_PASS_TOKENS", 2048),
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Configuration shared by the API, the worker and the model process."""
@@ -223,6 +238,18 @@ class Settings:
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{var}={getattr(self, name)!r} must be in (0, 1]")
         return self
+
+    def for_device(self, device: str) -> "Settings":
+        """These settings for a model on `device` (a resolved one: cpu, cuda, cuda:N). On a
+        GPU, each engine field of _CUDA_DEFAULTS still at its CPU default and not set in the
+        environment takes the GPU's value; on a CPU they are unchanged. The model process and
+        the engine both call it with the device the model loaded on, so they agree."""
+        if not str(device).startswith("cuda"):
+            return self
+        d = type(self)()
+        return self.replace(**{name: value for name, var, value in _CUDA_DEFAULTS
+                               if getattr(self, name) == getattr(d, name)
+                               and var not in os.environ})
 
     def webhook_key(self) -> bytes:
         """The HMAC key: the base64 part of LLMQ_WEBHOOK_SECRET (`whsec_<base64>`)."""

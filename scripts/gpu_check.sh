@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# `make gpu-check ARGS="..."`: bench/gpu_check.py on a machine that has PyTorch and
+# transformers but no package registry (the lent GPU machine). llmq's other runtime
+# dependencies come from the wheels `make gpu-wheels` fetched into .gpu-wheels/ beforehand,
+# installed offline into a folder put on PYTHONPATH: a venv made from the machine's Python
+# would not see its packages when that Python is itself a venv's (/opt/torch/.venv there).
+# PY: the Python that holds torch (default python3). Without .gpu-wheels/ the check runs on
+# PY's own packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+WHEELS=${GPU_WHEELS:-.gpu-wheels}
+"$PY" -c "import torch, transformers" || {
+  echo "gpu_check: $PY has no torch or transformers" >&2; exit 1; }
+if [ -f "$WHEELS/requirements.txt" ]; then
+  version=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  site=${GPU_CHECK_SITE:-/tmp/llmq-gpu-site-$version}
+  # The pins name the whole closure (scripts/gpu_wheels.py): no resolver, no registry.
+  if ! cmp -s "$WHEELS/requirements.txt" "$site/.installed"; then
+    rm -rf "$site"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
+      --find-links "$WHEELS" --target "$site" -r "$WHEELS/requirements.txt"
+    cp "$WHEELS/requirements.txt" "$site/.installed"
+  fi
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+else
+  echo "gpu_check: no $WHEELS/ (make gpu-wheels): running on $PY's own packages" >&2
+fi
+export PYTHONUNBUFFERED=1
+exec "$PY" -m bench.gpu_check "$@"
