@@ -174,7 +174,10 @@ def compare(ref: list[dict], got: list[list[int]]) -> dict:
         elif r["margins"][at] < TIE:
             ties += 1
         first_diff.append(at)
+    # (how many different tokens the reference walks through: a model that repeats one token
+    # would agree whatever its attention did)
     return {"prompts": len(ref), "whole": whole, "tie_diverged": ties,
+            "distinct_tokens_mean": sum(len(set(r["tokens"])) for r in ref) / max(1, len(ref)),
             "diverged": len(ref) - whole - ties, "first_divergence": first_diff,
             "common_prefix_mean": sum(len(r["tokens"]) if a is None else a
                                       for r, a in zip(ref, first_diff)) / max(1, len(ref))}
@@ -293,7 +296,8 @@ def format_agreement(agreement: dict) -> str:
             continue
         lines.append(f"{name:>9}: {a['whole']}/{a['prompts']} prompts agree whole, "
                      f"{a['tie_diverged']} part at a near-tie, {a['diverged']} diverge "
-                     f"(common prefix {a['common_prefix_mean']:.1f} of {a['tokens']} tokens)"
+                     f"(common prefix {a['common_prefix_mean']:.1f} of {a['tokens']} tokens, "
+                     f"{a['distinct_tokens_mean']:.1f} distinct)"
                      + ("" if a.get("strict") is False else "  [must agree]"))
     return "\n".join(lines)
 
@@ -376,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def agree(dtype=dtype):
             ex = start(make_backend(model, cfg, device, dtype, settings, n_prompts,
-                                    64 << 20, kernels))
+                                    kv_bytes(model, dtype, n_prompts, 60 + n_tokens), kernels))
             got = generate(ex, fixed, n_tokens)
             ex.stop()
             return {**compare(ref, got), "tokens": n_tokens, "strict": dtype == torch.float32}
@@ -392,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         # (on a CPU, a cache for the batches alone: the served auto size would be most of RAM)
-        kv = 0 if cuda else max(batches) * (prompt_len + steps + 16) * 16 << 10
+        kv = 0 if cuda else kv_bytes(model, served_dtype, max(batches), prompt_len + steps)
         backend = make_backend(model, cfg, device, served_dtype, settings,
                                max(max(batches), settings.max_num_seqs) if cuda
                                else max(batches), kv, kernels)
@@ -428,6 +432,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check: {'ok' if result['ok'] else 'FAILED'} in {result['elapsed_s']} s; "
           f"{out}", flush=True)
     return 0 if result["ok"] else 1
+
+
+def kv_bytes(model, dtype, rows: int, tokens: int) -> int:
+    """A KV cache that holds `rows` sequences of `tokens` (whole 8-token blocks, and one more
+    block each, as the cache rounds them)."""
+    from worker.model.transformers.backend import kv_bytes_per_token
+
+    return rows * (-(-tokens // 8) + 1) * 8 * kv_bytes_per_token(model, dtype)
 
 
 def _kv_bytes_per_token(backend) -> int:
