@@ -146,7 +146,8 @@ gpu-check-offline: gpu-wheels
 	test -x $(GPU_CLEAN_VENV)/bin/python || { $(PY) -m venv $(GPU_CLEAN_VENV) && \
 	  $(GPU_CLEAN_VENV)/bin/pip install -q $$(grep -E '^(torch|transformers)==' requirements.txt \
 	    | sed 's/ *#.*//'); }
-	$(MAKE) gpu-check GPU_PY=$(GPU_CLEAN_VENV)/bin/python ARGS="--device cpu --quick $(ARGS)"
+	GPU_CHECK_STRICT=1 $(MAKE) gpu-check GPU_PY=$(GPU_CLEAN_VENV)/bin/python \
+	  ARGS="--device cpu --quick $(ARGS)"
 
 compose-check:
 	REDIS_PASSWORD=$${REDIS_PASSWORD:-compose-check} docker-compose -f docker-compose.yml config -q \

@@ -16,13 +16,22 @@ if [ -f "$WHEELS/requirements.txt" ]; then
   version=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
   site=${GPU_CHECK_SITE:-/tmp/llmq-gpu-site-$version}
   # The pins name the whole closure (scripts/gpu_wheels.py): no resolver, no registry.
-  if ! cmp -s "$WHEELS/requirements.txt" "$site/.installed"; then
-    rm -rf "$site"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
-      --find-links "$WHEELS" --target "$site" -r "$WHEELS/requirements.txt"
-    cp "$WHEELS/requirements.txt" "$site/.installed"
+  # A failed install is reported, not fatal: the check itself needs torch and transformers
+  # alone, and a lent machine's minutes are too few to lose to it. GPU_CHECK_STRICT=1 (CI's
+  # rehearsal) makes it fatal, and so is then an llmq module the wheels leave unimportable.
+  if cmp -s "$WHEELS/requirements.txt" "$site/.installed" || {
+      rm -rf "$site" &&
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
+        --find-links "$WHEELS" --target "$site" -r "$WHEELS/requirements.txt" &&
+      cp "$WHEELS/requirements.txt" "$site/.installed"; }; then
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "gpu_check: installing $WHEELS/ failed (above): running on $PY's own packages" >&2
+    [ -z "${GPU_CHECK_STRICT:-}" ] || exit 1
   fi
-  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  "$PY" -c "import app.wsgi, worker.celery_app, worker.tasks, gunicorn, llguidance, psutil" || {
+    echo "gpu_check: llmq's runtime does not import with $WHEELS/" >&2
+    [ -z "${GPU_CHECK_STRICT:-}" ] || exit 1; }
 else
   echo "gpu_check: no $WHEELS/ (make gpu-wheels): running on $PY's own packages" >&2
 fi
