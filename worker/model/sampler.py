@@ -27,14 +27,11 @@ class SamplingState:
     def create(cls, params: SamplingParams, token_ids: list[int], num_output_tokens: int,
                stop_token_ids, device) -> "SamplingState":
         gen = None
-        if (params.temperature or 0.0) > 0.0:
-            # Its own generator per sequence: a seeded sequence samples the same tokens
-            # whatever else shares the batch.
+        if (params.temperature or 0.0) > 0.0 and params.seed is not None:
+            # Its own generator per seeded sequence: it samples the same tokens whatever else
+            # shares the batch (the unseeded rows share the device's: `draw`).
             gen = torch.Generator(device=device)
-            if params.seed is not None:
-                gen.manual_seed(int(params.seed) + num_output_tokens)
-            else:
-                gen.seed()
+            gen.manual_seed(int(params.seed) + num_output_tokens)
         return cls(params, tuple(stop_token_ids), list(token_ids), num_output_tokens, gen)
 
     @property
@@ -66,6 +63,16 @@ class Sampler:
 
     def __init__(self, grammars: Grammars | None = None):
         self.grammars = grammars
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The unseeded rows' generator on `device`, seeded from the OS once (torch's default
+        generator starts from the same seed in every process: each worker's first unseeded
+        draws would repeat another's)."""
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+            self._generators[device].seed()
+        return self._generators[device]
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
         return self.sample(logits, states)[0]
@@ -117,14 +124,7 @@ class Sampler:
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
             probs = self._probs(logits[rows], [states[i].params for i in sampled])
-            for j, i in enumerate(sampled):
-                st = states[i]
-                if st.params.seed is not None:
-                    # The draw for output token n depends only on (seed, n): the same text
-                    # whatever the batch, and also after a restart from the tokens so far.
-                    st.generator.manual_seed((int(st.params.seed) * 1_000_003
-                                              + st.num_output_tokens) % (2**63 - 1))
-                out[i] = torch.multinomial(probs[j], 1, generator=st.generator)[0]
+            out[rows] = draw(probs, [states[i] for i in sampled], self._generator(probs.device))
         tokens = out.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(states)
         for j, i in enumerate(lp_rows):
@@ -185,6 +185,27 @@ class Sampler:
             min_p = torch.tensor(mps, device=dev).unsqueeze(1)
             probs = torch.where(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
         return probs
+
+
+def draw(probs: torch.Tensor, states: list[SamplingState], generator: torch.Generator
+         ) -> torch.Tensor:
+    """One token per row of `probs`, every row in one pass on the device: the argmax of
+    probs / q, q ~ Exp(1) (token i wins with probability probs[i]; vLLM's sampler draws so),
+    with no per-row multinomial and no sync. The unseeded rows' q is one draw from
+    `generator`; a seeded row's comes from its own generator, seeded by (seed, output
+    token number), so its token depends only on them: the same whatever the batch, and after
+    a restart from the tokens so far (one small draw per seeded row, as vLLM's)."""
+    q = torch.empty_like(probs)
+    seeded = [j for j, st in enumerate(states) if st.params.seed is not None]
+    if len(seeded) < len(states):
+        q.exponential_(generator=generator)
+    for j in seeded:
+        st = states[j]
+        st.generator.manual_seed((int(st.params.seed) * 1_000_003 + st.num_output_tokens)
+                                 % (2**63 - 1))
+        q[j].exponential_(generator=st.generator)
+    # (a q of exactly 0 would make a zero-probability token's 0/0 a NaN, which argmax takes)
+    return probs.div(q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
 
 
 def greedy_tokens(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
