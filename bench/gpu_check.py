@@ -9,7 +9,8 @@ token ids (no tokenizer). It prints, and writes as JSON:
               weights (transformers' own forward, float32, one prompt at a time): float32 on
               the device must agree, up to near-ties; the served dtype (bfloat16 on a GPU) is
               reported
-  throughput  the served engine at batch 1/16/64/256 (1/8 with --quick): prefill and decode
+  throughput  the served engine at batch 1/16/64/256 (1/8 with --quick), greedy, and the
+              largest again with temperature 1 and top-p 0.9 (the sampler): prefill and decode
               tokens/s, and per decode step its wall time, the host's time in the forward
               (on a GPU: launching it), in sampling (on a GPU: waiting for the pass), the
               device's busy time and kernel count (torch's profiler, GPU only) and the host
@@ -223,15 +224,16 @@ def device_busy(executor, req, steps: int) -> tuple[float, float]:
 
 
 def throughput(executor, timer, batch: int, prompt_len: int, steps: int, vocab: int,
-               cuda: bool) -> dict:
+               cuda: bool, sampled: bool = False) -> dict:
     """The served engine at `batch` sequences: one prefill step, then `steps` timed decode
-    steps (after two untimed)."""
+    steps (after two untimed); greedy, or `sampled` (temperature 1, top-p 0.9)."""
     from common.protocol import SamplingParams
     from worker.messages import NewSequence, StepRequest
 
-    greedy = SamplingParams(temperature=0.0)
-    ids = [f"b{batch}-{i}" for i in range(batch)]
-    seqs = [NewSequence(sid, p, greedy)
+    params = (SamplingParams(temperature=1.0, top_p=0.9) if sampled
+              else SamplingParams(temperature=0.0))
+    ids = [f"b{batch}{'s' if sampled else ''}-{i}" for i in range(batch)]
+    seqs = [NewSequence(sid, p, params)
             for sid, p in zip(ids, prompts(batch, vocab, batch, (prompt_len, prompt_len + 1)))]
     sync = _sync(cuda)
     t = time.perf_counter()
@@ -247,7 +249,7 @@ def throughput(executor, timer, batch: int, prompt_len: int, steps: int, vocab: 
         run_step(executor, decode)
     sync()
     step_s = (time.perf_counter() - t) / steps
-    row = {"batch": batch, "prefill_tok_s": batch * prompt_len / prefill_s,
+    row = {"batch": batch, "mode": "top-p" if sampled else "greedy", "prefill_tok_s": batch * prompt_len / prefill_s,
            "decode_tok_s": batch / step_s, "step_ms": step_s * 1e3,
            "forward_ms": timer.spent["forward"] / steps * 1e3,
            "sample_ms": timer.spent["sample"] / steps * 1e3}
@@ -271,7 +273,7 @@ def _sync(cuda: bool):
     return torch.cuda.synchronize if cuda else (lambda: None)
 
 
-COLUMNS = (("batch", "batch", "{:d}"), ("prefill_tok_s", "prefill tok/s", "{:,.0f}"),
+COLUMNS = (("batch", "batch", "{:d}"), ("mode", "mode", "{}"), ("prefill_tok_s", "prefill tok/s", "{:,.0f}"),
            ("decode_tok_s", "decode tok/s", "{:,.0f}"), ("step_ms", "step ms", "{:.2f}"),
            ("forward_ms", "fwd host ms", "{:.2f}"), ("sample_ms", "sample ms", "{:.2f}"),
            ("host_ms", "host ms", "{:.2f}"), ("device_busy_ms", "device ms", "{:.2f}"),
@@ -404,12 +406,14 @@ def main(argv: list[str] | None = None) -> int:
                                        * _kv_bytes_per_token(backend) / 2**20)
         ex = start(backend)
         timer = StepTimer(backend)
-        for b in batches:
+        # Each batch greedy, then the largest sampled (the sampler's batched draw).
+        for b, sampled in [(b, False) for b in batches] + [(max(batches), True)]:
+            name = f"batch {b}{' sampled' if sampled else ''}"
             if time.monotonic() - t_start > BUDGET_S:
-                result["errors"].append(f"batch {b}: skipped, over the {BUDGET_S:.0f} s budget")
+                result["errors"].append(f"{name}: skipped, over the {BUDGET_S:.0f} s budget")
                 continue
-            row = section(f"batch {b}", lambda b=b: throughput(
-                ex, timer, b, prompt_len, steps, cfg.vocab_size, cuda))
+            row = section(name, lambda b=b, sampled=sampled: throughput(
+                ex, timer, b, prompt_len, steps, cfg.vocab_size, cuda, sampled))
             if row is not None:
                 result["throughput"].append(row)
                 print(format_table([row]).splitlines()[-1] if len(result["throughput"]) > 1

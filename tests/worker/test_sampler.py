@@ -256,11 +256,12 @@ def test_a_seeded_row_draws_the_same_in_one_batched_draw_as_alone():
 
 
 def test_unseeded_rows_drawn_together_follow_their_distribution(monkeypatch):
-    """One draw for all the unseeded rows, no multinomial per row (on a GPU, a handful of
-    kernel launches each): each row's token follows its own probabilities (4,000 rows of one
-    distribution, counts within 5 standard deviations), and a token of probability 0 is never
-    drawn."""
-    monkeypatch.setattr(torch, "multinomial", None)
+    """One draw for all the unseeded rows, not one per row (on a GPU, a few kernel launches
+    each): each row's token follows its own probabilities (4,000 rows of one distribution,
+    counts within 5 standard deviations), and a token of probability 0 is never drawn."""
+    calls = []
+    multinomial = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda *a, **k: calls.append(1) or multinomial(*a, **k))
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0, 0.0])
     logits = probs.log().repeat(4000, 1)
     tokens = Sampler()(logits, [state(sampled()) for _ in range(4000)])
@@ -268,6 +269,7 @@ def test_unseeded_rows_drawn_together_follow_their_distribution(monkeypatch):
     expected = probs * 4000
     assert counts[4:].sum() == 0
     assert ((counts - expected).abs() <= 5 * (expected * (1 - probs)).sqrt() + 1).all(), counts
+    assert len(calls) == 1
 
 
 # --- a sequence whose sampling fails does not take the batch down -------------------------------

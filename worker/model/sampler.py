@@ -189,23 +189,25 @@ class Sampler:
 
 def draw(probs: torch.Tensor, states: list[SamplingState], generator: torch.Generator
          ) -> torch.Tensor:
-    """One token per row of `probs`, every row in one pass on the device: the argmax of
-    probs / q, q ~ Exp(1) (token i wins with probability probs[i]; vLLM's sampler draws so),
-    with no per-row multinomial and no sync. The unseeded rows' q is one draw from
-    `generator`; a seeded row's comes from its own generator, seeded by (seed, output
-    token number), so its token depends only on them: the same whatever the batch, and after
-    a restart from the tokens so far (one small draw per seeded row, as vLLM's)."""
-    q = torch.empty_like(probs)
+    """One token per row of `probs`. The unseeded rows in one torch.multinomial call, from
+    `generator`: no Python loop over them and, on a GPU, a few kernels in all rather than a
+    few per row. A seeded row from its own generator, seeded by (seed, output token number),
+    so its token depends only on them: the same whatever the batch, and after a restart from
+    the tokens so far (one call per seeded row, as vLLM's sampler draws its seeded rows)."""
     seeded = [j for j, st in enumerate(states) if st.params.seed is not None]
-    if len(seeded) < len(states):
-        q.exponential_(generator=generator)
+    if not seeded:
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    out = torch.empty(len(states), dtype=torch.long, device=probs.device)
+    free = [j for j, st in enumerate(states) if st.params.seed is None]
+    if free:
+        rows = torch.tensor(free, device=probs.device)
+        out[rows] = torch.multinomial(probs[rows], 1, generator=generator)[:, 0]
     for j in seeded:
         st = states[j]
         st.generator.manual_seed((int(st.params.seed) * 1_000_003 + st.num_output_tokens)
                                  % (2**63 - 1))
-        q[j].exponential_(generator=st.generator)
-    # (a q of exactly 0 would make a zero-probability token's 0/0 a NaN, which argmax takes)
-    return probs.div(q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+        out[j] = torch.multinomial(probs[j], 1, generator=st.generator)[0]
+    return out
 
 
 def greedy_tokens(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
