@@ -139,14 +139,16 @@ gpu-wheels: venv
 gpu-check:
 	PY=$(GPU_PY) bash scripts/gpu_check.sh $(ARGS)
 
-# The GPU machine's situation rehearsed here: a clean venv with torch and transformers alone
-# (kept in .cache/, reused), the wheels installed offline, the check on the CPU.
+# The GPU machine's situation rehearsed here: a clean venv with torch, transformers and pytest
+# alone, as that machine's image has them (kept in .cache/, reused), the wheels installed
+# offline, the check on the CPU, then the worker tests' CUDA cases (skipped here: their
+# imports and their tiny model's tokenizer are what this rehearses).
 GPU_CLEAN_VENV := .cache/gpu-clean-venv
 gpu-check-offline: gpu-wheels
 	test -x $(GPU_CLEAN_VENV)/bin/python || { $(PY) -m venv $(GPU_CLEAN_VENV) && \
-	  $(GPU_CLEAN_VENV)/bin/pip install -q $$(grep -E '^(torch|transformers)==' requirements.txt \
-	    | sed 's/ *#.*//'); }
-	GPU_CHECK_STRICT=1 $(MAKE) gpu-check GPU_PY=$(GPU_CLEAN_VENV)/bin/python \
+	  $(GPU_CLEAN_VENV)/bin/pip install -q $$(grep -hE '^(torch|transformers|pytest)==' \
+	    requirements.txt requirements-dev.txt | sed 's/ *#.*//'); }
+	GPU_CHECK_STRICT=1 GPU_CHECK_TESTS=1 $(MAKE) gpu-check GPU_PY=$(GPU_CLEAN_VENV)/bin/python \
 	  ARGS="--device cpu --quick $(ARGS)"
 
 compose-check:

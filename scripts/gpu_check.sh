@@ -36,4 +36,18 @@ else
   echo "gpu_check: no $WHEELS/ (make gpu-wheels): running on $PY's own packages" >&2
 fi
 export PYTHONUNBUFFERED=1
-exec "$PY" -m bench.gpu_check "$@"
+if [ -z "${GPU_CHECK_TESTS:-}" ]; then
+  exec "$PY" -m bench.gpu_check "$@"
+fi
+# GPU_CHECK_TESTS=1: the model-worker tests on CUDA too (LLMQ_TEST_DEVICE=cuda, the cuda
+# cases alone), after the check. Their tiny model takes the default model's tokenizer, which
+# .gpu-wheels/tokenizer/ carries; a HOME of their own holds it where ModelManager looks, beside
+# an empty weights file that nothing here reads (the real cache stays untouched).
+status=0
+"$PY" -m bench.gpu_check "$@" || status=$?
+home=/tmp/llmq-gpu-home
+model="$home/.cache/llmq/models/SmolLM2-135M-Instruct"
+mkdir -p "$model" && cp "$WHEELS"/tokenizer/* "$model"/ && touch "$model/model.safetensors"
+HOME="$home" LLMQ_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider -k cuda \
+  tests/worker/test_batch_invariance.py tests/worker/test_kv_cache.py || status=$?
+exit $status

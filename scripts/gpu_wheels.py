@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -29,6 +30,12 @@ LACKING = ("pydantic",)
 PLATFORMS = ["manylinux1_x86_64", "manylinux2010_x86_64", "manylinux2014_x86_64"] + [
     f"manylinux_2_{n}_x86_64" for n in (5, 12, 17, 24, 27, 28, 31, 34, 35)]
 LIMIT_BYTES = 64 << 20   # what one device call carries, the working tree included
+# What the model-worker tests need there beyond the runtime (tests/conftest.py imports lupa),
+# for `GPU_CHECK_TESTS=1` (scripts/gpu_check.sh), and the default model's tokenizer files they
+# build the tiny model with (a few MB; its 538 MB of weights are not needed).
+TEST_EXTRAS = ("lupa",)
+TOKENIZER_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                   "tokenizer_config.json", "chat_template.jinja")
 
 
 def _env(python: str, extra: str = "") -> dict:
@@ -86,6 +93,18 @@ def wanted(python: str, reqs: list[Requirement]) -> dict[str, str]:
                    python, stop=provided)
 
 
+def copy_tokenizer(target: Path) -> None:
+    """The default model's tokenizer and config files (converted once, as the tests do)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from worker.model_manager import ModelManager
+
+    source = Path(ModelManager().resolve())
+    target.mkdir(exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copyfile(source / name, target / name)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dest", default=".gpu-wheels")
@@ -95,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     pythons = args.python or ["3.12", "3.11"]
     dest = Path(args.dest)
-    reqs = requirements(Path(args.requirements))
+    reqs = requirements(Path(args.requirements)) + [Requirement(r) for r in TEST_EXTRAS]
     pins: dict[str, str] = {}
     for py in pythons:
         pins.update(wanted(py, reqs))
@@ -109,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                         "--only-binary=:all:", "--implementation", "cp", "--python-version", py,
                         *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(dest),
                         *names], check=True)
+    copy_tokenizer(dest / "tokenizer")
     (dest / "requirements.txt").write_text(
         "".join(f"{n}=={v}\n" for n, v in sorted(pins.items())))
-    size = sum(f.stat().st_size for f in dest.iterdir())
+    size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
     print(f"{dest}: {len(list(dest.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB "
           f"(Python {', '.join(pythons)})")
     if size > LIMIT_BYTES:
