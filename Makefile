@@ -11,7 +11,8 @@ export FLOWER_PORT ?= 5555
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help setup venv redis-server model llama-cpp vllm run api worker delivery redis flower test test-fast \
-  test-slow-engine bench bench-quick soak peers compose-check clean
+  test-slow-engine bench bench-quick soak peers compose-check clean gpu-wheels gpu-check \
+  gpu-check-offline
 
 help:
 	@echo "make run      set up (venv, packages, redis-server, model) and start Redis, worker, API, Flower"
@@ -23,6 +24,8 @@ help:
 	@echo "make llama-cpp   add the optional llama.cpp backend (compiles llama.cpp: ~10 min on 2 cores)"
 	@echo "make peers   build llama-server and check vLLM, the bench's peers (~7 min once, then cached)"
 	@echo "make vllm     add the optional vLLM backend (its CPU build on x86-64, CUDA build on GPU hosts)"
+	@echo "make gpu-wheels   fetch into .gpu-wheels/ what a bare GPU machine lacks (< 64 MiB, carried there)"
+	@echo "make gpu-check    the GPU check (ARGS='--device cpu --quick' rehearses it here); see docs/testing.md"
 
 setup: venv redis-server model
 
@@ -128,6 +131,28 @@ bench-quick: setup
 
 soak: setup
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
+
+# The GPU check (bench/gpu_check.py, docs/testing.md): on the lent GPU machine, which has
+# PyTorch and transformers but no registry, `make gpu-check` with the .gpu-wheels/ that
+# `make gpu-wheels` fetched here (GPU_PY: that machine's Python, python3 there).
+GPU_PY ?= python3
+gpu-wheels: venv
+	$(BIN)/python scripts/gpu_wheels.py
+
+gpu-check:
+	PY=$(GPU_PY) bash scripts/gpu_check.sh $(ARGS)
+
+# The GPU machine's situation rehearsed here: a clean venv with torch, transformers and pytest
+# alone, as that machine's image has them (kept in .cache/, reused), the wheels installed
+# offline, the check on the CPU, then the worker tests' CUDA cases (skipped here: their
+# imports and their tiny model's tokenizer are what this rehearses).
+GPU_CLEAN_VENV := .cache/gpu-clean-venv
+gpu-check-offline: gpu-wheels
+	test -x $(GPU_CLEAN_VENV)/bin/python || { $(PY) -m venv $(GPU_CLEAN_VENV) && \
+	  $(GPU_CLEAN_VENV)/bin/pip install -q $$(grep -hE '^(torch|transformers|pytest)==' \
+	    requirements.txt requirements-dev.txt | sed 's/ *#.*//'); }
+	GPU_CHECK_STRICT=1 GPU_CHECK_TESTS=1 $(MAKE) gpu-check GPU_PY=$(GPU_CLEAN_VENV)/bin/python \
+	  ARGS="--device cpu --quick $(ARGS)"
 
 compose-check:
 	REDIS_PASSWORD=$${REDIS_PASSWORD:-compose-check} docker-compose -f docker-compose.yml config -q \

@@ -50,6 +50,17 @@ def _parse(kind: str, name: str, raw: str, meta) -> object:
     return value != 0 if kind == "bool" else value
 
 
+# The engine's defaults on a GPU (field: value), taken by Settings.for_device where the
+# environment leaves the field unset. The CPU defaults above them are tuned for a few cores
+# (a pass there costs about as much as its tokens); on a GPU a pass of an eager PyTorch model
+# costs mostly its ~1,000-2,000 kernel launches, whatever the batch, so a step carries many
+# more rows and prompt tokens for the same time (vLLM's GPU defaults: 256 sequences, 8,192
+# batched tokens).
+_CUDA_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192,
+                  "long_prefill_tokens": 512, "long_prefill_chunk": 512,
+                  "prefill_pass_tokens": 2048}
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Configuration shared by the API, the worker and the model process."""
@@ -234,6 +245,18 @@ class Settings:
     def webhook_queue(self) -> str:
         """The Celery queue of webhook deliveries, served by the delivery workers alone."""
         return f"{self.queue}.webhooks"
+
+    def for_device(self, device: str) -> "Settings":
+        """These settings for a model on `device` (a resolved one: cpu, cuda, cuda:N). On a
+        GPU, each engine field of _CUDA_DEFAULTS still at its CPU default and not set in the
+        environment takes the GPU's value; on a CPU they are unchanged. The model process and
+        the engine both call it with the device the model loaded on, so they agree."""
+        if not str(device).startswith("cuda"):
+            return self
+        d, env = type(self)(), {f.name: f.metadata["env"] for f in dataclasses.fields(self)}
+        return self.replace(**{name: value for name, value in _CUDA_DEFAULTS.items()
+                               if getattr(self, name) == getattr(d, name)
+                               and not any(var in os.environ for var in env[name])})
 
     def webhook_key(self) -> bytes:
         """The HMAC key: the base64 part of LLMQ_WEBHOOK_SECRET (`whsec_<base64>`)."""

@@ -8,7 +8,12 @@ if [ -n "${LLMQ_GPU:-}" ]; then
 else
   dev="${LLMQ_WORKER_DEVICE_NAME:-cpu${LLMQ_WORKER_INDEX:-0}}"
 fi
-seqs="${LLMQ_MAX_NUM_SEQS:-64}"
+# The batch's default is the device's (common/settings.py's _CUDA_DEFAULTS on a GPU): a
+# worker pinned to a GPU, or one whose LLMQ_DEVICE names CUDA, batches 256.
+case "${LLMQ_GPU:+gpu}:${LLMQ_DEVICE:-auto}" in
+  gpu:auto|*:cuda*) seqs="${LLMQ_MAX_NUM_SEQS:-256}" ;;
+  *) seqs="${LLMQ_MAX_NUM_SEQS:-64}" ;;
+esac
 # One task thread per batch slot, plus a quarter more: with API keys, another key's sequence
 # reaches the scheduler (and its fair share) while one key fills the batch (docs/security.md).
 threads="${LLMQ_TASK_THREADS:-$(( seqs + (seqs + 3) / 4 ))}"

@@ -161,10 +161,16 @@ class EngineCore:
 
     def fit_to_model(self) -> None:
         """Sizes the scheduler to the model process its executor started: the KV cache it
-        admits against, and whether a step may run several decode passes."""
+        admits against, whether a step may run several decode passes, and the batch and step
+        limits of the model's device."""
         self.scheduler.set_kv_budget(*self.executor.kv_capacity)
         self.scheduler.set_multi_step(self.executor.multi_step)
         self.scheduler.set_exact_resume(self.executor.info.resumes_exactly)
+        # The model process took the same device defaults (worker/model/process.py).
+        device = self.settings.for_device(self.executor.info.device)
+        if device is not self.settings:
+            self.scheduler.set_limits(device.max_num_seqs, device.max_num_batched_tokens,
+                                      device.long_prefill_tokens, device.long_prefill_chunk)
 
     def stop(self) -> None:
         self._stop.set()
@@ -319,7 +325,8 @@ class EngineCore:
         thread. False: the key is over its share of a full worker."""
         with self._admitting:
             held = [s.owner for s in list(self.output.admitted.values())] + self._reserved
-            if self.inputs.over_fair_share(owner, held, self.scheduler.key_cap):
+            if self.inputs.over_fair_share(owner, held, self.scheduler.key_cap,
+                                           self.scheduler.max_num_seqs):
                 return False
             self._reserved.append(owner)
             return True

@@ -59,13 +59,14 @@ class InputProcessor:
                         attempt=attempt,
                         detokenizer=IncrementalDetokenizer(self.tokenizer, ids))
 
-    def over_fair_share(self, owner: str, held: list[str], key_cap: int) -> bool:
+    def over_fair_share(self, owner: str, held: list[str], key_cap: int,
+                        max_num_seqs: int) -> bool:
         """Whether this worker holds a full batch (`held`: the owners of the sequences it
         holds) and `owner` holds its share of it. Task threads outnumber batch slots
         (scripts/worker.sh), so another key's sequence can reach the scheduler while one key
         fills the batch; a key past its share must not take those threads too. Without API
         keys (no owner) sequences are never handed back, so their queue order holds."""
-        if len(held) < self.settings.max_num_seqs:
+        if len(held) < max_num_seqs:
             return False
         return bool(owner) and held.count(owner) >= key_cap
 

@@ -172,6 +172,7 @@ class WorkloadManager:
         self.kv_budget = kv_budget
         self.exact_resume = True   # set_exact_resume
         # A key's fair share of the batch, in slots (all of them for key_share 1).
+        self.key_share = key_share
         self.key_cap = max(1, int(max_num_seqs * key_share))
         # Worse-priority newcomers' prefill is held beside a better priority (1: never held).
         self.priority_hold_steps = max(1, priority_hold_steps)
@@ -218,6 +219,16 @@ class WorkloadManager:
     def set_kv_budget(self, num_blocks: int, block_size: int) -> None:
         """The model process's KV cache size (0 blocks: the backend counts for itself)."""
         self.kv_budget = KVBudget(num_blocks, block_size) if num_blocks and block_size else None
+
+    def set_limits(self, max_num_seqs: int, max_num_batched_tokens: int,
+                   long_prefill_tokens: int, long_prefill_chunk: int) -> None:
+        """The batch's and the step's limits for the model's device (Settings.for_device: a
+        GPU's are larger than the CPU defaults the scheduler was made with)."""
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_tokens = long_prefill_tokens
+        self.long_prefill_chunk = long_prefill_chunk or long_prefill_tokens
+        self.key_cap = max(1, int(max_num_seqs * self.key_share))
 
     def set_exact_resume(self, able: bool) -> None:
         """Whether the backend continues a preempted sequence exactly (ModelInfo

@@ -848,3 +848,20 @@ def test_a_newcomer_that_cannot_join_does_not_cut_the_passes_short(store):
     assert executor.cuts == 0 and a.num_output_tokens == made + 16
     run(engine, [a, b])
     assert store.get_job("b")["status"] == "succeeded"
+
+
+def test_a_model_on_a_gpu_gives_the_scheduler_the_gpus_limits(store, monkeypatch):
+    """The engine learns the device from the model process (ModelInfo.device) and takes the
+    same device defaults the model process took (Settings.for_device); on a CPU its own stay."""
+    import dataclasses
+
+    for var in ("LLMQ_MAX_NUM_SEQS", "LLMQ_MAX_NUM_BATCHED_TOKENS", "LLMQ_LONG_PREFILL_CHUNK",
+                "LLMQ_LONG_PREFILL_TOKEN_THRESHOLD"):
+        monkeypatch.delenv(var, raising=False)
+    backend = ScriptedBackend()
+    backend.info = dataclasses.replace(backend.info, device="cuda:0")
+    gpu = make_engine(store, backend).scheduler
+    assert (gpu.max_num_seqs, gpu.max_num_batched_tokens, gpu.long_prefill_chunk,
+            gpu.key_cap) == (256, 8192, 512, 128)   # (a key's share: half)
+    cpu = make_engine(store, ScriptedBackend(), max_num_seqs=8).scheduler
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens, cpu.long_prefill_chunk) == (8, 2048, 32)

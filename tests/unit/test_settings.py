@@ -130,3 +130,19 @@ def test_the_api_refuses_to_start_on_a_key_list_naming_no_key():
                        env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert "ValueError: LLMQ_API_KEYS=',' names no key" in p.stderr
+
+
+def test_a_gpu_takes_larger_engine_defaults_where_none_is_set(monkeypatch):
+    """On CUDA the engine's CPU-tuned defaults give way to a GPU's (a larger batch and step);
+    a value set in the environment, or given explicitly, stays; a CPU changes nothing."""
+    for var in ("LLMQ_MAX_NUM_SEQS", "LLMQ_MAX_NUM_BATCHED_TOKENS", "LLMQ_LONG_PREFILL_CHUNK",
+                "LLMQ_LONG_PREFILL_TOKEN_THRESHOLD", "LLMQ_PREFILL_PASS_TOKENS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LLMQ_LONG_PREFILL_CHUNK", "32")   # the CPU default, but chosen
+    s = Settings.from_env()
+    assert s.for_device("cpu") is s
+    gpu = s.for_device("cuda:0")
+    assert (gpu.max_num_seqs, gpu.max_num_batched_tokens, gpu.long_prefill_tokens,
+            gpu.prefill_pass_tokens) == (256, 8192, 512, 2048)
+    assert gpu.long_prefill_chunk == 32
+    assert Settings(max_num_seqs=8).for_device("cuda").max_num_seqs == 8

@@ -1,10 +1,12 @@
 """Fixtures of the model-worker tests: the tiny random model, loaded in this process."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from factories import load_model, sharpened
+from factories import load_model, on_device, sharpened
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -29,6 +31,24 @@ def sharp_model(tiny_model):
     on the whole context (see factories.sharpened)."""
     model, info = tiny_model
     return sharpened(model), info
+
+
+@pytest.fixture(scope="session", params=["cpu", "cuda"])
+def device(request) -> str:
+    """The device a model-worker test runs on: the CPU always; CUDA where LLMQ_TEST_DEVICE=cuda
+    asks for it and one is present (a GPU machine's run), skipped otherwise."""
+    if request.param == "cuda":
+        if not os.environ.get("LLMQ_TEST_DEVICE", "cpu").startswith("cuda"):
+            pytest.skip("LLMQ_TEST_DEVICE=cuda runs the device tests on CUDA too")
+        if not torch.cuda.is_available():
+            pytest.skip("LLMQ_TEST_DEVICE=cuda, but torch sees no CUDA device")
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def sharp_device_model(sharp_model, device):
+    """(model, info): the sharpened tiny model on `device` (float32)."""
+    return on_device(*sharp_model, device)
 
 
 @pytest.fixture(params=["avx2", "avx512bf16"])

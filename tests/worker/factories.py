@@ -7,6 +7,7 @@ masks, positions, sampler) does.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -28,6 +29,21 @@ def load_model(model_dir: str):
     if model_dir not in _MODELS:
         _MODELS[model_dir] = ModelManager(model_dir).load_model("cpu", "float32")
     return _MODELS[model_dir]
+
+
+_ON_DEVICE: dict[tuple[int, str], tuple] = {}
+
+
+def on_device(model, info, device: str):
+    """(model, info) on `device`: as given on the CPU, else a copy moved there (once per
+    model and device)."""
+    if device == "cpu":
+        return model, info
+    key = (id(model), device)
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = (copy.deepcopy(model).to(device),
+                           dataclasses.replace(info, device=device))
+    return _ON_DEVICE[key]
 
 
 def make_worker(model_dir: str, max_num_seqs: int = 32) -> TransformersBackend:
@@ -275,4 +291,5 @@ def compare_to_solo(sid: str, solo: SoloRun, tokens: list[int], steps: list[dict
 @torch.inference_mode()
 def plain_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Next-token logits of one unpadded sequence by a plain forward pass, no cache at all."""
-    return model(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0, -1].float()
+    return model(input_ids=torch.tensor([token_ids], device=model.device),
+                 use_cache=False).logits[0, -1].float()

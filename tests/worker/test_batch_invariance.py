@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from factories import (SoloRun, compare_to_solo, load_model, make_prompts, plain_logits,
+from factories import (SoloRun, compare_to_solo, load_model, make_prompts, on_device, plain_logits,
                        recording, run_batch, run_continuous, solo_references)
 from worker.model_manager import ModelManager
 from worker.model.transformers.backend import TransformersBackend
@@ -26,10 +26,11 @@ NEAR_TIES: list[dict] = []   # what near ties were met (printed with -s, for the
 
 
 @pytest.fixture(scope="module", params=["tiny", "sharp"])
-def case(request, tiny_model, sharp_model):
+def case(request, tiny_model, sharp_model, device):
     """(model, info, prompts, solo runs) for the plain tiny random model and its sharpened
-    variant (whose greedy tokens depend on the whole context, not mostly on the last token)."""
-    model, info = tiny_model if request.param == "tiny" else sharp_model
+    variant (whose greedy tokens depend on the whole context, not mostly on the last token),
+    on the test's device."""
+    model, info = on_device(*(tiny_model if request.param == "tiny" else sharp_model), device)
     prompts = {f"p{len(ids):03d}": ids for ids in make_prompts(32)}
     return model, info, prompts, solo_references(model, info, prompts, N_TOKENS)
 

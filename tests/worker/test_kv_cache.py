@@ -264,8 +264,8 @@ def worker_with_blocks(model, info, num_blocks: int, max_num_seqs: int = 8, **kw
                        kv_cache_dtype="model", **kw)
 
 
-def test_the_budget_caps_the_context_and_a_longer_prompt_fails_alone(sharp_model):
-    model, info = sharp_model
+def test_the_budget_caps_the_context_and_a_longer_prompt_fails_alone(sharp_device_model):
+    model, info = sharp_device_model
     worker = worker_with_blocks(model, info, num_blocks=10)
     assert worker.kv_capacity == (10, 8) and worker.info.max_model_len == 80
     ok, too_long = make_prompts(2, lengths=[20, 81], vocab=info.vocab_size)
@@ -274,11 +274,11 @@ def test_the_budget_caps_the_context_and_a_longer_prompt_fails_alone(sharp_model
     assert worker.cache.seq_ids == ["ok"] and worker.cache.num_free_blocks == 7
 
 
-def test_a_preempted_sequence_recomputed_from_its_tokens_continues_the_same(sharp_model):
+def test_a_preempted_sequence_recomputed_from_its_tokens_continues_the_same(sharp_device_model):
     """Preemption by recompute, as the scheduler does it: the sequence is freed mid-decode
     and later prefilled again with its prompt and output so far; it goes on with exactly the
     tokens (and logits) it would have produced had it never left."""
-    model, info = sharp_model
+    model, info = sharp_device_model
     prompts = dict(zip(["a", "b"], make_prompts(2, lengths=[30, 17], vocab=info.vocab_size)))
     solo = solo_references(model, info, prompts, 16, kv_cache_dtype="model")
     worker = worker_with_blocks(model, info, num_blocks=12)
@@ -302,8 +302,8 @@ def test_a_preempted_sequence_recomputed_from_its_tokens_continues_the_same(shar
     assert worker.cache.num_free_blocks == 12
 
 
-def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(sharp_model):
-    model, info = sharp_model
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(sharp_device_model):
+    model, info = sharp_device_model
     prompts = dict(zip(["run", "long"], make_prompts(2, lengths=[10, 70], vocab=info.vocab_size)))
     solo = solo_references(model, info, prompts, 6)
     worker = TransformersBackend(model, info, 4, prefill_chunk=16)
@@ -369,8 +369,8 @@ def test_the_worker_computes_the_chunk_the_step_names(sharp_model):
         assert seq.output_token_ids == solo[sid].tokens, sid
 
 
-def test_a_running_prompts_chunk_rides_in_the_decodes_forward_pass(sharp_model):
-    model, info = sharp_model
+def test_a_running_prompts_chunk_rides_in_the_decodes_forward_pass(sharp_device_model):
+    model, info = sharp_device_model
     run, long = make_prompts(2, lengths=[5, 40], vocab=info.vocab_size)
     worker = TransformersBackend(model, info, 4, prefill_chunk=16)
     worker.step(StepRequest(prefill=[new_seq("run", run)]))

@@ -234,6 +234,44 @@ def test_mixed_top_k_rows_in_one_batch():
     assert seen_k1 == {1} and seen_all >= {1, 2, 3, 4}
 
 
+def test_a_seeded_row_draws_the_same_in_one_batched_draw_as_alone():
+    """The batch's rows are drawn in one pass (sampler.draw); a seeded row's token is the one
+    it gets sampled on its own, whatever its neighbours (greedy, unseeded, other seeds and
+    filters) and its place in the batch, at every output position."""
+    gen = torch.Generator().manual_seed(11)
+    kinds = [lambda s: sampled(seed=s), lambda s: GREEDY, lambda s: sampled(),
+             lambda s: sampled(seed=s + 1, top_k=20), lambda s: sampled(seed=s, top_p=0.8),
+             lambda s: sampled(temperature=0.7)]
+    for trial in range(30):
+        logits = torch.randn(len(kinds), 300, generator=gen) * 2
+        params = [k(trial) for k in kinds]
+        order = torch.randperm(len(kinds), generator=gen).tolist()
+        n = trial % 5   # the output position: a seeded draw depends on (seed, n)
+        batch = Sampler()(logits[order].clone(), [state(params[i], num_output_tokens=n)
+                                                  for i in order])
+        for row, i in enumerate(order):
+            if params[i].seed is not None:
+                alone = Sampler()(logits[i:i + 1].clone(), [state(params[i], num_output_tokens=n)])
+                assert batch[row] == alone[0], (trial, i)
+
+
+def test_unseeded_rows_drawn_together_follow_their_distribution(monkeypatch):
+    """One draw for all the unseeded rows, not one per row (on a GPU, a few kernel launches
+    each): each row's token follows its own probabilities (4,000 rows of one distribution,
+    counts within 5 standard deviations), and a token of probability 0 is never drawn."""
+    calls = []
+    multinomial = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda *a, **k: calls.append(1) or multinomial(*a, **k))
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0, 0.0])
+    logits = probs.log().repeat(4000, 1)
+    tokens = Sampler()(logits, [state(sampled()) for _ in range(4000)])
+    counts = torch.bincount(torch.tensor(tokens), minlength=6).float()
+    expected = probs * 4000
+    assert counts[4:].sum() == 0
+    assert ((counts - expected).abs() <= 5 * (expected * (1 - probs)).sqrt() + 1).all(), counts
+    assert len(calls) == 1
+
+
 # --- a sequence whose sampling fails does not take the batch down -------------------------------
 def test_failing_prefill_sampling_fails_that_sequence_alone(tiny_model):
     """A stop token id outside the vocabulary with min_tokens makes the sampler raise after the

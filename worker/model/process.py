@@ -52,6 +52,7 @@ def main(conn, settings) -> None:
 
     if settings.torch_threads > 0:
         torch.set_num_threads(settings.torch_threads)
+    from ..model_manager import pick_device
     from .backend import load_backend
 
     deferred: list = []   # read between layers, not an interjection: served after the step
@@ -93,7 +94,10 @@ def main(conn, settings) -> None:
         return False
 
     try:
-        settings = settings.replace(dtype=_resolved_dtype(settings))
+        # The device's engine defaults (a GPU's batch and step limits), as the engine takes
+        # them from ModelInfo.device.
+        settings = settings.replace(dtype=_resolved_dtype(settings)).for_device(
+            pick_device(settings.device))
         backend = load_backend(settings, StepHooks(between_layers, another_pass))
         backend.warm_up()
     except Exception as exc:  # noqa: BLE001 - tell the executor why, in words, then exit

@@ -32,14 +32,11 @@ class SamplingState:
     def create(cls, params: SamplingParams, token_ids: list[int], num_output_tokens: int,
                stop_token_ids, device) -> "SamplingState":
         gen = None
-        if (params.temperature or 0.0) > 0.0:
-            # Its own generator per sequence: a seeded sequence samples the same tokens
-            # whatever else shares the batch.
+        if (params.temperature or 0.0) > 0.0 and params.seed is not None:
+            # Its own generator per seeded sequence: it samples the same tokens whatever else
+            # shares the batch (the unseeded rows share the device's: `draw`).
             gen = torch.Generator(device=device)
-            if params.seed is not None:
-                gen.manual_seed(int(params.seed) + num_output_tokens)
-            else:
-                gen.seed()
+            gen.manual_seed(int(params.seed) + num_output_tokens)
         return cls(params, frozenset(stop_token_ids), list(token_ids), num_output_tokens, gen)
 
     @property
@@ -87,6 +84,16 @@ class Sampler:
 
     def __init__(self, grammars: Grammars | None = None):
         self.grammars = grammars
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The unseeded rows' generator on `device`, seeded from the OS once (torch's default
+        generator starts from the same seed in every process: each worker's first unseeded
+        draws would repeat another's)."""
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+            self._generators[device].seed()
+        return self._generators[device]
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
         return self.sample(logits, states)[0]
@@ -136,14 +143,7 @@ class Sampler:
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
             probs = self._probs(logits[rows], [states[i].params for i in sampled])
-            for j, i in enumerate(sampled):
-                st = states[i]
-                if st.params.seed is not None:
-                    # The draw for output token n depends only on (seed, n): the same text
-                    # whatever the batch, and also after a restart from the tokens so far.
-                    st.generator.manual_seed((int(st.params.seed) * 1_000_003
-                                              + st.num_output_tokens) % (2**63 - 1))
-                out[i] = torch.multinomial(probs[j], 1, generator=st.generator)[0]
+            out[rows] = draw(probs, [states[i] for i in sampled], self._generator(probs.device))
         tokens = out.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(states)
         for j, i in enumerate(lp_rows):
@@ -204,6 +204,29 @@ class Sampler:
             min_p = torch.tensor(mps, device=dev).unsqueeze(1)
             probs = torch.where(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
         return probs
+
+
+def draw(probs: torch.Tensor, states: list[SamplingState], generator: torch.Generator
+         ) -> torch.Tensor:
+    """One token per row of `probs`. The unseeded rows in one torch.multinomial call, from
+    `generator`: no Python loop over them and, on a GPU, a few kernels in all rather than a
+    few per row. A seeded row from its own generator, seeded by (seed, output token number),
+    so its token depends only on them: the same whatever the batch, and after a restart from
+    the tokens so far (one call per seeded row, as vLLM's sampler draws its seeded rows)."""
+    seeded = [j for j, st in enumerate(states) if st.params.seed is not None]
+    if not seeded:
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    out = torch.empty(len(states), dtype=torch.long, device=probs.device)
+    free = [j for j, st in enumerate(states) if st.params.seed is None]
+    if free:
+        rows = torch.tensor(free, device=probs.device)
+        out[rows] = torch.multinomial(probs[rows], 1, generator=generator)[:, 0]
+    for j in seeded:
+        st = states[j]
+        st.generator.manual_seed((int(st.params.seed) * 1_000_003 + st.num_output_tokens)
+                                 % (2**63 - 1))
+        out[j] = torch.multinomial(probs[j], 1, generator=st.generator)[0]
+    return out
 
 
 def greedy_tokens(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:

@@ -468,10 +468,20 @@ def decode_group_slots(model, device: torch.device) -> int | None:
     return max(1, DECODE_GROUP_BYTES // per_layer)
 
 
-def auto_kv_budget(device: torch.device, most_ever: int, fraction: float = 0.4) -> int:
-    """Bytes for the KV cache when LLMQ_KV_CACHE_MB is not set: `fraction` of the memory free
-    now (the model is loaded), as vLLM's gpu_memory_utilization; never more than the batch
-    could ever fill (`most_ever`: every row at the model's full context)."""
+# Of the memory free once the model is loaded, what the KV cache takes by default. A GPU's
+# memory is the model process's alone (vLLM's gpu_memory_utilization takes 0.9 of all of it),
+# less room for a step's activations and the allocator's slack; a CPU's is shared with Redis,
+# the API, the worker and whatever else runs on the host.
+KV_FREE_FRACTION = {"cuda": 0.8, "cpu": 0.4}
+
+
+def auto_kv_budget(device: torch.device, most_ever: int, fraction: float | None = None) -> int:
+    """Bytes for the KV cache when LLMQ_KV_CACHE_MB is not set: `fraction` (the device's
+    KV_FREE_FRACTION) of the memory free now (the model is loaded), as vLLM's
+    gpu_memory_utilization; never more than the batch could ever fill (`most_ever`: every
+    row at the model's full context)."""
+    if fraction is None:
+        fraction = KV_FREE_FRACTION.get(device.type, KV_FREE_FRACTION["cpu"])
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
