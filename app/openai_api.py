@@ -12,11 +12,13 @@ from typing import Annotated, Any, Iterator, Literal
 
 import redis
 from flask import Blueprint, Response, g, jsonify, stream_with_context
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from common.openai_responses import (ChoiceShaper, best_candidates, finish_reason,
                                      response_body, usage)
+from common import reasoning, structured
 from common.protocol import EVENT_DONE, EVENT_RESET, EVENT_TOKEN, SamplingParams
+from common.tool_calls import ToolRequest, choice_name, detect_format
 
 from .api_server import engine, parse_json_body, settings, submit
 from .client_connection import client_gone
@@ -43,6 +45,8 @@ _REFUSED = {"echo": (None, False), "suffix": (None, ""), "use_beam_search": (Non
             "documents": (None,), "return_token_ids": (None, False), "best_of": (None, 1),
             "guided_decoding_backend": (None,)}
 # Accepted and ignored (a warning in the log): they do not change the text llmq makes.
+# (A name that is also a field of the request's model is that field: chat's tools,
+# tool_choice, parallel_tool_calls and chat_template_kwargs.)
 _IGNORED = {"user", "service_tier", "store", "metadata", "parallel_tool_calls",
             "reasoning_effort", "include_reasoning", "length_penalty",
             "spaces_between_special_tokens", "add_special_tokens", "chat_template_kwargs",
@@ -142,22 +146,113 @@ class CompletionRequest(_Common):
         return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionCall(BaseModel):
+    """A past call's function: its name and its arguments as a JSON string."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: FunctionName
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (OpenAI's message.tool_calls item)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (an assistant message may give tool_calls "
+                             "instead)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return self
+
+
+class FunctionDef(BaseModel):
+    """A function tool: its name, description and JSON-schema parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None   # arguments always follow the schema under the grammar
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common):
+    NULL_IS_DEFAULT = _Common.NULL_IS_DEFAULT | {"parallel_tool_calls"}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None   # chat: a flag; top_logprobs says how many alternatives
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    _tools: ToolRequest | None = PrivateAttr(None)   # set by to_sequences (needs the template)
 
     def problem(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs: needs logprobs true"
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            return "tools", "tool names must be unique"
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) \
+            else self.tool_choice
+        if choice_name(choice) is not None and choice_name(choice) not in names:
+            return "tool_choice", f"tool_choice names {choice_name(choice)!r}, not in tools"
+        if choice == "required" and not names:
+            return "tool_choice", "tool_choice 'required' needs tools"
+        if names and choice != "none" and (self.response_format is not None and
+                                           self.response_format.type != "text"
+                                           or self.structured_outputs is not None):
+            return "tools", ("tools cannot be combined with a structured response_format or "
+                             "structured_outputs (the tool calls decode under their own grammar)")
         return super().problem()
+
+    def tool_request(self, template: str | None) -> ToolRequest:
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) \
+            else self.tool_choice
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        return ToolRequest(tools, choice or ("auto" if tools else "none"),
+                           self.parallel_tool_calls, detect_format(template))
+
+    def structured_spec(self) -> dict[str, Any] | None:
+        if self._tools is not None and self._tools.active:
+            return self._tools.structured_spec()
+        return super().structured_spec()
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -285,9 +380,20 @@ def to_sequences(req: _Common) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     if isinstance(req, ChatCompletionRequest):
         if req.n > settings().max_prompts:   # n sequences, as completions counts them
             raise _error(f"at most {settings().max_prompts} sequences (n)", param="n")
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": _text_content(m.content)} for m in req.messages]
-        return [{"messages": messages}], {
+        counter = engine().prompt_counter.get()
+        template = counter.template_source if counter is not None else None
+        req._tools = tools = req.tool_request(template)
+        if tools.active and (error := structured.validate(tools.structured_spec() or {
+                "type": "json_object"})):
+            raise _error(f"cannot compile the tools' parameters: {error}", param="tools")
+        messages = tools.messages([{
+            "role": "system" if m.role == "developer" else m.role,
+            "content": _text_content(m.content) if m.content is not None else None,
+            "tool_calls": [c.model_dump() for c in m.tool_calls] if m.tool_calls else None,
+            "tool_call_id": m.tool_call_id} for m in req.messages])
+        args = {**settings().template_kwargs(), **(req.chat_template_kwargs or {}),
+                **tools.template_args()}
+        return [{"messages": messages, "template_args": args or None}], {
             "max_tokens": req.max_completion_tokens, "n": req.n,
             "max_tokens_param": "max_completion_tokens" if req.max_completion_tokens
             else "max_tokens"}
@@ -303,10 +409,15 @@ def to_sequences(req: _Common) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 def shape_options(req: _Common) -> dict[str, bool]:
     """How a request's choices are shaped: ChoiceShaper's options (a batch line keeps them)."""
-    return {"echo": bool(getattr(req, "echo", False)),
-            "wants_logprobs": req.num_logprobs() is not None,
-            "as_ids": req.return_tokens_as_token_ids,
-            "prompt_logprobs": req.prompt_logprobs is not None}
+    shape = {"echo": bool(getattr(req, "echo", False)),
+             "wants_logprobs": req.num_logprobs() is not None,
+             "as_ids": req.return_tokens_as_token_ids,
+             "prompt_logprobs": req.prompt_logprobs is not None}
+    if isinstance(req, ChatCompletionRequest):
+        counter = engine().prompt_counter.get()
+        shape["reasoning"] = reasoning.template_reasons(counter and counter.template_source)
+        shape["tools"] = req._tools.shape() if req._tools is not None else None
+    return shape
 
 
 def _respond(req: _Common, jobs: list[dict], chat: bool):
@@ -402,9 +513,11 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
     by_id = {c.seq_id: i for i, c in enumerate(choices)}
 
     def chunk(i: int, text: str, entries: list[dict], finish: str | None = None,
-              role: bool = False) -> str:
+              role: bool = False, delta: dict | None = None) -> str:
+        choice = (shaper.delta_choice(i, delta, entries, finish) if delta is not None
+                  else shaper.choice(i, text, entries, finish, delta=True, role=role))
         body = {"id": jobs[0]["id"], "object": obj, "created": created, "model": model,
-                "choices": [shaper.choice(i, text, entries, finish, delta=True, role=role)]}
+                "choices": [choice]}
         if continuous:
             c = choices[i]
             body["usage"] = {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.num_tokens,
@@ -472,7 +585,13 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
                     entries = (data.get("logprobs") or [])[max(0, c.num_entries - c.num_tokens):]
                     c.num_tokens += 1
                     c.num_entries += len(entries)
-                    if piece or (entries and shaper.wants_logprobs):
+                    if chat:
+                        deltas = shaper.deltas(i, piece)
+                        if not deltas and entries and shaper.wants_logprobs:
+                            deltas = [{}]
+                        for k, d in enumerate(deltas):
+                            yield chunk(i, "", entries if k == 0 else [], delta=d)
+                    elif piece or (entries and shaper.wants_logprobs):
                         yield chunk(i, piece, entries)
                 elif kind == EVENT_DONE:
                     if err := failure_of(data):
@@ -480,11 +599,17 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
                         raise err
                     if not c.started:
                         yield from start(i, data.get("prompt_logprobs"))
-                    if rest := c.text.rest(data["text"]):
+                    rest = c.text.rest(data["text"])
+                    finish = finish_reason(data)
+                    if chat:
+                        deltas, finish = shaper.end_deltas(i, rest, finish)
+                        for d in deltas:
+                            yield chunk(i, "", [], delta=d)
+                    elif rest:
                         yield chunk(i, rest, [])
                     c.num_tokens = data["usage"]["completion_tokens"]
                     rest_lp = data.get("logprobs", [])[c.num_entries:]   # the last token's
-                    yield chunk(i, "", rest_lp, finish_reason(data))
+                    yield chunk(i, "", rest_lp, finish)
                     c.done = True
                     c.final = data
                     sub.drop(seq_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -179,6 +180,10 @@ class Settings:
     allowed_hosts: tuple[str, ...] = field(default_factory=tuple)
     wait_timeout_s: float = 600.0
     sse_keepalive_s: float = 15.0
+    # Chat template arguments every chat request gets (a JSON object, as vLLM's
+    # --default-chat-template-kwargs: '{"enable_thinking": false}'); a request's own
+    # chat_template_kwargs override them key by key.
+    chat_template_kwargs: str = ""
     # Files and batches (kept in Redis: every API replica and worker reads them).
     file_max_bytes: int = 32 * 1024 * 1024
     file_max_lines: int = 50_000
@@ -200,6 +205,7 @@ class Settings:
             self.webhook_key()   # a malformed secret stops the process at start, not at send
         if not 0 <= self.batch_priority <= 9:
             raise ValueError("LLMQ_BATCH_PRIORITY must be 0..9")
+        self.template_kwargs()   # a malformed default stops the process at start
 
     def validate(self) -> "Settings":
         """Check every value once at start, so a typo stops the process with the variable's
@@ -224,6 +230,18 @@ class Settings:
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{var}={getattr(self, name)!r} must be in (0, 1]")
         return self
+
+    def template_kwargs(self) -> dict:
+        """LLMQ_CHAT_TEMPLATE_KWARGS as a dict."""
+        if not self.chat_template_kwargs.strip():
+            return {}
+        try:
+            value = json.loads(self.chat_template_kwargs)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ValueError("LLMQ_CHAT_TEMPLATE_KWARGS must be a JSON object")
+        return value
 
     def webhook_key(self) -> bytes:
         """The HMAC key: the base64 part of LLMQ_WEBHOOK_SECRET (`whsec_<base64>`)."""
@@ -263,6 +281,7 @@ class Settings:
             pending_ttl_s=_int("LLMQ_PENDING_TTL", d.pending_ttl_s),
             worker_stale_s=_float("LLMQ_WORKER_STALE", d.worker_stale_s),
             sse_keepalive_s=_float("LLMQ_SSE_KEEPALIVE", d.sse_keepalive_s),
+            chat_template_kwargs=_env("LLMQ_CHAT_TEMPLATE_KWARGS", d.chat_template_kwargs),
             shutdown_grace_s=_float("LLMQ_SHUTDOWN_GRACE", d.shutdown_grace_s),
             max_step_s=_float("LLMQ_MAX_STEP", d.max_step_s),
             test_step_delay_s=_float("LLMQ_TEST_STEP_DELAY", d.test_step_delay_s),

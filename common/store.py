@@ -441,6 +441,7 @@ class SequenceStore:
                 "status": SequenceStatus.QUEUED.value,
                 "prompt": req.prompt if req.prompt is not None else "",
                 "messages": json.dumps(req.messages) if req.messages is not None else "",
+                "template_args": json.dumps(req.template_args) if req.template_args else "",
                 "prompt_token_ids": (json.dumps(req.prompt_token_ids)
                                      if req.prompt_token_ids is not None else ""),
                 "params": json.dumps(req.params.to_dict()),
@@ -558,6 +559,8 @@ class SequenceStore:
             prompt_token_ids=(json.loads(rec["prompt_token_ids"])
                               if rec.get("prompt_token_ids") else None),
             messages=json.loads(rec["messages"]) if rec.get("messages") else None,
+            template_args=(json.loads(rec["template_args"]) if rec.get("template_args")
+                           else None),
             params=SamplingParams.from_dict(json.loads(rec.get("params") or "{}")),
             owner=rec.get("owner", ""),
             created_at=_num(rec.get("created_at")),

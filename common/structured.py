@@ -15,7 +15,7 @@ KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 # Compact JSON: no free-running whitespace between tokens (a model can otherwise pad a document
 # with blanks until max_tokens), OpenAI's and vLLM's separators.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 # An integer the schema leaves unbounded gets int64's range: a small model under a strict
 # schema otherwise prints digits until max_tokens (`"population": 111111...`). llguidance's
@@ -61,7 +61,7 @@ def json_schema_grammar(schema: dict | bool) -> str:
     from llguidance import LLMatcher
 
     return LLMatcher.grammar_from_json_schema(json.dumps(bounded(schema)),
-                                              defaults=_JSON_OPTIONS)
+                                              defaults=JSON_OPTIONS)
 
 
 def grammar_of(spec: dict[str, Any]) -> str:
@@ -70,7 +70,7 @@ def grammar_of(spec: dict[str, Any]) -> str:
 
     kind, value = spec.get("type"), spec.get("value")
     if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "json_schema":
         if not isinstance(value, (dict, bool)):
             raise ValueError("a JSON schema must be an object")
