@@ -438,7 +438,15 @@ def _respond(req: _Common, jobs: list[dict], chat: bool):
     body = response_body(chosen, chat, model_id(),
                          ChoiceShaper(chosen, chat, **shape_options(req)), req.n)
     body["usage"] = usage(finals, k)   # with best_of, every candidate's tokens were spent
+    if chat and shape_options(req).get("reasoning"):
+        reasoning.add_reasoning_tokens(body["usage"], [f["text"] for f in finals], _count)
     return jsonify(body), 200, headers
+
+
+def _count(text: str) -> int:
+    """Tokens of a text as the model's tokenizer makes them (0 without a tokenizer here)."""
+    counter = engine().prompt_counter.get()
+    return len(counter.tokenizer.encode(text, add_special_tokens=False).ids) if counter else 0
 
 
 class SentText:
@@ -614,8 +622,11 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
                     c.final = data
                     sub.drop(seq_id)
         if include_usage:
+            total = usage([c.final for c in choices], req.n)
+            if shaper.reasoning:
+                reasoning.add_reasoning_tokens(total, [c.final["text"] for c in choices], _count)
             yield _data({"id": jobs[0]["id"], "object": obj, "created": created, "model": model,
-                         "choices": [], "usage": usage([c.final for c in choices], req.n)})
+                         "choices": [], "usage": total})
         yield "data: [DONE]\n\n"
     except APIError as err:
         # The status line went out with the first chunk: the error is the last chunk, as vLLM

@@ -22,6 +22,24 @@ def split(text: str) -> tuple[str | None, str]:
     return reasoning.lstrip(), content.lstrip()
 
 
+def thinking(text: str) -> str:
+    """The thinking part of an answer as the model wrote it, markers included ("" if none):
+    what its reasoning tokens are counted from."""
+    body = text.lstrip()
+    if not body.startswith(START):
+        return ""
+    at = body.find(END)
+    return body if at < 0 else body[:at + len(END)]
+
+
+def add_reasoning_tokens(usage: dict, texts: list[str], count_tokens) -> dict:
+    """usage with OpenAI's completion_tokens_details.reasoning_tokens: the answers' thinking
+    counted with `count_tokens(text)` (the tokenizer's count of the text, re-tokenized)."""
+    n = sum(count_tokens(t) for t in map(thinking, texts) if t)
+    usage["completion_tokens_details"] = {"reasoning_tokens": n}
+    return usage
+
+
 class ReasoningSplitter:
     """Splits a streamed answer piece by piece: text that may be the start of a marker is held
     until the next piece says whether it is."""
