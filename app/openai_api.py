@@ -393,7 +393,8 @@ def to_sequences(req: _Common) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             "tool_call_id": m.tool_call_id} for m in req.messages])
         args = {**settings().template_kwargs(), **(req.chat_template_kwargs or {}),
                 **tools.template_args()}
-        return [{"messages": messages, "template_args": args or None}], {
+        return [{"messages": messages, "template_args": args or None,
+                 "call_format": tools.shape()}], {
             "max_tokens": req.max_completion_tokens, "n": req.n,
             "max_tokens_param": "max_completion_tokens" if req.max_completion_tokens
             else "max_tokens"}

@@ -104,6 +104,8 @@ class SequenceRequest:
     # apply_chat_template's extra arguments for messages: `tools` (a template that renders
     # them, common/tool_calls.py) and chat_template_kwargs (enable_thinking, ...)
     template_args: dict[str, Any] | None = None
+    # How tool calls are read from the text (ToolRequest.shape()): the job keeps its calls
+    call_format: dict[str, Any] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     owner: str = ""
     created_at: float | None = None   # unix time the API accepted it

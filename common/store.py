@@ -43,6 +43,7 @@ from .protocol import (
     encode_event,
     encode_pubsub,
 )
+from .tool_calls import parse_calls
 
 # The names, all built in common/keys.py (under the same names as before, for the importers).
 CANCELLED_KEY = Keys.cancelled
@@ -333,6 +334,9 @@ def job_from_record(rec: dict[str, str]) -> dict[str, Any]:
     for name in ("prompt_token_ids", "logprobs", "prompt_logprobs"):   # only when there are some
         if rec.get(name):
             job[name] = json.loads(rec[name])
+    if rec.get("call_format") and job["status"] == SequenceStatus.SUCCEEDED.value:
+        _, calls = parse_calls(job["text"], json.loads(rec["call_format"]), job["id"])
+        job["tool_calls"] = calls
     return job
 
 
@@ -442,6 +446,7 @@ class SequenceStore:
                 "prompt": req.prompt if req.prompt is not None else "",
                 "messages": json.dumps(req.messages) if req.messages is not None else "",
                 "template_args": json.dumps(req.template_args) if req.template_args else "",
+                "call_format": json.dumps(req.call_format) if req.call_format else "",
                 "prompt_token_ids": (json.dumps(req.prompt_token_ids)
                                      if req.prompt_token_ids is not None else ""),
                 "params": json.dumps(req.params.to_dict()),

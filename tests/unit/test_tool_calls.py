@@ -347,3 +347,20 @@ def test_a_batch_line_with_tools_answers_the_call(monkeypatch):
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["tool_calls"][0]["function"] == {
         "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+
+
+def test_the_job_keeps_its_tool_calls(_thinking_api):
+    """GET /v1/jobs/<id> of a chat completion with tools shows the calls it made."""
+    a = _thinking_api.reset()
+    resp = a.client.post("/v1/chat/completions", buffered=False, json={
+        "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+        "tool_choice": "required", "stream": True})
+    jid = resp.headers["X-Request-Id"]
+    a.store.start(jid, "w1")
+    text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}'
+    a.store.finish(jid, FinishReason.STOP, text=text, completion_tokens=9)
+    assert '"finish_reason": "tool_calls"' in resp.get_data(as_text=True)
+    job = a.client.get(f"/v1/jobs/{jid}").get_json()
+    assert job["text"] == text
+    assert job["tool_calls"] == [{"id": f"call_{jid}_0", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
