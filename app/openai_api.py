@@ -12,18 +12,17 @@ from typing import Annotated, Any, Iterator, Literal
 
 import redis
 from flask import Blueprint, Response, g, jsonify, stream_with_context
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from common.openai_responses import (ChoiceShaper, best_candidates, finish_reason,
                                      response_body, usage)
-from common import reasoning, structured
+from common import reasoning
 from common.protocol import EVENT_DONE, EVENT_RESET, EVENT_TOKEN, SamplingParams
-from common.tool_calls import ToolRequest, choice_name, detect_format
 
-from .api_server import engine, parse_json_body, settings, submit
+from .api_server import chat_input, engine, parse_json_body, settings, submit
 from .client_connection import client_gone
 from .errors import APIError, failure_of
-from .schemas import MAX_LOGPROBS, SamplingFields
+from .schemas import MAX_LOGPROBS, Message, SamplingFields, ToolFields
 from .waiting import cancel_all, wait_or_cancel
 
 bp = Blueprint("openai", __name__)
@@ -146,113 +145,26 @@ class CompletionRequest(_Common):
         return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
 
 
-FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+class ChatMessage(Message):
+    """A chat message as OpenAI's clients send it: content parts too, and fields of their
+    own (a message's `name`) accepted."""
 
-
-class FunctionCall(BaseModel):
-    """A past call's function: its name and its arguments as a JSON string."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: FunctionName
-    arguments: str | dict[str, Any] = "{}"
-
-
-class ToolCall(BaseModel):
-    """A call an assistant message made (OpenAI's message.tool_calls item)."""
-
-    model_config = ConfigDict(extra="forbid")
-    id: str | None = Field(None, max_length=256)
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = Field(None, max_length=256)
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (an assistant message may give tool_calls "
-                             "instead)")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only an assistant message carries tool_calls")
-        return self
 
 
-class FunctionDef(BaseModel):
-    """A function tool: its name, description and JSON-schema parameters."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: FunctionName
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None   # arguments always follow the schema under the grammar
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: FunctionName
-
-
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class ChatCompletionRequest(_Common):
-    NULL_IS_DEFAULT = _Common.NULL_IS_DEFAULT | {"parallel_tool_calls"}
+class ChatCompletionRequest(ToolFields, _Common):
+    NULL_IS_DEFAULT = _Common.NULL_IS_DEFAULT | ToolFields.NULL_IS_DEFAULT
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None   # chat: a flag; top_logprobs says how many alternatives
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = Field(None, max_length=128)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    _tools: ToolRequest | None = PrivateAttr(None)   # set by to_sequences (needs the template)
 
     def problem(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs: needs logprobs true"
-        names = [t.function.name for t in self.tools or []]
-        if len(set(names)) != len(names):
-            return "tools", "tool names must be unique"
-        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) \
-            else self.tool_choice
-        if choice_name(choice) is not None and choice_name(choice) not in names:
-            return "tool_choice", f"tool_choice names {choice_name(choice)!r}, not in tools"
-        if choice == "required" and not names:
-            return "tool_choice", "tool_choice 'required' needs tools"
-        if names and choice != "none" and (self.response_format is not None and
-                                           self.response_format.type != "text"
-                                           or self.structured_outputs is not None):
-            return "tools", ("tools cannot be combined with a structured response_format or "
-                             "structured_outputs (the tool calls decode under their own grammar)")
-        return super().problem()
-
-    def tool_request(self, template: str | None) -> ToolRequest:
-        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) \
-            else self.tool_choice
-        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
-        return ToolRequest(tools, choice or ("auto" if tools else "none"),
-                           self.parallel_tool_calls, detect_format(template))
-
-    def structured_spec(self) -> dict[str, Any] | None:
-        if self._tools is not None and self._tools.active:
-            return self._tools.structured_spec()
-        return super().structured_spec()
+        return self.tools_problem() or super().problem()
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -380,21 +292,10 @@ def to_sequences(req: _Common) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     if isinstance(req, ChatCompletionRequest):
         if req.n > settings().max_prompts:   # n sequences, as completions counts them
             raise _error(f"at most {settings().max_prompts} sequences (n)", param="n")
-        counter = engine().prompt_counter.get()
-        template = counter.template_source if counter is not None else None
-        req._tools = tools = req.tool_request(template)
-        if tools.active and (error := structured.validate(tools.structured_spec() or {
-                "type": "json_object"})):
-            raise _error(f"cannot compile the tools' parameters: {error}", param="tools")
-        messages = tools.messages([{
-            "role": "system" if m.role == "developer" else m.role,
-            "content": _text_content(m.content) if m.content is not None else None,
-            "tool_calls": [c.model_dump() for c in m.tool_calls] if m.tool_calls else None,
-            "tool_call_id": m.tool_call_id} for m in req.messages])
-        args = {**settings().template_kwargs(), **(req.chat_template_kwargs or {}),
-                **tools.template_args()}
-        return [{"messages": messages, "template_args": args or None,
-                 "call_format": tools.shape()}], {
+        messages = [{**m.model_dump(include={"role", "tool_calls", "tool_call_id"}),
+                     "content": _text_content(m.content) if m.content is not None else None}
+                     for m in req.messages]
+        return [chat_input(req, messages)], {
             "max_tokens": req.max_completion_tokens, "n": req.n,
             "max_tokens_param": "max_completion_tokens" if req.max_completion_tokens
             else "max_tokens"}

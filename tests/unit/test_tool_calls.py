@@ -364,3 +364,27 @@ def test_the_job_keeps_its_tool_calls(_thinking_api):
     assert job["text"] == text
     assert job["tool_calls"] == [{"id": f"call_{jid}_0", "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+
+
+def test_jobs_take_tools_with_messages(_thinking_api):
+    """/v1/jobs: tools and chat_template_kwargs with messages, the call under the grammar,
+    and the job's tool_calls once it ends."""
+    a = _thinking_api.reset()
+    resp = a.client.post("/v1/jobs", json={
+        "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert resp.status_code == 202, resp.get_data(as_text=True)
+    jid = resp.get_json()["id"]
+    req = a.store.load_request(jid)
+    assert req.params.structured["type"] == "json_schema"
+    assert req.template_args == {"enable_thinking": False, "a": 1}
+    a.store.start(jid, "w1")
+    text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}'
+    a.store.finish(jid, FinishReason.STOP, text=text, completion_tokens=9)
+    assert a.client.get(f"/v1/jobs/{jid}").get_json()["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    for body, param in (({"prompt": "x", "tools": [WEATHER]}, None),
+                        ({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+                          "tool_choice": "nope"}, "tool_choice")):
+        bad = a.client.post("/v1/jobs", json=body)
+        assert bad.status_code == 400, bad.get_data(as_text=True)
