@@ -44,21 +44,21 @@ class FunctionDef(BaseModel):
     strict: bool | None = None   # arguments always follow the schema under the grammar
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"]
-    function: FunctionDef
-
-
 class NamedFunction(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: FunctionName
 
 
 class NamedToolChoice(BaseModel):
+    """tool_choice naming one function; a tool has the same shape with the whole function."""
+
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     function: NamedFunction
+
+
+class Tool(NamedToolChoice):
+    function: FunctionDef
 
 
 class Message(BaseModel):
