@@ -14,8 +14,9 @@ Formats:
 
 `required` and a named function decode under a grammar built from the tools' parameter
 schemas, so a call's arguments always parse and validate; `auto` does too in the generic
-format (the grammar is "a call or a text answer"); with a native format `auto` is free text
-and the calls are parsed after the fact; `none` renders no tools and never calls.
+format (the grammar is "a call or a text answer") and in the Hermes one (a lazy grammar: free
+text until the model opens `<tool_call>`, the call under the schema); Llama 3.1's `auto` is
+free text, its call parsed after the fact; `none` renders no tools and never calls.
 """
 from __future__ import annotations
 
@@ -138,11 +139,21 @@ class ToolRequest:
                         "required": ["response"], "additionalProperties": False}
                 schema = {"anyOf": [schema, text]}
             return {"type": "json_schema", "value": schema}
-        if not self.forced:
-            return None   # native auto: free text, calls parsed after the fact
         if self.fmt == LLAMA3:
-            return {"type": "json_schema", "value": self._any_call("parameters")}
-        call = json.dumps({**bounded(self._any_call("arguments")), "x-guidance": JSON_OPTIONS})
+            # auto: free text, a call parsed after the fact (its opening is no fixed string)
+            return ({"type": "json_schema", "value": self._any_call("parameters")}
+                    if self.forced else None)
+        call_schema = {**bounded(self._any_call("arguments")), "x-guidance": JSON_OPTIONS}
+        if not self.forced:
+            # A lazy grammar: free text until the model opens a call, the call under the
+            # tools' schema, then free text again.
+            from llguidance import StructTag
+
+            tag = StructTag(trigger="<tool_call>", begin="<tool_call>\n", grammar=call_schema,
+                            end="\n</tool_call>")
+            return {"type": "grammar", "value": StructTag.to_grammar([tag],
+                                                                     assume_special=False)}
+        call = json.dumps(call_schema)
         repeat = ' ("\\n" call)*' if self.parallel else ""
         lark = (f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
                 f"body: %json {call}\n")

@@ -171,7 +171,19 @@ def test_generic_grammars(lltok):
     auto = ToolRequest([WEATHER], "auto", True, GENERIC).structured_spec()
     assert accepts(lltok, auto, call) and accepts(lltok, auto, '{"response": "hi"}')
     assert ToolRequest([WEATHER], "none", True, GENERIC).structured_spec() is None
-    assert ToolRequest([WEATHER], "auto", True, HERMES).structured_spec() is None
+    assert ToolRequest([WEATHER], "auto", True, LLAMA3).structured_spec() is None
+
+
+def test_hermes_auto_is_free_text_until_a_call_opens(lltok):
+    """A lazy grammar: text passes, a call that opens must follow the tools' schema."""
+    spec = ToolRequest([WEATHER], "auto", True, HERMES).structured_spec()
+    assert validate(spec) is None
+    assert accepts(lltok, spec, "It is sunny, no tool needed.")
+    assert accepts(lltok, spec, 'Let me look.<tool_call>\n{"name": "get_weather", '
+                                '"arguments": {"city": "Rome"}}\n</tool_call>')
+    assert not accepts(lltok, spec, 'Let me look.<tool_call>\n{"name": "rm"')
+    assert not accepts(lltok, spec, '<tool_call>\n{"name": "get_weather", "arguments": '
+                                    '{"city": "Rome", "days": ' + "9" * 30)
     llama = ToolRequest([WEATHER], "required", True, LLAMA3).structured_spec()
     assert accepts(lltok, llama, '{"name": "get_weather", "parameters": {"city": "Rome"}}')
 
