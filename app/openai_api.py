@@ -14,9 +14,9 @@ import redis
 from flask import Blueprint, Response, g, jsonify, stream_with_context
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from common import reasoning
 from common.openai_responses import (ChoiceShaper, best_candidates, finish_reason,
                                      response_body, usage)
-from common import reasoning
 from common.protocol import EVENT_DONE, EVENT_RESET, EVENT_TOKEN, SamplingParams
 
 from .api_server import chat_input, engine, parse_json_body, settings, submit
@@ -309,8 +309,9 @@ def to_sequences(req: _Common) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return inputs, {"default_max_tokens": 16, "n": req.num_candidates}
 
 
-def shape_options(req: _Common) -> dict[str, bool]:
-    """How a request's choices are shaped: ChoiceShaper's options (a batch line keeps them)."""
+def shape_options(req: _Common) -> dict[str, Any]:
+    """How a request's choices are shaped: ChoiceShaper's options (a batch line keeps them);
+    chat's depend on the model's template (its thinking markers, its call format)."""
     shape = {"echo": bool(getattr(req, "echo", False)),
              "wants_logprobs": req.num_logprobs() is not None,
              "as_ids": req.return_tokens_as_token_ids,
