@@ -41,6 +41,19 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # chat, from a model whose template thinks: {"reasoning_tokens": n}
+    completion_tokens_details: dict[str, int] | None = None
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str   # a JSON object, as a string
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
 
 
 class JobOut(BaseModel):
@@ -48,7 +61,7 @@ class JobOut(BaseModel):
     object: Literal["job"] = "job"
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None   # as rendered (docs/api.md)
     text: str
     finish_reason: Literal["stop", "length", "cancelled", "error", "timeout"] | None = None
     usage: Usage
@@ -61,6 +74,7 @@ class JobOut(BaseModel):
     # with "logprobs" (and "prompt_logprobs") in the request: one entry per token
     logprobs: list[dict[str, Any]] | None = None
     prompt_logprobs: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallOut] | None = None   # a request with tools, once succeeded
 
 
 class JobListOut(BaseModel):
@@ -115,7 +129,9 @@ class CompletionOut(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    reasoning_content: str | None = None   # a thinking model's <think> part
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class TopLogprob(BaseModel):
