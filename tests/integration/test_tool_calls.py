@@ -149,9 +149,10 @@ class City(BaseModel):
 
 
 def test_parse_with_a_strict_model_closes_the_object(client, model):
-    """A strict schema (no extra keys) with a free integer: bounded to int64's digits, the
-    object closes within max_tokens even from a random model (the default model, with a free
-    string too: tests/integration/test_e2e_default_model.py)."""
+    """The SDK's parse() with a strict model (no extra keys) and a free integer returns the
+    object. (A random model stops an integer early anyway: the bound's own tests are the
+    grammar's, tests/unit/test_structured_bounds.py, and the default model's, which printed
+    digits to max_tokens without it: tests/integration/test_e2e_default_model.py.)"""
     for seed in range(5):
         completion = client.chat.completions.parse(
             model=model, messages=[{"role": "user", "content": "Name a city."}],
