@@ -14,16 +14,17 @@ import redis
 from flask import Blueprint, Response, g, jsonify, stream_with_context
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from common import reasoning
 from common.openai_responses import (ChoiceShaper, best_candidates, finish_reason,
                                      response_body, usage)
 from common.protocol import EVENT_DONE, EVENT_RESET, EVENT_TOKEN, SamplingParams
 
 from .context import engine, settings
 from .request_body import parse_json_body
-from .submit import submit
+from .submit import chat_input, submit
 from .client_connection import client_gone
 from .errors import APIError, failure_of
-from .schemas import MAX_LOGPROBS, SamplingFields
+from .schemas import MAX_LOGPROBS, Message, SamplingFields, ToolFields
 from .waiting import cancel_all, wait_or_cancel
 
 bp = Blueprint("openai", __name__)
@@ -45,6 +46,8 @@ _REFUSED = {"echo": (None, False), "suffix": (None, ""), "use_beam_search": (Non
             "documents": (None,), "return_token_ids": (None, False), "best_of": (None, 1),
             "guided_decoding_backend": (None,)}
 # Accepted and ignored (a warning in the log): they do not change the text llmq makes.
+# (A name that is also a field of the request's model is that field: chat's tools,
+# tool_choice, parallel_tool_calls and chat_template_kwargs.)
 _IGNORED = {"user", "service_tier", "store", "metadata", "parallel_tool_calls",
             "reasoning_effort", "include_reasoning", "length_penalty",
             "spaces_between_special_tokens", "add_special_tokens", "chat_template_kwargs",
@@ -144,13 +147,17 @@ class CompletionRequest(_Common):
         return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Message):
+    """A chat message as OpenAI's clients send it: content parts too, and fields of their
+    own (a message's `name`) accepted."""
+
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(ToolFields, _Common):
+    NULL_IS_DEFAULT = _Common.NULL_IS_DEFAULT | ToolFields.NULL_IS_DEFAULT
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None   # chat: a flag; top_logprobs says how many alternatives
@@ -159,7 +166,7 @@ class ChatCompletionRequest(_Common):
     def problem(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs: needs logprobs true"
-        return super().problem()
+        return self.tools_problem() or super().problem()
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -287,9 +294,10 @@ def to_sequences(req: _Common) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     if isinstance(req, ChatCompletionRequest):
         if req.n > settings().max_prompts:   # n sequences, as completions counts them
             raise _error(f"at most {settings().max_prompts} sequences (n)", param="n")
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": _text_content(m.content)} for m in req.messages]
-        return [{"messages": messages}], {
+        messages = [{**m.model_dump(include={"role", "tool_calls", "tool_call_id"}),
+                     "content": _text_content(m.content) if m.content is not None else None}
+                     for m in req.messages]
+        return [chat_input(req, messages)], {
             "max_tokens": req.max_completion_tokens, "n": req.n,
             "max_tokens_param": "max_completion_tokens" if req.max_completion_tokens
             else "max_tokens"}
@@ -303,12 +311,18 @@ def to_sequences(req: _Common) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return inputs, {"default_max_tokens": 16, "n": req.num_candidates}
 
 
-def shape_options(req: _Common) -> dict[str, bool]:
-    """How a request's choices are shaped: ChoiceShaper's options (a batch line keeps them)."""
-    return {"echo": bool(getattr(req, "echo", False)),
-            "wants_logprobs": req.num_logprobs() is not None,
-            "as_ids": req.return_tokens_as_token_ids,
-            "prompt_logprobs": req.prompt_logprobs is not None}
+def shape_options(req: _Common) -> dict[str, Any]:
+    """How a request's choices are shaped: ChoiceShaper's options (a batch line keeps them);
+    chat's depend on the model's template (its thinking markers, its call format)."""
+    shape = {"echo": bool(getattr(req, "echo", False)),
+             "wants_logprobs": req.num_logprobs() is not None,
+             "as_ids": req.return_tokens_as_token_ids,
+             "prompt_logprobs": req.prompt_logprobs is not None}
+    if isinstance(req, ChatCompletionRequest):
+        counter = engine().prompt_counter.get()
+        shape["reasoning"] = reasoning.template_reasons(counter and counter.template_source)
+        shape["tools"] = req._tools.shape() if req._tools is not None else None
+    return shape
 
 
 def _respond(req: _Common, jobs: list[dict], chat: bool):
@@ -329,7 +343,15 @@ def _respond(req: _Common, jobs: list[dict], chat: bool):
     body = response_body(chosen, chat, model_id(),
                          ChoiceShaper(chosen, chat, **shape_options(req)), req.n)
     body["usage"] = usage(finals, k)   # with best_of, every candidate's tokens were spent
+    if chat and shape_options(req).get("reasoning"):
+        reasoning.add_reasoning_tokens(body["usage"], [f["text"] for f in finals], _count)
     return jsonify(body), 200, headers
+
+
+def _count(text: str) -> int:
+    """Tokens of a text as the model's tokenizer makes them (0 without a tokenizer here)."""
+    counter = engine().prompt_counter.get()
+    return len(counter.tokenizer.encode(text, add_special_tokens=False).ids) if counter else 0
 
 
 class SentText:
@@ -404,9 +426,11 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
     by_id = {c.seq_id: i for i, c in enumerate(choices)}
 
     def chunk(i: int, text: str, entries: list[dict], finish: str | None = None,
-              role: bool = False) -> str:
+              role: bool = False, delta: dict | None = None) -> str:
+        choice = (shaper.delta_choice(i, delta, entries, finish) if delta is not None
+                  else shaper.choice(i, text, entries, finish, delta=True, role=role))
         body = {"id": jobs[0]["id"], "object": obj, "created": created, "model": model,
-                "choices": [shaper.choice(i, text, entries, finish, delta=True, role=role)]}
+                "choices": [choice]}
         if continuous:
             c = choices[i]
             body["usage"] = {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.num_tokens,
@@ -474,7 +498,13 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
                     entries = (data.get("logprobs") or [])[max(0, c.num_entries - c.num_tokens):]
                     c.num_tokens += 1
                     c.num_entries += len(entries)
-                    if piece or (entries and shaper.wants_logprobs):
+                    if chat:
+                        deltas = shaper.deltas(i, piece)
+                        if not deltas and entries and shaper.wants_logprobs:
+                            deltas = [{}]
+                        for k, d in enumerate(deltas):
+                            yield chunk(i, "", entries if k == 0 else [], delta=d)
+                    elif piece or (entries and shaper.wants_logprobs):
                         yield chunk(i, piece, entries)
                 elif kind == EVENT_DONE:
                     if err := failure_of(data):
@@ -482,17 +512,26 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
                         raise err
                     if not c.started:
                         yield from start(i, data.get("prompt_logprobs"))
-                    if rest := c.text.rest(data["text"]):
+                    rest = c.text.rest(data["text"])
+                    finish = finish_reason(data)
+                    if chat:
+                        deltas, finish = shaper.end_deltas(i, rest, finish)
+                        for d in deltas:
+                            yield chunk(i, "", [], delta=d)
+                    elif rest:
                         yield chunk(i, rest, [])
                     c.num_tokens = data["usage"]["completion_tokens"]
                     rest_lp = data.get("logprobs", [])[c.num_entries:]   # the last token's
-                    yield chunk(i, "", rest_lp, finish_reason(data))
+                    yield chunk(i, "", rest_lp, finish)
                     c.done = True
                     c.final = data
                     sub.drop(seq_id)
         if include_usage:
+            total = usage([c.final for c in choices], req.n)
+            if shaper.reasoning:
+                reasoning.add_reasoning_tokens(total, [c.final["text"] for c in choices], _count)
             yield _data({"id": jobs[0]["id"], "object": obj, "created": created, "model": model,
-                         "choices": [], "usage": usage([c.final for c in choices], req.n)})
+                         "choices": [], "usage": total})
         yield "data: [DONE]\n\n"
     except APIError as err:
         # The status line went out with the first chunk: the error is the last chunk, as vLLM

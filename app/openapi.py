@@ -43,6 +43,19 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # chat, from a model whose template thinks: {"reasoning_tokens": n}
+    completion_tokens_details: dict[str, int] | None = None
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str   # a JSON object, as a string
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
 
 
 class RunMetrics(BaseModel):
@@ -59,7 +72,7 @@ class JobOut(BaseModel):
     object: Literal["job"] = "job"
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None   # as rendered (docs/api.md)
     text: str
     finish_reason: Literal["stop", "length", "cancelled", "error", "timeout"] | None = None
     usage: Usage
@@ -76,6 +89,7 @@ class JobOut(BaseModel):
     queue_position: int | None = None
     estimated_start_s: float | None = None
     metrics: RunMetrics | None = None
+    tool_calls: list[ToolCallOut] | None = None   # a request with tools, once succeeded
 
 
 class JobListOut(BaseModel):
@@ -130,7 +144,9 @@ class CompletionOut(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    reasoning_content: str | None = None   # a thinking model's <think> part
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class TopLogprob(BaseModel):

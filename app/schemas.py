@@ -5,10 +5,11 @@ import json
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from common import structured
 from common.protocol import SamplingParams
+from common.tool_calls import ToolRequest, choice_name, detect_format
 
 MAX_LOGPROBS = 20   # vLLM's default --max-logprobs
 # logit_bias entries (OpenAI's cap): each is an edit of the logits at every token of the
@@ -16,11 +17,133 @@ MAX_LOGPROBS = 20   # vLLM's default --max-logprobs
 MAX_LOGIT_BIAS = 300
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+
+class FunctionCall(BaseModel):
+    """A past call's function: its name and its arguments as a JSON string."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: FunctionName
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (OpenAI's message.tool_calls item)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    """A function tool: its name, description and JSON-schema parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None   # arguments always follow the schema under the grammar
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming one function; a tool has the same shape with the whole function."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class Tool(NamedToolChoice):
+    function: FunctionDef
+
+
+class Message(BaseModel):
+    """A chat message: text content, an assistant's tool_calls, a tool result."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (an assistant message may give tool_calls "
+                             "instead)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return self
+
+
+
+class ToolFields(BaseModel):
+    """OpenAI's tool fields and the chat template's arguments, for requests with messages
+    (chat completions, /v1/jobs): how the messages are rendered (common/tool_calls.py), the
+    grammar the calls decode under, and how the calls are read back."""
+
+    model_config = ConfigDict(extra="forbid")
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"parallel_tool_calls"})
+
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    _tools: ToolRequest | None = PrivateAttr(None)   # set by chat_input (needs the template)
+
+    def _choice(self) -> Any:
+        c = self.tool_choice
+        return c.model_dump() if isinstance(c, BaseModel) else c
+
+    def tools_problem(self) -> tuple[str, str] | None:
+        """(param, message) for tool fields that do not go together."""
+        names = [t.function.name for t in self.tools or []]
+        choice = self._choice()
+        if len(set(names)) != len(names):
+            return "tools", "tool names must be unique"
+        if choice_name(choice) is not None and choice_name(choice) not in names:
+            return "tool_choice", f"tool_choice names {choice_name(choice)!r}, not in tools"
+        if choice == "required" and not names:
+            return "tool_choice", "tool_choice 'required' needs tools"
+        fmt = getattr(self, "response_format", None)
+        if names and choice != "none" and (getattr(self, "structured_outputs", None) is not None
+                                           or fmt is not None and fmt.type != "text"):
+            return "tools", ("tools cannot be combined with a structured response_format or "
+                             "structured_outputs (the tool calls decode under their own grammar)")
+        return None
+
+    def chat_input(self, messages: list[dict], template: str | None,
+                   default_kwargs: dict) -> dict[str, Any]:
+        """One sequence input for the messages (dicts: role, content as text or None,
+        tool_calls, tool_call_id), rendered for the call format of the model's chat template
+        (its source; None: not known here)."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        self._tools = req = ToolRequest(tools, self._choice() or ("auto" if tools else "none"),
+                                        self.parallel_tool_calls, detect_format(template))
+        messages = [{**m, "role": "system" if m["role"] == "developer" else m["role"]}
+                    for m in messages]
+        args = {**default_kwargs, **(self.chat_template_kwargs or {}), **req.template_args()}
+        return {"messages": req.messages(messages), "template_args": args or None,
+                "call_format": req.shape()}
+
+    def tools_error(self) -> str | None:
+        """Why the tools' grammar cannot compile (after chat_input), or None."""
+        if self._tools is None or not self._tools.active:
+            return None
+        spec = self._tools.structured_spec()
+        return structured.validate(spec) if spec else None
+
+    def structured_spec(self) -> dict[str, Any] | None:
+        if self._tools is not None and self._tools.active:
+            return self._tools.structured_spec()
+        return super().structured_spec()
 
 
 class JsonSchemaSpec(BaseModel):
@@ -203,10 +326,10 @@ class WebhookFields(BaseModel):
         default_factory=lambda: ["completed"], min_length=1, max_length=2)
 
 
-class JobRequest(SamplingFields, WebhookFields):
-    """Exactly one of prompt, messages or prompts."""
+class JobRequest(ToolFields, SamplingFields, WebhookFields):
+    """Exactly one of prompt, messages or prompts; tools go with messages."""
 
-    NULL_IS_DEFAULT = SamplingFields.NULL_IS_DEFAULT | {"stream"}
+    NULL_IS_DEFAULT = SamplingFields.NULL_IS_DEFAULT | ToolFields.NULL_IS_DEFAULT | {"stream"}
 
     prompt: str | None = None
     messages: list[Message] | None = None
@@ -222,6 +345,10 @@ class JobRequest(SamplingFields, WebhookFields):
             raise ValueError("'prompt' must be a non-empty string")
         if self.messages is not None and not self.messages:
             raise ValueError("'messages' must not be empty")
+        if self.messages is None and (self.tools or self.chat_template_kwargs):
+            raise ValueError("'tools' and 'chat_template_kwargs' go with 'messages'")
+        if problem := self.tools_problem():
+            raise ValueError(problem[1])
         if self.prompts is not None:
             if not self.prompts:
                 raise ValueError("'prompts' must not be empty")

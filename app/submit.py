@@ -13,7 +13,7 @@ from . import submit_hooks
 from .context import engine, settings
 from .errors import APIError
 from .limits import check_limits
-from .schemas import JobRequest, SamplingFields
+from .schemas import JobRequest, SamplingFields, ToolFields
 from .streaming import take_stream_slot
 
 
@@ -21,8 +21,20 @@ def inputs_of(req: JobRequest) -> list[dict[str, Any]]:
     if req.prompts is not None:
         return [{"prompt": p} for p in req.prompts]
     if req.messages is not None:
-        return [{"messages": [m.model_dump() for m in req.messages]}]
+        return [chat_input(req, [m.model_dump() for m in req.messages])]
     return [{"prompt": req.prompt}]
+
+
+def chat_input(req: ToolFields, messages: list[dict]) -> dict[str, Any]:
+    """The sequence input of a request's chat messages (the OpenAI route, a batch line,
+    /v1/jobs), rendered for the model's chat template; a 400 when the tools' grammar cannot
+    compile."""
+    counter = engine().prompt_counter.get()
+    inp = req.chat_input(messages, counter.template_source if counter else None,
+                         settings().template_kwargs())
+    if error := req.tools_error():
+        raise APIError(400, f"cannot compile the tools' parameters: {error}", param="tools")
+    return inp
 
 
 def owned_params(req: SamplingFields, default_max_tokens: int,

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import time
 
+from . import reasoning as reasoning_text
+from .tool_calls import parse_calls
+
 
 def token_text(entry: dict, as_ids: bool = False) -> str:
     """vLLM's return_tokens_as_token_ids writes "token_id:<id>" instead of the text."""
@@ -94,12 +97,19 @@ def finish_reason(job: dict) -> str | None:
 class ChoiceShaper:
     """Turns one request's sequences into OpenAI choices: text (with the prompt in front for
     echo), logprobs in the route's shape, finish reasons. One per request, also when streamed
-    (completions' text offsets run on across chunks)."""
+    (completions' text offsets run on across chunks). Chat answers may carry tool calls
+    (`tools`: common/tool_calls.py's ToolRequest.shape()) and thinking split from the answer
+    (`reasoning`); streamed, a tool-calling answer is held to its end (whether text is a call
+    is known once it parses), and thinking goes out as `reasoning_content` deltas."""
 
     def __init__(self, jobs: list[dict], chat: bool, echo: bool = False,
                  wants_logprobs: bool = False, as_ids: bool = False,
-                 prompt_logprobs: bool = False):
+                 prompt_logprobs: bool = False, tools: dict | None = None,
+                 reasoning: bool = False):
         self.jobs, self.chat, self.echo = jobs, chat, echo
+        self.tools, self.reasoning = tools, reasoning
+        self._held = ["" for _ in jobs]
+        self._splitters = [reasoning_text.ReasoningSplitter() for _ in jobs]
         self.wants_logprobs = wants_logprobs
         self.prompt_logprobs = prompt_logprobs   # vLLM's field: in each choice, or (chat) the body
         self.as_ids = as_ids   # vLLM's return_tokens_as_token_ids
@@ -128,11 +138,72 @@ class ChoiceShaper:
                     "finish_reason": finish}
         lp = self.logprobs(i, entries) if entries or not delta else None
         if not delta:
-            return {"index": i, "message": {"role": "assistant", "content": text},
-                    "logprobs": lp, "finish_reason": finish}
+            message = self.message(i, text)
+            return {"index": i, "message": message, "logprobs": lp,
+                    "finish_reason": _call_finish(message, finish)}
         body = {"role": "assistant", "content": ""} if role else (
             {"content": text} if text or not finish else {})
         return {"index": i, "delta": body, "logprobs": lp, "finish_reason": finish}
+
+    def message(self, i: int, text: str) -> dict:
+        """A chat answer's message: content, and reasoning_content and tool_calls when the
+        request has them."""
+        message: dict = {"role": "assistant", "content": text}
+        if self.reasoning:
+            thought, text = reasoning_text.split(text)
+            message["content"] = text
+            if thought is not None:
+                message["reasoning_content"] = thought
+        if self.tools:
+            message["content"], calls = parse_calls(text, self.tools, self.jobs[i]["id"])
+            if calls:
+                message["tool_calls"] = calls
+        return message
+
+    def delta_choice(self, i: int, delta: dict, entries: list[dict],
+                     finish: str | None = None) -> dict:
+        """A streamed chat choice with the given delta."""
+        lp = self.logprobs(i, entries) if entries else None
+        return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+    def deltas(self, i: int, piece: str) -> list[dict]:
+        """The chat deltas a streamed piece of text makes (none while it is held)."""
+        if self.tools:
+            self._held[i] += piece
+            return []
+        if self.reasoning:
+            return _nonempty(*self._splitters[i].feed(piece))
+        return [{"content": piece}] if piece else []
+
+    def end_deltas(self, i: int, rest: str, finish: str | None) -> tuple[list[dict], str | None]:
+        """The deltas that end a streamed chat choice (what was held, the calls: index, id
+        and name first, then the arguments, as OpenAI streams them) and its finish reason."""
+        if self.tools:
+            message = self.message(i, self._held[i] + rest)
+            out = _nonempty(message.get("reasoning_content") or "", message["content"] or "")
+            for k, call in enumerate(message.get("tool_calls", [])):
+                fn = call["function"]
+                out.append({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                            "function": {"name": fn["name"], "arguments": ""}}]})
+                out.append({"tool_calls": [{"index": k, "function": {
+                    "arguments": fn["arguments"]}}]})
+            return out, _call_finish(message, finish)
+        if self.reasoning:
+            split = self._splitters[i]
+            r1, c1 = split.feed(rest)
+            r2, c2 = split.flush()
+            return _nonempty(r1 + r2, c1 + c2), finish
+        return ([{"content": rest}] if rest else []), finish
+
+
+def _nonempty(reasoning: str, content: str) -> list[dict]:
+    delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+    return [delta] if delta else []
+
+
+def _call_finish(message: dict, finish: str | None) -> str | None:
+    """OpenAI's finish reason of an answer that calls tools (a call that ended the grammar)."""
+    return "tool_calls" if message.get("tool_calls") and finish == "stop" else finish
 
 
 def cumulative_logprob(job: dict) -> float:

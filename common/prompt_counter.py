@@ -55,6 +55,7 @@ class PromptCounter:
         template = config.get("chat_template")
         if (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
+        self.template_source = template if isinstance(template, str) else None
         self.template = _compile(template) if isinstance(template, str) else None
         # bos_token, eos_token, ...: the names templates use (a string, or {"content": ...})
         self.special = {k: v if isinstance(v, str) else v.get("content", "")
@@ -75,9 +76,10 @@ class PromptCounter:
         if inp.get("messages") is not None:
             if self.template is None:
                 raise ValueError("the model has no chat template; send a raw prompt")
+            args = {"tools": None, "documents": None, **self.special,
+                    **(inp.get("template_args") or {})}
             text = self.template.render(messages=inp["messages"],
-                                        add_generation_prompt=add_generation_prompt,
-                                        tools=None, documents=None, **self.special)
+                                        add_generation_prompt=add_generation_prompt, **args)
             return self.tokenizer.encode(text, add_special_tokens=bool(add_special_tokens)).ids
         return self.tokenizer.encode(inp["prompt"], add_special_tokens=add_special_tokens
                                      is not False).ids

@@ -101,6 +101,11 @@ class SequenceRequest:
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     prompt_token_ids: list[int] | None = None   # a prompt given as token ids (not tokenized)
+    # apply_chat_template's extra arguments for messages: `tools` (a template that renders
+    # them, common/tool_calls.py) and chat_template_kwargs (enable_thinking, ...)
+    template_args: dict[str, Any] | None = None
+    # How tool calls are read from the text (ToolRequest.shape()): the job keeps its calls
+    call_format: dict[str, Any] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     owner: str = ""
     created_at: float | None = None   # unix time the API accepted it

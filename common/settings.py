@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -184,6 +185,10 @@ class Settings:
     allowed_hosts: tuple[str, ...] = setting((), "LLMQ_ALLOWED_HOSTS", lower=True)
     wait_timeout_s: float = setting(600.0, "LLMQ_WAIT_TIMEOUT", positive=True)
     sse_keepalive_s: float = setting(15.0, "LLMQ_SSE_KEEPALIVE", positive=True)
+    # Chat template arguments every chat request gets (a JSON object, as vLLM's
+    # --default-chat-template-kwargs: '{"enable_thinking": false}'); a request's own
+    # chat_template_kwargs override them key by key.
+    chat_template_kwargs: str = setting("", "LLMQ_CHAT_TEMPLATE_KWARGS")
     # Files and batches (kept in Redis: every API replica and worker reads them).
     file_max_bytes: int = setting(32 * 1024 * 1024, "LLMQ_FILE_MAX_BYTES", positive=True)
     file_max_lines: int = setting(50_000, "LLMQ_FILE_MAX_LINES", positive=True)
@@ -219,6 +224,7 @@ class Settings:
     def __post_init__(self):
         if self.webhook_secret:
             self.webhook_key()   # a malformed secret stops the process at start, not at send
+        self.template_kwargs()   # a malformed default stops the process at start
 
     def validate(self) -> "Settings":
         """Check every value once at start, so a typo stops the process with the variable's
@@ -257,6 +263,18 @@ class Settings:
         return self.replace(**{name: value for name, value in _CUDA_DEFAULTS.items()
                                if getattr(self, name) == getattr(d, name)
                                and not any(var in os.environ for var in env[name])})
+
+    def template_kwargs(self) -> dict:
+        """LLMQ_CHAT_TEMPLATE_KWARGS as a dict."""
+        if not self.chat_template_kwargs.strip():
+            return {}
+        try:
+            value = json.loads(self.chat_template_kwargs)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ValueError("LLMQ_CHAT_TEMPLATE_KWARGS must be a JSON object")
+        return value
 
     def webhook_key(self) -> bytes:
         """The HMAC key: the base64 part of LLMQ_WEBHOOK_SECRET (`whsec_<base64>`)."""

@@ -45,6 +45,7 @@ from .protocol import (
     encode_event,
     encode_pubsub,
 )
+from .tool_calls import parse_calls
 
 # The names, all built in common/keys.py (under the same names as before, for the importers).
 CANCELLED_KEY = Keys.cancelled
@@ -351,6 +352,9 @@ def job_from_record(rec: dict[str, str]) -> dict[str, Any]:
     for name in ("prompt_token_ids", "logprobs", "prompt_logprobs"):   # only when there are some
         if rec.get(name):
             job[name] = json.loads(rec[name])
+    if rec.get("call_format") and job["status"] == SequenceStatus.SUCCEEDED.value:
+        _, calls = parse_calls(job["text"], json.loads(rec["call_format"]), job["id"])
+        job["tool_calls"] = calls
     return job
 
 
@@ -459,6 +463,8 @@ class SequenceStore:
                 "status": SequenceStatus.QUEUED.value,
                 "prompt": req.prompt if req.prompt is not None else "",
                 "messages": json.dumps(req.messages) if req.messages is not None else "",
+                "template_args": json.dumps(req.template_args) if req.template_args else "",
+                "call_format": json.dumps(req.call_format) if req.call_format else "",
                 "prompt_token_ids": (json.dumps(req.prompt_token_ids)
                                      if req.prompt_token_ids is not None else ""),
                 "params": json.dumps(req.params.to_dict()),
@@ -576,6 +582,8 @@ class SequenceStore:
             prompt_token_ids=(json.loads(rec["prompt_token_ids"])
                               if rec.get("prompt_token_ids") else None),
             messages=json.loads(rec["messages"]) if rec.get("messages") else None,
+            template_args=(json.loads(rec["template_args"]) if rec.get("template_args")
+                           else None),
             params=SamplingParams.from_dict(json.loads(rec.get("params") or "{}")),
             owner=rec.get("owner", ""),
             created_at=_num(rec.get("created_at")),

@@ -15,7 +15,53 @@ KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 # Compact JSON: no free-running whitespace between tokens (a model can otherwise pad a document
 # with blanks until max_tokens), OpenAI's and vLLM's separators.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# An integer the schema leaves unbounded gets int64's range: a small model under a strict
+# schema otherwise prints digits until max_tokens (`"population": 111111...`). llguidance's
+# JSON compiler has no digit limit of its own and works on f64 bounds, so the largest double
+# below 2**63 is the bound (19 digits; int64's last 1023 values are refused).
+INT_BOUND = 2**63 - 1024
+# Keys whose values are schemas, or maps/lists of schemas (the walk leaves const, enum,
+# default and examples alone: they are values, not schemas).
+_SCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+                "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def bounded(schema: Any, depth: int = 0) -> Any:
+    """A copy of a JSON schema in which every integer without a bound of its own has int64's
+    bounds (see INT_BOUND)."""
+    if not isinstance(schema, dict) or depth > 64:
+        return schema
+    out = dict(schema)
+    types = out.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "integer" in types and "number" not in types:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -INT_BOUND
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = INT_BOUND
+    for key in _SCHEMA_KEYS:
+        if key in out:
+            out[key] = bounded(out[key], depth + 1)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: bounded(v, depth + 1) for k, v in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [bounded(v, depth + 1) for v in out[key]]
+    return out
+
+
+def json_schema_grammar(schema: dict | bool) -> str:
+    """The llguidance grammar of a JSON schema, compact and with bounded integers."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(json.dumps(bounded(schema)),
+                                              defaults=JSON_OPTIONS)
 
 
 def grammar_of(spec: dict[str, Any]) -> str:
@@ -24,11 +70,11 @@ def grammar_of(spec: dict[str, Any]) -> str:
 
     kind, value = spec.get("type"), spec.get("value")
     if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "json_schema":
         if not isinstance(value, (dict, bool)):
             raise ValueError("a JSON schema must be an object")
-        return LLMatcher.grammar_from_json_schema(json.dumps(value), defaults=_JSON_OPTIONS)
+        return json_schema_grammar(value)
     if kind == "regex" and isinstance(value, str):
         return LLMatcher.grammar_from_regex(value)
     if kind == "choice" and isinstance(value, list) and value and all(

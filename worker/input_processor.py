@@ -104,7 +104,8 @@ class InputProcessor:
             return list(req.prompt_token_ids)
         if req.messages is not None:
             text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
-                                                      tokenize=False)
+                                                      tokenize=False,
+                                                      **(req.template_args or {}))
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(req.prompt)["input_ids"]
 

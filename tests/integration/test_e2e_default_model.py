@@ -1,7 +1,9 @@
 """End to end on the real default model (SmolLM2-135M-Instruct): a question it knows."""
 from __future__ import annotations
 
+import openai  # noqa: E402 - required (requirements-dev.txt): never a skip
 import pytest
+from pydantic import BaseModel
 
 from support import VLLM_TEST_ENV, ApiServer, WorkerProcess, backend_params
 from llmq_client import generate, get_job
@@ -63,3 +65,31 @@ def test_default_model_answers_paris(default_stack):
     assert "".join(texts) == final["text"] == job["text"]
     assert final["finish_reason"] == "stop"
     assert get_job(url, final["id"]) == final
+
+
+class City(BaseModel):
+    name: str
+    population: int
+
+
+def test_a_strict_schema_and_a_tool_call_close_on_the_default_model(default_stack):
+    """The SDK's parse() with a strict model: the model would add a key the schema forbids
+    and, refused, printed digits of `population` to max_tokens; bounded to int64's digits,
+    the object closes. A named tool call's arguments validate the same way."""
+    client = openai.OpenAI(base_url=default_stack["url"] + "/v1", api_key="unused",
+                           max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    ask = [{"role": "user", "content": "Give the name and population of Paris as JSON."}]
+    completion = client.chat.completions.parse(model=model, messages=ask, response_format=City,
+                                               max_tokens=200, temperature=0)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, City)
+    tool = {"type": "function", "function": {
+        "name": "record_city", "parameters": {**City.model_json_schema(),
+                                              "additionalProperties": False}}}
+    resp = client.chat.completions.create(
+        model=model, messages=ask, tools=[tool], max_tokens=200, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "record_city"}})
+    [call] = resp.choices[0].message.tool_calls
+    assert resp.choices[0].finish_reason == "tool_calls"
+    City.model_validate_json(call.function.arguments)

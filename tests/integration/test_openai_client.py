@@ -197,8 +197,8 @@ BAD = [
                  id="unknown-parameter"),
     pytest.param(dict(extra_body={"use_beam_search": True}), "use_beam_search",
                  "unsupported_parameter", id="use_beam_search"),
-    pytest.param(dict(extra_body={"tools": [{"type": "function", "function": {"name": "f"}}]}),
-                 "tools", "unsupported_parameter", id="tools"),
+    pytest.param(dict(extra_body={"functions": [{"name": "f"}]}),   # (chat takes `tools`)
+                 "functions", "unsupported_parameter", id="functions"),
     pytest.param(dict(extra_body={"repetition_penalty": 0}), "repetition_penalty", None,
                  id="repetition_penalty-0"),
 ]
