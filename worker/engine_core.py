@@ -103,14 +103,14 @@ class EngineCore:
     """Runs the continuous-batching loop of one worker over its model executor."""
 
     def __init__(self, name: str, settings, store: SequenceStore, executor: ModelExecutor,
-                 tokenizer, scheduler: WorkloadManager | None = None,
+                 tokenizer, workload_manager: WorkloadManager | None = None,
                  requeue: Callable[..., None] | None = None):
         self.name = name
         self.settings = settings
         self.store = store
         self.executor = executor
         self.tokenizer = tokenizer
-        self.scheduler = scheduler or WorkloadManager(
+        self.workload_manager = workload_manager or WorkloadManager(
             settings.max_num_seqs, settings.max_num_batched_tokens,
             POLICIES[settings.batch_policy](), key_share=settings.key_batch_share,
             long_prefill_tokens=settings.long_prefill_tokens,
@@ -123,7 +123,7 @@ class EngineCore:
         self.requeue = requeue or (lambda seq_id, priority=None: None)
         self._stop = threading.Event()
         self.inputs = InputProcessor(name, settings, store, executor, tokenizer)
-        self.output = OutputProcessor(store, self.scheduler, tokenizer)
+        self.output = OutputProcessor(store, self.workload_manager, tokenizer)
         self.liveness = Liveness(
             name, settings, store, self.stats, self._send_back, self._stop,
             Reconciler(settings, store.beside(ReconcileStore, queue_lists(settings.queue)),
@@ -160,16 +160,16 @@ class EngineCore:
         self.liveness.start()
 
     def fit_to_model(self) -> None:
-        """Sizes the scheduler to the model process its executor started: the KV cache it
+        """Sizes the workload manager to the model process its executor started: the KV cache it
         admits against, whether a step may run several decode passes, and the batch and step
         limits of the model's device."""
-        self.scheduler.set_kv_budget(*self.executor.kv_capacity)
-        self.scheduler.set_multi_step(self.executor.multi_step)
-        self.scheduler.set_exact_resume(self.executor.info.resumes_exactly)
+        self.workload_manager.set_kv_budget(*self.executor.kv_capacity)
+        self.workload_manager.set_multi_step(self.executor.multi_step)
+        self.workload_manager.set_exact_resume(self.executor.info.resumes_exactly)
         # The model process took the same device defaults (worker/model/process.py).
         device = self.settings.for_device(self.executor.info.device)
         if device is not self.settings:
-            self.scheduler.set_limits(device.max_num_seqs, device.max_num_batched_tokens,
+            self.workload_manager.set_limits(device.max_num_seqs, device.max_num_batched_tokens,
                                       device.long_prefill_tokens, device.long_prefill_chunk)
 
     def stop(self) -> None:
@@ -201,9 +201,9 @@ class EngineCore:
         is released, those not handed back with their messages unacknowledged."""
         self._draining.set()
         log.info("draining: up to %.0f s for %d sequences", grace_s,
-                 self.scheduler.num_unfinished + self.inbox.qsize())
+                 self.workload_manager.num_unfinished + self.inbox.qsize())
         self._idle.clear()
-        if self.scheduler.num_unfinished or not self.inbox.empty():
+        if self.workload_manager.num_unfinished or not self.inbox.empty():
             self._idle.wait(grace_s)
         self._handback.set()
         if not self._handback_done.wait(HANDBACK_TIMEOUT_S):
@@ -216,7 +216,7 @@ class EngineCore:
     def run_sequence(self, seq_id: str, timeout_s: float | None = None,
                      priority: int | None = None) -> dict:
         """Runs one sequence to its end (called from a Celery task thread). priority: its
-        message's Celery priority, which the scheduler honours too (0 first)."""
+        message's Celery priority, which the workload manager honours too (0 first)."""
         self._stall("received")
         for attempt in range(600):
             try:
@@ -325,8 +325,8 @@ class EngineCore:
         thread. False: the key is over its share of a full worker."""
         with self._admitting:
             held = [s.owner for s in list(self.output.admitted.values())] + self._reserved
-            if self.inputs.over_fair_share(owner, held, self.scheduler.key_cap,
-                                           self.scheduler.max_num_seqs):
+            if self.inputs.over_fair_share(owner, held, self.workload_manager.key_cap,
+                                           self.workload_manager.max_num_seqs):
                 return False
             self._reserved.append(owner)
             return True
@@ -336,7 +336,7 @@ class EngineCore:
         while not self._stop.is_set():
             if self._handback.is_set():
                 self._hand_back()
-            if not (self.scheduler.num_unfinished or self.output.has_pending):
+            if not (self.workload_manager.num_unfinished or self.output.has_pending):
                 self._take_inbox(block=True)
             self.step()
         self._publish()   # the last step's outputs
@@ -346,7 +346,7 @@ class EngineCore:
         while the next one executes (or, with nothing to run, at once)."""
         self._take_inbox(block=False)
         t_sched = time.monotonic()
-        out = self.scheduler.schedule()                          # 1. schedule
+        out = self.workload_manager.schedule()                          # 1. schedule
         if out.is_empty and not out.freed_seq_ids:
             self._publish()
             return
@@ -357,7 +357,7 @@ class EngineCore:
         t_done, self.last_step_time = time.monotonic(), time.time()
         self.output.update(out, result)                          # 3. update
         if out.decode and not out.prefill and result.decode_s and result.is_full(out.decode):
-            self.scheduler.observe_pass(result.decode_s / result.num_passes, len(out.decode))
+            self.workload_manager.observe_pass(result.decode_s / result.num_passes, len(out.decode))
         self.timing.record(t_sched, t_submit, t_published, t_done, time.monotonic(), result)
         # 4. publish: at the next step's execute, overlapped with the model
 
@@ -404,12 +404,12 @@ class EngineCore:
             res = self.executor.wait(self.bell if can or cut else None)
             if res is None:   # the bell: newcomers in the inbox
                 self._take_inbox(block=False)
-                side = self.scheduler.interject(in_flight) if can else None
+                side = self.workload_manager.interject(in_flight) if can else None
                 if side is not None:
                     self._interjected = side   # (first: a failing send still requeues them)
                     self.executor.submit(StepRequest(prefill=self._new_sequences(side),
                                                      interject=True))
-                elif cut and self.scheduler.would_admit():
+                elif cut and self.workload_manager.would_admit():
                     # A multi-step request's later passes would keep them waiting: it ends
                     # after the pass it is in, and the next step prefills them.
                     self._cut = True
@@ -448,11 +448,11 @@ class EngineCore:
                 # token came ahead of the step's end is running already).
                 joining = ((self._interjected.prefill if self._interjected else [])
                            + (self._in_flight.prefill if self._in_flight else []))
-                for old in dict.fromkeys(self.scheduler.running + list(self.scheduler.waiting)
+                for old in dict.fromkeys(self.workload_manager.running + list(self.workload_manager.waiting)
                                          + joining):
                     if old.seq_id == seq.seq_id:
                         self.output.drop(old)
-                self.scheduler.add(seq)
+                self.workload_manager.add(seq)
                 seq = self.inbox.get_nowait()
         except queue.Empty:
             pass
@@ -475,7 +475,7 @@ class EngineCore:
         """The model process died: restart it and re-run the batch from the tokens we have."""
         log.error("model worker died (%s); restarting it", exc)
         side, self._interjected = self._interjected, None
-        for seq in self.scheduler.requeue(out, side):
+        for seq in self.workload_manager.requeue(out, side):
             seq.num_restarts += 1
             if seq.num_restarts > MAX_RESTARTS_PER_SEQUENCE:
                 self.output.abort(seq, FinishReason.ERROR,
@@ -546,7 +546,7 @@ class EngineCore:
             threading.Event().wait()
 
     def stats(self) -> dict:
-        st, info, out = self.scheduler.stats, self.executor.info, self.output
+        st, info, out = self.workload_manager.stats, self.executor.info, self.output
         return {"model": info.name if info else "",
                 "device": info.device if info else "",
                 "dtype": info.dtype if info else "",
@@ -555,7 +555,7 @@ class EngineCore:
                 "model_loaded": int(info is not None),
                 # the API refuses prompts past it before they queue
                 "max_model_len": info.max_model_len if info else 0,
-                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "running": len(self.workload_manager.running), "waiting": len(self.workload_manager.waiting),
                 "num_steps": st.num_steps, "num_prefilled": st.num_prefilled,
                 "num_joined_running_batch": st.num_joined_running_batch,
                 "max_running": st.max_running, "num_preempted": st.num_preempted,

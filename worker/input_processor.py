@@ -63,7 +63,7 @@ class InputProcessor:
                         max_num_seqs: int) -> bool:
         """Whether this worker holds a full batch (`held`: the owners of the sequences it
         holds) and `owner` holds its share of it. Task threads outnumber batch slots
-        (scripts/worker.sh), so another key's sequence can reach the scheduler while one key
+        (scripts/worker.sh), so another key's sequence can reach the workload manager while one key
         fills the batch; a key past its share must not take those threads too. Without API
         keys (no owner) sequences are never handed back, so their queue order holds."""
         if len(held) < max_num_seqs:

@@ -30,7 +30,7 @@ class StepRequest:
     decode_seq_ids: list[str] = field(default_factory=list)
     free_seq_ids: list[str] = field(default_factory=list)
     # Prompt tokens to compute this step of each sequence whose prompt spans steps (the
-    # scheduler's chunk); a prompt not named here gets the model process's default chunk.
+    # workload manager's chunk); a prompt not named here gets the model process's default chunk.
     chunks: dict[str, int] = field(default_factory=dict)
     # Sent while another step is in flight: newcomers only, prefilled between two layers of
     # that step's passes (or after it, by a backend that cannot); answered `interjected`.

@@ -2,7 +2,7 @@
 
 Each step's sampled tokens become text (detokenizer, logprobs, stop strings); every end, an
 EOS or stop token, the length limit, a stop string, a cancel, a deadline, an error, a copy
-dropped for a newer start, is decided here and freed through the scheduler (which appends
+dropped for a newer start, is decided here and freed through the workload manager (which appends
 tokens and ends nothing itself): its record is written once, its metrics counted once, and its
 task thread let go. (vLLM v1's OutputProcessor, with the engine's Redis writes.)
 """
@@ -52,9 +52,9 @@ class Output(NamedTuple):
 class OutputProcessor:
     """Turns steps into text and Redis writes, and ends sequences, each exactly once."""
 
-    def __init__(self, store: SequenceStore, scheduler: WorkloadManager, tokenizer):
+    def __init__(self, store: SequenceStore, workload_manager: WorkloadManager, tokenizer):
         self.store = store
-        self.scheduler = scheduler
+        self.workload_manager = workload_manager
         self.logprobs = LogprobsRecorder(tokenizer)
         self.admitted: dict[str, Sequence] = {}   # admitted, not yet ended: task threads wait
         self.pending: list[Output] = []           # in step order; kept while Redis is away
@@ -72,7 +72,7 @@ class OutputProcessor:
 
     # --- from the model ----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: StepResult) -> None:
-        """Appends the sampled tokens (through the scheduler), turns them into text deltas
+        """Appends the sampled tokens (through the workload manager), turns them into text deltas
         and ends the sequences they stop."""
         for seq_id, error in result.errors.items():
             self.abort(next(s for s in out.prefill + out.decode if s.seq_id == seq_id),
@@ -82,7 +82,7 @@ class OutputProcessor:
                 seq.num_cached_tokens = result.cached_tokens.get(seq.seq_id, 0)
             self.num_prefill_tokens += seq.num_tokens
             self.num_cached_tokens += seq.num_cached_tokens
-        got = self.scheduler.update(out, result.token_ids)   # appends; ends nothing
+        got = self.workload_manager.update(out, result.token_ids)   # appends; ends nothing
         for seq in out.prefill + out.decode:
             if seq.seq_id not in result.errors:
                 self.logprobs.record(seq, result)
@@ -95,7 +95,7 @@ class OutputProcessor:
         more = result.more_token_ids
         for i in range(result.num_passes - 1):
             tokens = {sid: toks[i] for sid, toks in more.items() if i < len(toks)}
-            for seq in self.scheduler.update(SchedulerOutput(decode=out.decode), tokens):
+            for seq in self.workload_manager.update(SchedulerOutput(decode=out.decode), tokens):
                 self.pending.append(self._on_token(seq))
 
     def _on_token(self, seq: Sequence) -> Output:
@@ -113,7 +113,7 @@ class OutputProcessor:
         if seq.is_cut_at_stop:
             reason = FinishReason.STOP
         if reason is not None:
-            self.scheduler.abort(seq, reason)
+            self.workload_manager.abort(seq, reason)
         # (no output token: an echo-only sequence ends with no token event)
         return Output(seq, text if seq.output_token_ids else None, seq.num_output_tokens)
 
@@ -125,7 +125,7 @@ class OutputProcessor:
         streams send as their last piece."""
         if seq.output_token_ids and not seq.is_finished:
             seq.add_text(seq.detokenizer.flush(), final=True)
-        self.scheduler.abort(seq, reason, error)
+        self.workload_manager.abort(seq, reason, error)
         self.pending.append(Output(seq, None, seq.num_output_tokens))
 
     def reject(self, exc: Rejected) -> None:
@@ -140,17 +140,17 @@ class OutputProcessor:
         """Stops this worker's copy of a sequence whose record was taken over meanwhile (handed
         back or restarted after this engine was taken for dead): frees its slot, writes
         nothing, and lets its task thread return."""
-        self.scheduler.abort(seq, FinishReason.CANCELLED)
+        self.workload_manager.abort(seq, FinishReason.CANCELLED)
         self._close(seq)
         log.warning("dropping a stale copy: the record was taken over",
                     extra={"seq_id": seq.seq_id})
         seq.done.set()
 
     def abort_all(self) -> None:
-        """Hand-back: every sequence leaves the scheduler; nothing is written (the records go
+        """Hand-back: every sequence leaves the workload manager; nothing is written (the records go
         back to the queue, see EngineCore._hand_back)."""
-        for seq in self.scheduler.running + list(self.scheduler.waiting):
-            self.scheduler.abort(seq, FinishReason.CANCELLED)
+        for seq in self.workload_manager.running + list(self.workload_manager.waiting):
+            self.workload_manager.abort(seq, FinishReason.CANCELLED)
 
     def release_all(self) -> None:
         """After a hand-back: every copy here is closed and its task thread let go."""
@@ -163,7 +163,7 @@ class OutputProcessor:
     def publish(self) -> None:
         """Token events and final records to Redis, then cancels and deadlines back. Raises
         RedisError with what is not yet written still pending (in order, retried next time)."""
-        self._write(self.scheduler.running + list(self.scheduler.waiting))
+        self._write(self.workload_manager.running + list(self.workload_manager.waiting))
         self._write()   # the ends the look for cancels and deadlines decided
 
     def _write(self, active: list[Sequence] | None = None) -> None:

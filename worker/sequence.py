@@ -42,7 +42,7 @@ class Sequence:
     created_at: float | None = None   # wall clock: when the API accepted it
     admitted_at: float | None = None  # wall clock: when this worker started it
     deadline: float | None = None     # wall clock: past it, the sequence ends with "timeout"
-    owner: str = ""                   # the API key's owner id: the scheduler's fair share
+    owner: str = ""                   # the API key's owner id: the workload manager's fair share
     priority: int = 0                 # its Celery priority, 0 (first) .. 9 (batch lines' default)
     logprobs: list[dict] | None = None          # one entry per output token, when asked for
     prompt_logprobs: list[dict] | None = None   # one per prompt token (echo)

@@ -353,14 +353,14 @@ def test_the_restarted_model_process_sizes_the_scheduler_again(store):
     first = ScriptedBackend(crash_at=(2,))
     first.kv_capacity = (64, 4)
     engine = make_engine(store, first)
-    assert engine.scheduler.kv_budget.num_blocks == 64
+    assert engine.workload_manager.kv_budget.num_blocks == 64
     smaller = ScriptedBackend()
     smaller.kv_capacity = (16, 4)
     engine.executor._factory = lambda: smaller
     submit(store, max_tokens=4)
     seq = engine.admit("s")
     run(engine, [seq])
-    assert engine.executor.num_starts == 2 and engine.scheduler.kv_budget.num_blocks == 16
+    assert engine.executor.num_starts == 2 and engine.workload_manager.kv_budget.num_blocks == 16
     assert_ended_once(store, engine, seq, FinishReason.LENGTH)
 
 
@@ -559,7 +559,7 @@ def test_task_threads_checking_at_once_do_not_take_a_keys_share_twice(store, mon
     requeued = []
     engine = make_engine(store, requeue=lambda seq_id, priority=None: requeued.append(seq_id),
                          max_num_seqs=2)
-    assert engine.scheduler.key_cap == 1
+    assert engine.workload_manager.key_cap == 1
     for i in range(6):
         store.create([SequenceRequest(seq_id=f"b{i}", prompt_token_ids=[3, 4], owner="b",
                                       params=SamplingParams(max_tokens=50))])
@@ -597,11 +597,11 @@ def test_a_messages_priority_orders_the_engines_queue(store):
         submit(store, seq_id, max_tokens=50)
     lines = [engine.admit("line-1", priority=9), engine.admit("line-2", priority=9)]
     engine.step()
-    assert [s.seq_id for s in engine.scheduler.running] == ["line-1"]
+    assert [s.seq_id for s in engine.workload_manager.running] == ["line-1"]
     chat = engine.admit("chat", priority=0)
     assert chat.priority == 0 and lines[0].priority == 9
     engine.step()
-    assert engine.scheduler.running == [chat] and chat.num_output_tokens == 1
+    assert engine.workload_manager.running == [chat] and chat.num_output_tokens == 1
     assert lines[0].num_preemptions == 1 and not lines[0].done.is_set()
 
 
@@ -709,7 +709,7 @@ def test_an_interactive_request_is_interjected_and_published_while_a_batch_step_
     assert wait_until(lambda: [k for k, _d in events(store, "chat")] == ["token"], 10,
                       "chat's first token")
     assert stepping.is_alive() and line.num_output_tokens == 1   # the step is still running
-    assert engine.scheduler.stats.num_interjected == 1
+    assert engine.workload_manager.stats.num_interjected == 1
     interjection = backend.requests[-1]
     assert interjection.interject and [s.seq_id for s in interjection.prefill] == ["chat"]
     executor.gate.set()
@@ -741,7 +741,7 @@ def test_a_restart_that_arrives_while_the_old_copys_prefill_is_in_flight_drops_t
     assert executor.at_gate.wait(10)
     assert taken_for_dead(store) == ["s"]
     new = engine.admit("s")                           # attempt 2, rings the bell mid-step
-    assert wait_until(lambda: new in engine.scheduler.waiting, 10, "the new copy taken in")
+    assert wait_until(lambda: new in engine.workload_manager.waiting, 10, "the new copy taken in")
     executor.gate.set()
     stepping.join(10)
     run(engine, [old, new])
@@ -761,7 +761,7 @@ def test_an_interjection_whose_send_finds_the_model_dead_is_run_after_the_restar
     engine, line, chat, stepping = chat_during_a_held_line_step(store, executor, 4, 2)
     stepping.join(10)
     assert executor.num_starts == 2 and engine._interjected is None
-    assert chat in engine.scheduler.waiting and line in engine.scheduler.waiting
+    assert chat in engine.workload_manager.waiting and line in engine.workload_manager.waiting
     executor.gate.set()
     run(engine, [chat, line])
     assert store.get_job("chat")["status"] == "succeeded"
@@ -779,13 +779,13 @@ def test_the_pace_of_a_pass_is_read_only_off_bursts_that_decoded_the_whole_batch
     a, b = engine.admit("a"), engine.admit("b")
     engine.step()   # both prefill
     engine.step()   # one pass: the pace of two rows, 5 ms
-    assert engine.scheduler._pace == (2, 0.005)
+    assert engine.workload_manager._pace == (2, 0.005)
     backend.pass_s = 0.001   # faster passes from here, but a ends inside this burst
     engine.step()
     assert backend.requests[-1].num_steps == 4 and a.is_finished and not b.is_finished
-    assert engine.scheduler._pace == (2, 0.005)
+    assert engine.workload_manager._pace == (2, 0.005)
     engine.step()   # b alone: a new size, one pass; then its own pace
-    assert backend.requests[-1].num_steps == 1 and engine.scheduler._pace[0] == 1
+    assert backend.requests[-1].num_steps == 1 and engine.workload_manager._pace[0] == 1
     run(engine, [a, b])
 
 
@@ -842,7 +842,7 @@ def test_a_newcomer_that_cannot_join_does_not_cut_the_passes_short(store):
     engine, executor, backend, a, stepping = a_burst_of_passes(store, max_num_seqs=1)
     made = a.num_output_tokens
     b = engine.admit("b")
-    assert wait_until(lambda: b in engine.scheduler.waiting, 10, "b taken in")
+    assert wait_until(lambda: b in engine.workload_manager.waiting, 10, "b taken in")
     executor.gate.set()
     stepping.join(10)
     assert executor.cuts == 0 and a.num_output_tokens == made + 16
@@ -860,8 +860,8 @@ def test_a_model_on_a_gpu_gives_the_scheduler_the_gpus_limits(store, monkeypatch
         monkeypatch.delenv(var, raising=False)
     backend = ScriptedBackend()
     backend.info = dataclasses.replace(backend.info, device="cuda:0")
-    gpu = make_engine(store, backend).scheduler
+    gpu = make_engine(store, backend).workload_manager
     assert (gpu.max_num_seqs, gpu.max_num_batched_tokens, gpu.long_prefill_chunk,
             gpu.key_cap) == (256, 8192, 512, 128)   # (a key's share: half)
-    cpu = make_engine(store, ScriptedBackend(), max_num_seqs=8).scheduler
+    cpu = make_engine(store, ScriptedBackend(), max_num_seqs=8).workload_manager
     assert (cpu.max_num_seqs, cpu.max_num_batched_tokens, cpu.long_prefill_chunk) == (8, 2048, 32)

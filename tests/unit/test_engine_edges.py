@@ -38,7 +38,7 @@ def step(engine, tokens: dict[str, int], pending=()):
     from worker.messages import StepResult
 
     engine._take_inbox(block=False)
-    out = engine.scheduler.schedule()
+    out = engine.workload_manager.schedule()
     engine.output.pending += list(pending)
     engine.output.update(out, StepResult(token_ids=tokens))
     engine.output.publish()
@@ -129,7 +129,7 @@ def test_restart_on_the_same_worker_drops_the_old_copys_pending_delta(store, tok
     submit(store, "s")
     engine.admit("s")
     step(engine, {"s": hello})
-    out = engine.scheduler.schedule()
+    out = engine.workload_manager.schedule()
     engine.output.update(out, StepResult(token_ids={"s": world}))
     stale, engine.output.pending = engine.output.pending, []   # not yet published
     assert store.reclaim("w1") == ["s"]       # taken for dead: queued again, with a reset

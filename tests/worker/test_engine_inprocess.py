@@ -109,14 +109,14 @@ def test_sequences_that_come_and_go_leave_nothing_behind_in_the_model(tiny_model
     statuses = {s.seq_id: store.get_job(s.seq_id)["status"] for s in seqs}
     assert [k for k, v in statuses.items() if v == "cancelled"] == ["chunked", "decoding",
                                                                     "long7"]
-    assert engine.scheduler.stats.num_preemptions > 0
+    assert engine.workload_manager.stats.num_preemptions > 0
     assert (worker.states, worker.prefilling) == ({}, {})
     assert (cache.tables, cache.lengths, cache._slots) == ({}, {}, {})
     assert len(cache.pool.free) + cache.prefix.num_parked == cache.num_blocks
     assert not any(cache.pool.refs)
     assert engine.output.admitted == {} and not engine.output.pending
-    assert not (engine.scheduler.waiting or engine.scheduler.running
-                or engine.scheduler._prompt_left)
+    assert not (engine.workload_manager.waiting or engine.workload_manager.running
+                or engine.workload_manager._prompt_left)
     executor.stop()
 
 

@@ -46,8 +46,8 @@ class ModelBackend:
     """The one contract a backend fulfils: `step`, `info` and the capabilities it declares."""
 
     info: object                     # a worker.model_manager.ModelInfo (resumes_exactly on it)
-    # (blocks, tokens per block) of the KV cache the scheduler may fill; (0, 0): the backend
-    # sizes its own batch and the scheduler counts no blocks.
+    # (blocks, tokens per block) of the KV cache the workload manager may fill; (0, 0): the
+    # backend sizes its own batch and the workload manager counts no blocks.
     kv_capacity: tuple[int, int] = (0, 0)
     interjects: bool = False         # runs an `interject` request between its layers
     multi_step: bool = False         # runs a request's `num_steps` decode passes back to back

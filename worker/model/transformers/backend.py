@@ -113,7 +113,7 @@ class TransformersBackend(ModelBackend):
 
     @property
     def kv_capacity(self) -> tuple[int, int]:
-        """(blocks, tokens per block): what the scheduler may fill."""
+        """(blocks, tokens per block): what the workload manager may fill."""
         return self.cache.num_blocks, self.cache.block_size
 
     @torch.inference_mode()
