@@ -3,8 +3,8 @@
 `celery -A worker.celery_app worker -P threads -c <task threads>` names this module. The threads
 pool never forks (CUDA cannot survive a fork); its concurrency is the engine's batch size plus a
 quarter (scripts/worker.sh), so with prefetch 1 a worker reserves what its running batch can
-take and a few more: with API keys, those let another key's sequence reach the workload manager's fair
-share while one key fills the batch.
+take and a few more: with API keys, those let another key's sequence reach the workload
+manager's fair share while one key fills the batch.
 """
 from __future__ import annotations
 

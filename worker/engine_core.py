@@ -448,8 +448,8 @@ class EngineCore:
                 # token came ahead of the step's end is running already).
                 joining = ((self._interjected.prefill if self._interjected else [])
                            + (self._in_flight.prefill if self._in_flight else []))
-                for old in dict.fromkeys(self.workload_manager.running + list(self.workload_manager.waiting)
-                                         + joining):
+                wm = self.workload_manager
+                for old in dict.fromkeys(wm.running + list(wm.waiting) + joining):
                     if old.seq_id == seq.seq_id:
                         self.output.drop(old)
                 self.workload_manager.add(seq)
@@ -555,7 +555,8 @@ class EngineCore:
                 "model_loaded": int(info is not None),
                 # the API refuses prompts past it before they queue
                 "max_model_len": info.max_model_len if info else 0,
-                "running": len(self.workload_manager.running), "waiting": len(self.workload_manager.waiting),
+                "running": len(self.workload_manager.running),
+                "waiting": len(self.workload_manager.waiting),
                 "num_steps": st.num_steps, "num_prefilled": st.num_prefilled,
                 "num_joined_running_batch": st.num_joined_running_batch,
                 "max_running": st.max_running, "num_preempted": st.num_preempted,

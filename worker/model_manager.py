@@ -45,8 +45,8 @@ class ModelInfo:
     kv_cache_dtype: str = ""   # the KV cache's element type ("" where unknown)
     kernels: str = ""          # which attention and layer kernels the steps run
     # Whether a sequence freed and prefilled again from prompt + output continues exactly as
-    # it would have (grammar state, seeded draws, penalty counts): the workload manager preempts only
-    # sequences it may (WorkloadManager.set_exact_resume).
+    # it would have (grammar state, seeded draws, penalty counts): the workload manager
+    # preempts only sequences it may (WorkloadManager.set_exact_resume).
     resumes_exactly: bool = True
 
 

@@ -135,7 +135,8 @@ def test_settings_read_and_check_the_hold(monkeypatch):
 def test_the_engine_builds_its_scheduler_with_the_hold():
     engine = make_engine(SequenceStore(fakeredis.FakeRedis(decode_responses=True)), priority_hold_steps=5, priority_window_s=0.25)
     try:
-        assert (engine.workload_manager.priority_hold_steps, engine.workload_manager.priority_window_s) == (5, 0.25)
+        wm = engine.workload_manager
+        assert (wm.priority_hold_steps, wm.priority_window_s) == (5, 0.25)
         assert engine.stats()["num_held_steps"] == 0
     finally:
         engine.executor.stop()
