@@ -179,9 +179,9 @@ return redis.call('SREM', KEYS[2], ARGV[2])
 # The running text ends here: the fields carry the whole text (the record gets it once, not
 # at each step), or, given none, the running text moves into the record.
 # KEYS: record, events, channel, cancelled, metrics, its owner's sequences, its running text.
-# ARGV: statuses,
-# fields, done event, pub/sub message, maxlen, ttl, id, the running set around the worker the
-# record names (ARGV[8] .. worker .. ARGV[10]: only the script reads which), attempt, counter.
+# ARGV: statuses, fields, done event, pub/sub message, maxlen, ttl, id, the running set around
+# the worker the record names (ARGV[8] .. worker .. ARGV[10]: only the script reads which),
+# attempt, counter.
 _FINISH = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return 0 end
@@ -734,7 +734,9 @@ class SequenceStore:
         and one round trip each made the last done event wait for all the others."""
         if not items:
             return []
-        recs = self.get_records([it.seq_id for it in items])
+        # (the running texts only for ends that bring no text: the engine's bring the whole)
+        recs = self.get_records([it.seq_id for it in items],
+                                text=any(it.text is None for it in items))
         pipe = self.r.pipeline(transaction=False)
         queued = []
         running_pre, running_post = Keys.around(running_key)
