@@ -189,11 +189,11 @@ if not string.find(',' .. ARGV[1] .. ',', ',' .. st .. ',', 1, true) then return
 if ARGV[9] ~= '' and redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[9] then return 0 end
 local fields = cjson.decode(ARGV[2])
 for k, v in pairs(fields) do redis.call('HSET', KEYS[1], k, v) end
-local running = redis.call('GET', KEYS[7])
-if running then
-  if fields['text'] == nil then redis.call('HSET', KEYS[1], 'text', running) end
-  redis.call('DEL', KEYS[7])
+if fields['text'] == nil then
+  local running = redis.call('GET', KEYS[7])
+  if running then redis.call('HSET', KEYS[1], 'text', running) end
 end
+redis.call('DEL', KEYS[7])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'event', 'done', 'data', ARGV[3])
 redis.call('PUBLISH', KEYS[3], ARGV[4])
 redis.call('EXPIRE', KEYS[1], ARGV[6])
