@@ -359,43 +359,60 @@ class SentText:
     sequence was lost and another runs it again from the start). Text sent cannot be taken
     back, so the re-run's text is held until it passes what the client has: a re-run that
     repeats it (greedy decoding, or a `seed`) continues the stream seamlessly; one that
-    differs ends it with an error."""
+    differs ends it with an error. A token costs its own length, not the stream's: what was
+    sent is kept in pieces, and a re-run is matched against it piece by piece."""
 
     def __init__(self):
-        self.sent = ""
-        self.rerun: str | None = None   # the re-run's text while it is behind `sent`
+        self._sent: list[str] = []
+        self.rerun_at: int | None = None   # how much of `sent` the re-run has repeated so far
         self.was_reset = False
 
+    @property
+    def sent(self) -> str:
+        if len(self._sent) > 1:   # joined when read (a reset, the end), not at each token
+            self._sent[:] = ["".join(self._sent)]
+        return self._sent[0] if self._sent else ""
+
     def reset(self) -> None:
-        self.rerun, self.was_reset = "", True
+        self.rerun_at, self.was_reset = 0, True
 
     def piece(self, text: str) -> str:
         """What to send for a token event's text ("" while a re-run is catching up)."""
-        if self.rerun is None:
-            self.sent += text
+        if self.rerun_at is None:
+            self._sent.append(text)
             return text
-        self.rerun += text
-        return self._catch_up(self.rerun)
+        sent, at = self.sent, self.rerun_at
+        self._check(text, sent, at)
+        if at + len(text) <= len(sent):
+            self.rerun_at = at + len(text)
+            return ""
+        return self._send(text[len(sent) - at:])
 
     def rest(self, final_text: str) -> str:
         """At the end: what the client still lacks. A re-run's text past what was sent, or the
         tail the worker held back (the start of a possible stop string, half a character)
         when the sequence ended otherwise: cancelled, timed out, failed."""
+        sent = self.sent
         if self.was_reset:
-            return self._catch_up(final_text)
-        return final_text[len(self.sent):] if final_text.startswith(self.sent) else ""
+            self._check(final_text, sent, 0)
+        elif not final_text.startswith(sent):
+            return ""
+        return self._send(final_text[len(sent):]) if len(final_text) > len(sent) else ""
 
-    def _catch_up(self, text: str) -> str:
-        n = min(len(text), len(self.sent))
-        if text[:n] != self.sent[:n]:
+    def _send(self, text: str) -> str:
+        self._sent.append(text)
+        self.rerun_at = None
+        return text
+
+    @staticmethod
+    def _check(text: str, sent: str, at: int) -> None:
+        """A re-run's `text`, starting at `at` in what was sent, must repeat what it overlaps."""
+        n = min(len(text), len(sent) - at)
+        if text[:n] != sent[at:at + n]:
             raise APIError(500, "the worker running this request was lost and the re-run "
                            "produced different text from what was already streamed; retry the "
                            "request (with temperature 0 or a seed, a re-run repeats itself)",
                            "server_error", code="stream_diverged")
-        if len(text) <= len(self.sent):
-            return ""
-        out, self.sent, self.rerun = text[len(self.sent):], text, None
-        return out
 
 
 class _Choice:

@@ -17,6 +17,10 @@ Phases, all on the default model, greedy, with the output length forced:
               (--only lengths runs it alone)
   3. mixed    prompts 10-400 tokens, outputs 8-256, Poisson arrivals near saturation:
               continuous batching, then the worker restarted with LLMQ_BATCH_POLICY=static
+  2h. long   64 sequences generating 8,000 tokens each (ignore_eos): host time and Redis bytes
+              per step at 100, 1,000, 4,000 and 8,000 tokens, tok/s over time, the AOF's growth
+              against the tokens (--only long runs it, alone; --long-tokens 300 --long-seqs 8
+              for a smoke run)
   4. baseline with --baseline REF: REF's own stack (from a temporary copy of its tree) against
               this checkout's at the same levels, prompts and dtype (float32), in turn
               (--only baseline runs it alone)
@@ -44,6 +48,7 @@ from .loadgen import closed_loop, open_loop, payload
 from .peers import (LLAMA_SERVER, PEER_NAMES, add_model_alone, build_systems, peers_phase,
                     refresh_fractions)
 from .lengths import lengths_phase
+from .long import format_long, long_phase, long_targets
 from .prefix import prefix_phase
 from .quality import quality_phase
 from .raw import run_raw, run_raw_backend, short_prompts
@@ -132,10 +137,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-app", default="app.wsgi:application",
                    help="the WSGI app gunicorn serves (module:variable, importable from the repo)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="LLMQ_MAX_NUM_SEQS of the worker")
-    p.add_argument("--only", choices=["peers", "quality", "baseline", "batch", "lengths"],
+    p.add_argument("--only", choices=["peers", "quality", "baseline", "batch", "lengths", "long"],
                    help="run only this phase (peers: the peers table, ~10 min; quality: the "
                         "bfloat16 quality guard, ~2 min; baseline: the --baseline comparison; "
-                        "batch: the Batch API phase; lengths: the mixed-lengths phase, ~5 min)")
+                        "batch: the Batch API phase; lengths: the mixed-lengths phase, ~5 min; "
+                        "long: the long-generations phase, which runs only so)")
+    for flag, kind, default, what in (
+            ("--long-seqs", int, 64, "sequences of the long-generations phase"),
+            ("--long-tokens", int, 8000, "tokens each long sequence generates (300: a smoke run)"),
+            ("--long-time-limit", float, 3600.0,
+             "seconds after which the long phase cancels what still runs, and reports")):
+        p.add_argument(flag, type=kind, default=default, help=f"{what} (default {default:g})")
     p.add_argument("--baseline", metavar="REF",
                    help="also run the uniform levels on REF's own stack (a commit, branch or "
                         "tag of this repository, e.g. bb17313) and report llmq's float32 tok/s "
@@ -179,6 +191,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--only baseline needs --baseline REF")
     if args.baseline_rounds < 1 or args.peers_rounds < 1:
         p.error("--baseline-rounds and --peers-rounds: at least 1")
+    if args.long_seqs < 1 or args.long_tokens < 2:
+        p.error("--long-seqs: at least 1; --long-tokens: at least 2")
     q = args.quick
     args.levels = _ints(args.concurrency) if args.concurrency else ([1, 8, 32] if q else [1, 8, 32, 64])
     # The levels the issues judge against the baseline, unless levels are asked for.
@@ -426,8 +440,11 @@ def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None
         result["raw"] = run_raw_backend(args.backend, args.raw, args.tokens, progress=progress,
                                         time_limit_s=args.raw_time_limit,
                                         max_num_seqs=args.max_num_seqs)
+    # The long phase asks for more tokens than the API's default cap allows.
+    extra_env = ({"LLMQ_MAX_TOKENS_LIMIT": str(max(4096, args.long_tokens))}
+                 if args.only == "long" else {})
     stack = Stack(workdir, max_num_seqs=args.max_num_seqs, device=args.device, backend=args.backend,
-                  dtype=result["meta"]["dtype"], api_app=args.api_app)
+                  dtype=result["meta"]["dtype"], api_app=args.api_app, extra_env=extra_env)
     error = None
     try:
         progress(f"phase 2/3: starting redis-server :{stack.redis_port}, a worker and the API "
@@ -437,6 +454,12 @@ def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None
         progress(f"stack ready in {time.monotonic() - t:.1f} s")
         if args.only == "lengths":
             result["lengths"] = _lengths(stack, args, progress)
+            return None
+        if args.only == "long":
+            progress(f"phase 2h: {args.long_seqs} sequences generating {args.long_tokens} "
+                     "tokens each (ignore_eos)")
+            result["long"] = long_phase(stack, args.long_seqs, args.long_tokens,
+                                        args.long_time_limit, progress=progress)
             return None
         mixed_reserve = 0.0 if args.skip_mixed else max(0.0, min(budget.left() * 0.4,
                                                                  30.0 + 2 * args.mixed_time_limit))
@@ -532,7 +555,7 @@ def main(argv=None) -> int:
             progress(f"phase 0: peers table at concurrency {args.peers_concurrency} "
                      f"(logs in {workdir})")
             result["peers"] = _peers(args, workdir, model_dir, args.dtype, result["efficiency"])
-        if args.only in (None, "batch", "lengths"):
+        if args.only in (None, "batch", "lengths", "long"):
             # The budget covers the llmq phases; the peers table and the baseline comparison
             # have their own per-level limits.
             budget = Budget(args.budget, start=time.monotonic())
@@ -580,6 +603,7 @@ def main(argv=None) -> int:
     result["targets"] += report.quality_targets(result.get("quality"))
     if result.get("batch"):
         result["targets"] += report.batch_targets(result["batch"])
+    result["targets"] += long_targets(result.get("long"))
     if result.get("baseline"):
         result["targets"] += report.baseline_targets(result["baseline"])
     json_path = out_dir / f"{stamp}.json"
@@ -593,6 +617,7 @@ def main(argv=None) -> int:
         png_path = None
     print()
     print(report.format_table(result))
+    print("\n".join(format_long(result.get("long"))))
     print("\n".join(structured_lines(result.get("structured"))))
     progress(f"results: {json_path}" + (f" and {png_path}" if png_path else ""))
     # --only baseline: a baseline that did not run is this run's failure (the row says why).

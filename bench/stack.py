@@ -102,7 +102,7 @@ class Stack:
                  backend: str = "transformers",
                  dtype: str = "float32", api_workers: int = 2, api_threads: int = 256,
                  api_app: str = "app.wsgi:application", log=print, root: Path = ROOT,
-                 extra_paths: tuple[Path, ...] = ()):
+                 extra_paths: tuple[Path, ...] = (), extra_env: dict[str, str] | None = None):
         self.root = Path(root)
         self.extra_paths = [str(p) for p in extra_paths]   # ahead of the venv (an overlay)
         self.workdir = workdir
@@ -115,6 +115,7 @@ class Stack:
         self.api_workers, self.api_threads = api_workers, api_threads
         self.api_app = api_app
         self.log = log
+        self.extra_env = dict(extra_env or {})   # settings of the API and the worker
         self.redis: Proc | None = None
         self.worker: Proc | None = None
         self.api: Proc | None = None
@@ -143,6 +144,7 @@ class Stack:
                 if p and Path(p).resolve() not in (self.root.resolve(), ROOT)]
         env["PYTHONPATH"] = os.pathsep.join([str(self.root), *self.extra_paths, *rest])
         env.pop("LLMQ_API_KEYS", None)   # the benchmark sends no key
+        env.update(self.extra_env)
         return env
 
     # --- lifecycle ----------------------------------------------------------------------------

@@ -58,6 +58,13 @@ class Keys:
         return f"{PREFIX}:seq:{seq_id}:events"
 
     @staticmethod
+    def running_text(seq_id: str) -> str:
+        """string: a running attempt's text so far, APPENDed to at each step, so a step writes
+        its new text and not the whole (the record gets the whole text once, when it ends).
+        Outside llmq:seq:*, whose scans find records and their streams."""
+        return f"{PREFIX}:text:{seq_id}"
+
+    @staticmethod
     def channel(seq_id: str) -> str:
         """pub/sub: the same events, at-most-once."""
         return f"{PREFIX}:tokens:{seq_id}"

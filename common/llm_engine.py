@@ -221,7 +221,7 @@ class LLMEngine:
             while True:
                 events = sub.read(idle_s)
                 if not events:
-                    rec = self.store.get_record(seq_id)
+                    rec = self.store.get_record(seq_id, text=False)
                     # (from what this reader has had: entries may be on their way to it)
                     if rec is None or self._has_ended(rec, seq_id, after):
                         return   # expired underneath us, or the reader has had the done event
@@ -235,7 +235,7 @@ class LLMEngine:
 
     def is_over(self, seq_id: str, after: str) -> bool:
         """True when a reader resumed after `after` has had everything, done event included."""
-        rec = self.store.get_record(seq_id)
+        rec = self.store.get_record(seq_id, text=False)
         return rec is not None and self._has_ended(rec, seq_id, after)
 
     def _has_ended(self, rec: dict, seq_id: str, after: str) -> bool:

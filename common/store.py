@@ -4,6 +4,7 @@ Keys (all names are built in common/keys.py, and read and written only by the st
   llmq:seq:<id>            hash    the sequence record (status, prompt, params, text, usage, times)
   llmq:seq:<id>:events     stream  token / reset / done events; entry ids are the SSE ids
   llmq:tokens:<id>         pub/sub the same events, at-most-once, for direct subscribers
+  llmq:text:<id>           string  a running attempt's text so far, appended to at each step
   llmq:cancelled           set     ids whose cancellation was asked for; the engine polls it
   llmq:workers             zset    worker name -> last engine heartbeat (unix seconds)
   llmq:worker:<name>       hash    what that worker reports (model, device, counters)
@@ -54,6 +55,7 @@ OWNER_SECRET_KEY = Keys.owner_secret
 ADMITTING_KEY = Keys.admitting
 UNSTARTED_KEY = Keys.unstarted
 record_key, events_key, channel = Keys.record, Keys.events, Keys.channel
+text_key = Keys.running_text
 worker_key, running_key, held_key = Keys.worker, Keys.running, Keys.held
 owner_seqs_key, owner_streams_key, rate_key = Keys.owner_seqs, Keys.owner_streams, Keys.rate
 PRIORITY_SEP = "\x06\x16"   # kombu's Redis priority-queue separator
@@ -93,7 +95,8 @@ def reserved_tokens(req: SequenceRequest) -> int:
 # late redelivery). Returns the status it had and the attempt number (0 = do not run). A
 # sequence found "running" under this worker's own name is a second message for the attempt its
 # engine runs now (ARGV[5]; a stuck peer's hand-back and the reaper's re-send of one message can
-# both reach this worker): skipped, not restarted. Any other was lost by its previous life.
+# both reach this worker): skipped, not restarted. Any other was lost by its previous life,
+# and its running text (KEYS[5]) goes with it.
 _START = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {'missing', 0} end
@@ -111,6 +114,7 @@ end
 local n = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'worker', ARGV[2],
            'text', '', 'completion_tokens', 0)
+redis.call('DEL', KEYS[5])
 redis.call('SADD', KEYS[3], ARGV[4])
 redis.call('ZREM', KEYS[4], ARGV[4])
 return {st, n}
@@ -125,8 +129,8 @@ return {st, n}
 # fails part-way leaves the rest there, for the sender's next reap or whoever reaps the sender.
 # KEYS: the worker's running set, workers, its held set, the sender's running set, unstarted.
 # ARGV: worker, stale cutoff (or 'force'), reset reason, maxlen, held too ('1'), events ttl,
-# sender ('1'), then record, events and channel keys as prefix and suffix pairs (the ids are
-# read here), now.
+# sender ('1'), then record, events, channel and running text keys as prefix and suffix pairs
+# (the ids are read here), now.
 _RECLAIM = """
 if ARGV[2] ~= 'force' then
   local beat = redis.call('ZSCORE', KEYS[2], ARGV[1])
@@ -141,6 +145,7 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local st = redis.call('HGET', rec, 'status')
   if st == 'running' and redis.call('HGET', rec, 'worker') == ARGV[1] then
     redis.call('HSET', rec, 'status', 'queued', 'text', '', 'completion_tokens', 0, 'worker', '')
+    redis.call('DEL', key(14, id))
     -- The same payload as the reset a start writes (SequenceStore.reset_data): the run to come.
     local data = string.format('"attempt": %d, "reason": %s',
                                tonumber(redis.call('HGET', rec, 'attempts') or '0') + 1, ARGV[3])
@@ -169,7 +174,7 @@ if ARGV[7] == '1' then
   for _, id in ipairs(out) do redis.call('SADD', KEYS[4], id) end
 end
 -- queued again, unstarted: their new messages are watched as the first ones were
-for _, id in ipairs(out) do redis.call('ZADD', KEYS[5], ARGV[14], id) end
+for _, id in ipairs(out) do redis.call('ZADD', KEYS[5], ARGV[16], id) end
 return out
 """
 
@@ -184,9 +189,12 @@ return redis.call('SREM', KEYS[2], ARGV[2])
 
 # Finishes a record if its status is one of ARGV[1] (comma separated): writes the fields, appends
 # the done event, publishes it and sets the TTLs, all at once so no reader sees half of it.
-# KEYS: record, events, channel, cancelled, metrics, its owner's sequences, unstarted. ARGV:
-# statuses, fields, done event, pub/sub message, maxlen, ttl, id, the running set around the
-# worker the record names (ARGV[8] .. worker .. ARGV[10]: only the script reads which),
+# The running text ends here: the fields carry the whole text (the record gets it once, not
+# at each step), or, given none, the running text moves into the record.
+# KEYS: record, events, channel, cancelled, metrics, its owner's sequences, unstarted, its
+# running text. ARGV: statuses, fields, done event, pub/sub message, maxlen, ttl, id, the
+# running set around the worker the record names (ARGV[8] .. worker .. ARGV[10]: only the
+# script reads which),
 # attempt, counter.
 _FINISH = """
 local st = redis.call('HGET', KEYS[1], 'status')
@@ -195,6 +203,11 @@ if not string.find(',' .. ARGV[1] .. ',', ',' .. st .. ',', 1, true) then return
 if ARGV[9] ~= '' and redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[9] then return 0 end
 local fields = cjson.decode(ARGV[2])
 for k, v in pairs(fields) do redis.call('HSET', KEYS[1], k, v) end
+if fields['text'] == nil then
+  local running = redis.call('GET', KEYS[8])
+  if running then redis.call('HSET', KEYS[1], 'text', running) end
+end
+redis.call('DEL', KEYS[8])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'event', 'done', 'data', ARGV[3])
 redis.call('PUBLISH', KEYS[3], ARGV[4])
 redis.call('EXPIRE', KEYS[1], ARGV[6])
@@ -280,15 +293,18 @@ return 1
 # LLMQ_WORKER_STALE) and moves again must not write into a record that was handed back or
 # restarted meanwhile. And idempotent: a delta whose token count the record already has was
 # written before (a retry after the reply was lost with the connection) and is skipped.
-# KEYS: per delta (record, events, channel). ARGV: maxlen, ttl, then per delta (attempt, token
-# event data or '', pub/sub message, full text, completion tokens).
+# Only the new text goes out, APPENDed to the running text (the record gets the whole at the
+# end): what a step writes to Redis and its append-only file does not grow with the length.
+# The running text's TTL is set when an APPEND creates it (its length is then the piece's).
+# KEYS: per delta (record, events, channel, running text). ARGV: maxlen, ttl, then per delta
+# (attempt, token event data or '', pub/sub message, new text, completion tokens).
 # Returns the 1-based positions of the deltas that were refused.
 _PUBLISH = """
 local refused = {}
 local pos = 0
 for i = 3, #ARGV, 5 do
   pos = pos + 1
-  local rec, events = KEYS[3 * pos - 2], KEYS[3 * pos - 1]
+  local rec, events = KEYS[4 * pos - 3], KEYS[4 * pos - 2]
   local cur = redis.call('HMGET', rec, 'status', 'attempts', 'completion_tokens')
   if ARGV[i] ~= '' and (cur[1] ~= 'running' or cur[2] ~= ARGV[i]) then
     table.insert(refused, pos)
@@ -299,9 +315,13 @@ for i = 3, #ARGV, 5 do
       redis.call('XADD', events, 'MAXLEN', '~', ARGV[1], '*', 'event', 'token',
                  'data', ARGV[i + 1])
       redis.call('EXPIRE', events, ARGV[2])
-      redis.call('PUBLISH', KEYS[3 * pos], ARGV[i + 2])
+      redis.call('PUBLISH', KEYS[4 * pos - 1], ARGV[i + 2])
     end
-    redis.call('HSET', rec, 'text', ARGV[i + 3], 'completion_tokens', ARGV[i + 4])
+    local piece = ARGV[i + 3]
+    if piece ~= '' and redis.call('APPEND', KEYS[4 * pos], piece) == #piece then
+      redis.call('EXPIRE', KEYS[4 * pos], ARGV[2])
+    end
+    redis.call('HSET', rec, 'completion_tokens', ARGV[i + 4])
   end
 end
 return refused
@@ -309,9 +329,10 @@ return refused
 
 
 @functools.lru_cache(maxsize=4096)
-def _delta_keys(seq_id: str) -> tuple[str, str, str]:
-    """A running sequence's record, events and channel keys, named once, not once per token."""
-    return record_key(seq_id), events_key(seq_id), channel(seq_id)
+def _delta_keys(seq_id: str) -> tuple[str, str, str, str]:
+    """A running sequence's record, events, channel and running text keys, named once, not
+    once per token."""
+    return record_key(seq_id), events_key(seq_id), channel(seq_id), text_key(seq_id)
 
 
 def _now() -> float:
@@ -363,8 +384,7 @@ class TokenDelta:
     """One sequence's progress in one engine step, as the worker publishes it."""
 
     seq_id: str
-    text: str            # the new piece of text (may be empty)
-    full_text: str       # all the text so far
+    text: str            # the new piece of text (may be empty), appended to the running text
     completion_tokens: int
     attempt: int | None = None   # the start that produced it; set, the write is fenced on it
     logprobs: list | None = None   # the token's logprobs entry, for sequences that asked
@@ -485,16 +505,30 @@ class SequenceStore:
         pipe.execute()
         return jobs
 
-    def get_record(self, seq_id: str) -> dict[str, str] | None:
-        rec = self.r.hgetall(record_key(seq_id))
-        return rec or None
+    def get_record(self, seq_id: str, text: bool = True) -> dict[str, str] | None:
+        """A record (see get_records); None when it does not exist."""
+        return self.get_records([seq_id], text)[0] or None
 
-    def get_records(self, seq_ids: list[str]) -> list[dict[str, str]]:
-        """Many records in one round trip, in order ({} for one that does not exist)."""
-        pipe = self.r.pipeline(transaction=False)
+    def get_records(self, seq_ids: list[str], text: bool = True) -> list[dict[str, str]]:
+        """Many records in one round trip, in order ({} for one that does not exist). A
+        running one's text is its running text (the record holds it only once it ended),
+        read with the record in one transaction; `text` False leaves it out, for readers of
+        the status alone (its reading grows with the length)."""
+        if not seq_ids:
+            return []
+        pipe = self.r.pipeline(transaction=text)
         for seq_id in seq_ids:
             pipe.hgetall(record_key(seq_id))
-        return pipe.execute() if seq_ids else []
+            if text:
+                pipe.get(text_key(seq_id))
+        replies = pipe.execute()
+        if not text:
+            return replies
+        recs = replies[::2]
+        for rec, running in zip(recs, replies[1::2]):
+            if running is not None and rec.get("status") == SequenceStatus.RUNNING.value:
+                rec["text"] = running
+        return recs
 
     def get_job(self, seq_id: str) -> dict[str, Any] | None:
         rec = self.get_record(seq_id)
@@ -603,7 +637,8 @@ class SequenceStore:
         `running`: the attempt of it this worker's engine runs now, if any (a second message
         for it is skipped)."""
         prev, attempt = self._start(
-            keys=[record_key(seq_id), WORKERS_KEY, running_key(worker), UNSTARTED_KEY],
+            keys=[record_key(seq_id), WORKERS_KEY, running_key(worker), UNSTARTED_KEY,
+                  text_key(seq_id)],
             args=[_now(), worker, time.time() - stale_s, seq_id,
                   "" if running is None else int(running)])
         if prev == SequenceStatus.RUNNING.value and attempt:
@@ -634,7 +669,7 @@ class SequenceStore:
             args=[worker, cutoff, json.dumps(reason), self.stream_maxlen, "1" if held else "0",
                   self.pending_ttl_s, "1" if sender else "0",
                   *Keys.around(record_key), *Keys.around(events_key), *Keys.around(channel),
-                  time.time()]))
+                  *Keys.around(text_key), time.time()]))
 
     def resent(self, sender: str, seq_id: str) -> None:
         """A sequence `sender` took back has its new message (see reclaim)."""
@@ -673,15 +708,17 @@ class SequenceStore:
                 keys += _delta_keys(d.seq_id)
                 args += ["" if d.attempt is None else int(d.attempt),
                          encode_event(EVENT_TOKEN, data)["data"],
-                         encode_pubsub(EVENT_TOKEN, data), d.full_text, d.completion_tokens]
+                         encode_pubsub(EVENT_TOKEN, data), d.text, d.completion_tokens]
             # EVALSHA itself, not the Script object: in a pipeline that would first ask
             # SCRIPT EXISTS, a round trip of its own, every time.
             pipe.evalsha(self._publish.sha, len(keys), *keys, *args)
         else:
             for d in deltas:
                 self._append(pipe, d.seq_id, EVENT_TOKEN, _token_data(d))
-                pipe.hset(record_key(d.seq_id), mapping={"text": d.full_text,
-                                                          "completion_tokens": d.completion_tokens})
+                if d.text:
+                    pipe.append(text_key(d.seq_id), d.text)
+                    pipe.expire(text_key(d.seq_id), self.pending_ttl_s)
+                pipe.hset(record_key(d.seq_id), "completion_tokens", d.completion_tokens)
         if watched:
             pipe.smismember(CANCELLED_KEY, watched)
         replies = pipe.execute(raise_on_error=False)
@@ -723,10 +760,9 @@ class SequenceStore:
         and one round trip each made the last done event wait for all the others."""
         if not items:
             return []
-        pipe = self.r.pipeline(transaction=False)
-        for it in items:
-            pipe.hgetall(record_key(it.seq_id))
-        recs = pipe.execute()
+        # (the running texts only for ends that bring no text: the engine's bring the whole)
+        recs = self.get_records([it.seq_id for it in items],
+                                text=any(it.text is None for it in items))
         pipe = self.r.pipeline(transaction=False)
         queued = []
         running_pre, running_post = Keys.around(running_key)
@@ -752,7 +788,7 @@ class SequenceStore:
             self._finish(
                 keys=[record_key(it.seq_id), events_key(it.seq_id), channel(it.seq_id),
                       CANCELLED_KEY, METRICS_KEY, owner_seqs_key(rec.get("owner", "")),
-                      UNSTARTED_KEY],
+                      UNSTARTED_KEY, text_key(it.seq_id)],
                 args=[",".join(s.value for s in it.only_if), json.dumps(fields),
                       encode_event(EVENT_DONE, job)["data"], encode_pubsub(EVENT_DONE, job),
                       self.stream_maxlen, self.result_ttl_s, it.seq_id, running_pre,

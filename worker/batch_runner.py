@@ -118,7 +118,8 @@ class BatchDriver:
         """Answers every line in flight whose sequence has ended."""
         flying, sent = self.batches.inflight(self.batch_id)
         flying = sorted(flying)
-        recs = self.seqs.get_records([line_seq_id(self.batch_id, i) for i in flying])
+        # (their status: a line is answered from its finished record, which holds the text)
+        recs = self.seqs.get_records([line_seq_id(self.batch_id, i) for i in flying], text=False)
         for i, rec in zip(flying, recs):
             if not rec:
                 if i in sent:   # its record expired before anyone read it
@@ -155,7 +156,7 @@ class BatchDriver:
                 continue
             seq_id = line_seq_id(self.batch_id, i)
             self.batches.take_line(self.batch_id, i)
-            rec = self.seqs.get_record(seq_id)
+            rec = self.seqs.get_record(seq_id, text=False)
             if rec is None:
                 submitter = submitter or self.svc.submitter()
                 try:

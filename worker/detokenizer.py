@@ -19,7 +19,8 @@ class IncrementalDetokenizer:
 
     Same technique as vLLM and TGI: decode a short window ending at the new tokens and emit only
     what it adds beyond the previously decoded window. A piece ending in U+FFFD is an incomplete
-    UTF-8 character; it is held back until the following token completes it.
+    UTF-8 character; it is held back until the following token completes it. The window, and
+    so a token's cost, does not grow with the text.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
@@ -43,6 +44,12 @@ class IncrementalDetokenizer:
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
             return delta
+        if full == prefix and not self._decode([token_id]):
+            # A token that adds no text, here or alone (a skipped special token: a decode
+            # drops those before it joins the rest), is not kept: the window would widen
+            # with each one, and a run of them (EOS after EOS, with ignore_eos) made every
+            # later decode longer.
+            self.ids.pop()
         return ""
 
     def flush(self) -> str:

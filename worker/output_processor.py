@@ -176,7 +176,7 @@ class OutputProcessor:
         # written, or dropped for a newer start of its record) writes no delta.
         deltas = [o for o in self.pending if o.text is not None and not o.seq.is_closed]
         refused, cancelled = self.store.publish_step(
-            (TokenDelta(o.seq.seq_id, o.text, o.seq.text, o.num_tokens, o.seq.attempt,
+            (TokenDelta(o.seq.seq_id, o.text, o.num_tokens, o.seq.attempt,
                         logprobs=self.logprobs.of_token(o.seq, o.num_tokens),
                         prompt_logprobs=self.logprobs.of_prompt(o.seq, o.num_tokens))
              for o in deltas),

@@ -32,7 +32,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
-    text: str = ""                    # the text streamed so far; final text when finished
+    # The text streamed so far, in pieces (see `text`).
+    _text: list[str] = field(default_factory=list, repr=False)
     pending_text: str = ""            # decoded but held back while it may begin a stop string
     is_cut_at_stop: bool = False      # the text reached a stop string (the output processor ends it)
     first_token_time: float | None = None
@@ -75,6 +76,15 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.state is SequenceState.FINISHED
 
+    @property
+    def text(self) -> str:
+        """The text streamed so far; the final text when finished. Kept in pieces and joined
+        when read (once, at the end): `self.text += piece` copied the whole text at every
+        token, a cost per step that grew with the length."""
+        if len(self._text) > 1:
+            self._text[:] = ["".join(self._text)]
+        return self._text[0] if self._text else ""
+
     @functools.cached_property
     def stop_token_ids(self) -> frozenset[int]:
         """Tokens that end this sequence (EOS unless ignored, plus the request's own); made
@@ -106,7 +116,7 @@ class Sequence:
         The matcher reads only `delta`, so the cost per token does not grow with what is held.
         """
         if not self.params.stop:
-            self.text += delta
+            self._text.append(delta)
             return delta
         if self._stops is None:
             self._stops = StopStringMatcher(self.params.stop)
@@ -124,5 +134,5 @@ class Sequence:
         else:
             keep = self._stops.held
             emit, self.pending_text = buf[:len(buf) - keep], buf[len(buf) - keep:]
-        self.text += emit
+        self._text.append(emit)
         return emit

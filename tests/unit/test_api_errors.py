@@ -365,22 +365,22 @@ def _stream_text(datas, chat: bool) -> str:
 def _lost_and_rerun(store, seq_id):
     """A worker streams "Hello wor" and is lost; another runs the sequence again."""
     _, first = store.start(seq_id, "w1")
-    store.publish_deltas([TokenDelta(seq_id, "Hello", "Hello", 1, first),
-                          TokenDelta(seq_id, " wor", "Hello wor", 2, first)])
+    store.publish_deltas([TokenDelta(seq_id, "Hello", 1, first),
+                          TokenDelta(seq_id, " wor", 2, first)])
     assert store.reclaim("w1") == [seq_id]            # the worker was lost: a reset event
     _, second = store.start(seq_id, "w2")
-    store.publish_deltas([TokenDelta(seq_id, "Hel", "Hel", 1, second)])
-    store.publish_deltas([TokenDelta(seq_id, "lo world", "Hello world", 2, second)])
-    store.publish_deltas([TokenDelta(seq_id, "!", "Hello world!", 3, second)])
+    store.publish_deltas([TokenDelta(seq_id, "Hel", 1, second)])
+    store.publish_deltas([TokenDelta(seq_id, "lo world", 2, second)])
+    store.publish_deltas([TokenDelta(seq_id, "!", 3, second)])
     store.finish(seq_id, FinishReason.STOP, text="Hello world!", completion_tokens=3)
 
 
 def _lost_and_rerun_differently(store, seq_id):
     _, first = store.start(seq_id, "w1")
-    store.publish_deltas([TokenDelta(seq_id, "Hello", "Hello", 1, first)])
+    store.publish_deltas([TokenDelta(seq_id, "Hello", 1, first)])
     store.reclaim("w1")
     _, second = store.start(seq_id, "w2")
-    store.publish_deltas([TokenDelta(seq_id, "Goodbye", "Goodbye", 1, second)])
+    store.publish_deltas([TokenDelta(seq_id, "Goodbye", 1, second)])
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -406,8 +406,8 @@ def _cancelled_with_a_held_back_tail(store, seq_id):
     """stop=["world"]: "Hello" goes out, " wor" is held back (it may begin the stop string),
     then the job is cancelled: the worker writes the tail into the final text (its abort)."""
     _, a = store.start(seq_id, "w1")
-    store.publish_deltas([TokenDelta(seq_id, "Hello", "Hello", 1, a),
-                          TokenDelta(seq_id, "", "Hello", 2, a)])
+    store.publish_deltas([TokenDelta(seq_id, "Hello", 1, a),
+                          TokenDelta(seq_id, "", 2, a)])
     store.finish(seq_id, FinishReason.CANCELLED, text="Hello wor", completion_tokens=2)
 
 
@@ -435,12 +435,12 @@ def _lost_and_rerun_the_same_with_logprobs(store, seq_id):
     makes the same tokens and goes on."""
     _, first = store.start(seq_id, "w1")
     for i in range(2):
-        store.publish_deltas([TokenDelta(seq_id, TOKENS[i], "".join(TOKENS[:i + 1]), i + 1,
+        store.publish_deltas([TokenDelta(seq_id, TOKENS[i], i + 1,
                                          first, logprobs=[_entry(i)])])
     assert store.reclaim("w1") == [seq_id]
     _, second = store.start(seq_id, "w2")
     for i in range(4):
-        store.publish_deltas([TokenDelta(seq_id, TOKENS[i], "".join(TOKENS[:i + 1]), i + 1,
+        store.publish_deltas([TokenDelta(seq_id, TOKENS[i], i + 1,
                                          second, logprobs=[_entry(i)])])
     store.finish_many([Finish(seq_id, FinishReason.STOP, text="".join(TOKENS),
                               completion_tokens=4, logprobs=[_entry(i) for i in range(4)])])
@@ -512,7 +512,7 @@ def test_the_openai_sdk_reads_a_stream_through_its_keep_alives(default_model_dir
             # its token comes after a keep-alive (after 3 passes without: the failing case)
             [seq_id] = api.seq_ids()
             _, a = api.store.start(seq_id, "w1")
-            api.store.publish_deltas([TokenDelta(seq_id, "Hi", "Hi", 1, a)])
+            api.store.publish_deltas([TokenDelta(seq_id, "Hi", 1, a)])
             api.store.finish(seq_id, FinishReason.STOP, text="Hi", completion_tokens=1)
         return False
 
@@ -576,7 +576,7 @@ def test_an_openai_stream_rides_out_a_redis_outage_then_ends_with_an_error_chunk
 def test_stream_resumed_at_its_done_event_ends_with_204(api):
     seq_id = api.client.post("/v1/jobs", json={"prompt": "x"}).get_json()["id"]
     api.store.start(seq_id, "w1")
-    api.store.publish_deltas([TokenDelta(seq_id, "Hi", "Hi", 1)])
+    api.store.publish_deltas([TokenDelta(seq_id, "Hi", 1)])
     api.store.finish(seq_id, FinishReason.STOP, text="Hi", completion_tokens=1)
     done_id = api.store.read_events(seq_id)[-1][0]
     resp = api.client.get(f"/v1/jobs/{seq_id}/stream", headers={"Last-Event-ID": done_id},
@@ -597,7 +597,7 @@ def test_an_event_reader_whose_last_entries_are_on_their_way_waits_for_them(api,
     goes from what the reader has yielded instead."""
     seq_id = api.client.post("/v1/jobs", json={"prompt": "x"}).get_json()["id"]
     api.store.start(seq_id, "w1")
-    api.store.publish_deltas([TokenDelta(seq_id, "Hi", "Hi", 1)])
+    api.store.publish_deltas([TokenDelta(seq_id, "Hi", 1)])
     api.store.finish(seq_id, FinishReason.STOP, text="Hi", completion_tokens=1)
     engine = api.app.extensions["llmq"]["engine"]
     subscribe = engine.streams.subscribe

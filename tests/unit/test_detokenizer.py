@@ -141,3 +141,38 @@ def test_context_dependent_decoding_keeps_the_spaces():
     assert "".join(deltas) == tok.decode(ids) == "Hello, world café!"
     deltas = stream(tok, [4, 5], prompt_ids=[0, 1, 2])
     assert "".join(deltas) == " café"                  # the space belongs to the output
+
+
+class WindowWatch:
+    """A tokenizer wrapped to record the longest list of ids it was asked to decode."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.longest = max(self.longest, len(ids))
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_run_of_skipped_special_tokens_does_not_widen_the_window(tok):
+    """EOS after EOS (ignore_eos past the answer's end): each token's decode stays as short as
+    at the start, and the text is the full decode's."""
+    eos = tok.eos_token_id
+    ids = encode(tok, "Hello") + [eos] * 2000 + encode(tok, " café 🎉") + [eos] * 5
+    watch = WindowWatch(tok)
+    deltas = stream(watch, ids)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True) == "Hello café 🎉"
+    assert watch.longest <= 12
+
+
+def test_a_long_text_decodes_in_a_window_that_does_not_grow(tok):
+    """8,000 tokens of hand-made ids (words, multi-byte characters split into byte tokens,
+    special tokens): the deltas add up to the full decode, each decode is a few tokens."""
+    rng = random.Random(7)
+    ids = []
+    while len(ids) < 8000:
+        ids += encode(tok, rng.choice(TEXTS)) + ([tok.eos_token_id] if rng.random() < 0.3 else [])
+    watch = WindowWatch(tok)
+    deltas = stream(watch, ids, encode(tok, "The answer is"))
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
+    assert watch.longest <= 16

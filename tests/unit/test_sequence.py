@@ -315,3 +315,14 @@ def test_incremental_stop_matching_agrees_with_a_full_rescan(seed):
     cut = _reference_cut(text, stops)
     assert s.text == (text if cut is None else text[:cut]), (stops, pieces)
     assert s.is_cut_at_stop == (cut is not None)
+
+
+def test_a_stop_string_after_a_long_text_is_still_found_across_pieces():
+    """8,000 pieces of text (some that begin the stop string and break off), then the stop
+    string split over three pieces: found, and the text is everything before it."""
+    s = make_seq(1, stop=["</answer>"])
+    pieces = [" w", "</ans", "w", "</", "x"] * 1600
+    assert "".join(feed(s, pieces)) == s.text == "".join(pieces)
+    assert not s.is_cut_at_stop and s.pending_text == ""
+    assert feed(s, [" done </an", "swe", "r> and more"]) == [" done ", "", ""]
+    assert s.is_cut_at_stop and s.text == "".join(pieces) + " done "

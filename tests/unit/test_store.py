@@ -96,7 +96,7 @@ def test_start_queued_then_redelivered(store):
     assert job["status"] == "running" and job["started_at"] is not None
     assert store.get_record("seq-1")["worker"] == "w1"
     assert store.read_events("seq-1") == []          # a first start emits nothing
-    store.publish_deltas([TokenDelta("seq-1", "par", "par", 1)])
+    store.publish_deltas([TokenDelta("seq-1", "par", 1)])
     # The worker died; Celery redelivers: attempt 2, the partial text is dropped.
     assert store.start("seq-1", "w2") == ("running", 2)
     rec = store.get_record("seq-1")
@@ -145,7 +145,7 @@ def test_finish_only_once_and_done_event_is_final_job(store, r):
 def test_finish_sets_result_ttl(store, r):
     new(store)
     store.start("seq-1", "w1")
-    store.publish_deltas([TokenDelta("seq-1", "x", "x", 1)])
+    store.publish_deltas([TokenDelta("seq-1", "x", 1)])
     assert r.ttl(events_key("seq-1")) > RESULT_TTL   # still the pending TTL while running
     store.finish("seq-1", FinishReason.STOP, text="x", completion_tokens=1)
     assert 0 < r.ttl(record_key("seq-1")) <= RESULT_TTL
@@ -245,8 +245,8 @@ def test_publish_deltas_appends_tokens_and_updates_text(store, r):
     store.start("a", "w")
     store.start("b", "w")
     sub = Subscriber(r, "a")
-    store.publish_deltas([TokenDelta("a", "Hel", "Hel", 1), TokenDelta("b", "", "", 1)])
-    store.publish_deltas([TokenDelta("a", "lo 🎉", "Hello 🎉", 3)])
+    store.publish_deltas([TokenDelta("a", "Hel", 1), TokenDelta("b", "", 1)])
+    store.publish_deltas([TokenDelta("a", "lo 🎉", 3)])
     assert [(k, d) for _, k, d in store.read_events("a")] == [
         (EVENT_TOKEN, {"text": "Hel"}), (EVENT_TOKEN, {"text": "lo 🎉"})]
     # A token without text (special, or half a character) is still an event, as in vLLM's
@@ -269,7 +269,7 @@ def test_read_events_after_an_id_returns_exactly_the_later_ones(store):
     new(store)
     store.start("seq-1", "w")
     for i in range(5):
-        store.publish_deltas([TokenDelta("seq-1", f"t{i}", "", i + 1)])
+        store.publish_deltas([TokenDelta("seq-1", f"t{i}", i + 1)])
     store.finish("seq-1", FinishReason.STOP, text="t0t1t2t3t4")
     events = store.read_events("seq-1")
     assert kinds(events) == [EVENT_TOKEN] * 5 + [EVENT_DONE]
@@ -357,7 +357,7 @@ def test_reclaim_dead_worker_puts_its_sequences_back_once(store, r):
     store.heartbeat("w1", {"model_loaded": 1}, 10)
     for s in ("a", "b", "c"):
         store.start(s, "w1")
-    store.publish_deltas([TokenDelta("a", "partial", "partial", 1)])
+    store.publish_deltas([TokenDelta("a", "partial", 1)])
     store.finish("c", FinishReason.STOP, text="done")      # finished: not reclaimed
     assert r.smembers(running_key("w1")) == {"a", "b"}
     assert store.reclaim("w1", stale_s=15) == []           # alive: nothing taken
@@ -539,8 +539,8 @@ def test_publish_step_writes_fenced_tokens_and_reports_cancels_even_after_a_scri
         if flush:
             r.script_flush()
         refused, cancelled = store.publish_step(
-            [TokenDelta("a", "x", "x" * n, n, attempt_a),
-             TokenDelta("b", "y", "y" * n, n, attempt_b + 1)],   # not b's start: refused
+            [TokenDelta("a", "x", n, attempt_a),
+             TokenDelta("b", "y", n, attempt_b + 1)],   # not b's start: refused
             ["a", "b"])
         assert (refused, cancelled) == ([1], {"b"})
         assert store.get_job("a")["text"] == "x" * n

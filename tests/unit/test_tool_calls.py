@@ -290,8 +290,8 @@ def test_the_route_streams_a_call(_thinking_api):
                          buffered=False)
     jid = resp.headers["X-Request-Id"]
     a.store.start(jid, "w1")
-    a.store.publish_deltas([TokenDelta(jid, text[:20], text[:20], 1)])
-    a.store.publish_deltas([TokenDelta(jid, text[20:], text, 2)])
+    a.store.publish_deltas([TokenDelta(jid, text[:20], 1)])
+    a.store.publish_deltas([TokenDelta(jid, text[20:], 2)])
     a.store.finish(jid, FinishReason.STOP, text=text, completion_tokens=2)
     chunks = [json.loads(line[6:]) for line in resp.get_data(as_text=True).split("\n\n")
               if line.startswith("data: {")]
@@ -318,7 +318,7 @@ def test_a_thinking_models_stream_splits_reasoning_content(hermes_dir):
     jid = resp.headers["X-Request-Id"]
     a.store.start(jid, "w1")
     for k in range(0, len(text), 4):
-        a.store.publish_deltas([TokenDelta(jid, text[k:k + 4], text[:k + 4], k // 4 + 1)])
+        a.store.publish_deltas([TokenDelta(jid, text[k:k + 4], k // 4 + 1)])
     a.store.finish(jid, FinishReason.STOP, text=text, completion_tokens=len(text) // 4 + 1)
     chunks = [json.loads(line[6:]) for line in resp.get_data(as_text=True).split("\n\n")
               if line.startswith("data: {")]
