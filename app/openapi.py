@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from flask import abort, jsonify, redirect, send_from_directory
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, RootModel
 from spectree import Response, SpecTree
 from spectree.page import PAGE_TEMPLATES
 
@@ -100,6 +100,14 @@ class JobListOut(BaseModel):
 class ResultListOut(BaseModel):
     object: Literal["list"] = "list"
     results: list[JobOut]
+
+
+class JobsAccepted(RootModel[JobOut | JobListOut]):
+    """202 of a submission: the job, or the list of jobs of `prompts`."""
+
+
+class JobsFinished(RootModel[JobOut | ResultListOut]):
+    """200 of /v1/generate: the finished job, or the results of `prompts`."""
 
 
 class Health(BaseModel):
@@ -326,7 +334,7 @@ _FAILED = {"HTTP_500": ErrorOut, "HTTP_504": ErrorOut}
 # documentation lives here, in one table. Validation stays in the views (skip_validation) so
 # every error has the one JSON shape.
 ROUTES: dict[str, tuple[type | None, dict, str]] = {
-    "jobs.create_jobs": (JobRequest, {"HTTP_202": JobOut, "HTTP_409": ErrorOut, **_ERRORS},
+    "jobs.create_jobs": (JobRequest, {"HTTP_202": JobsAccepted, "HTTP_409": ErrorOut, **_ERRORS},
                         "jobs"),
     "jobs.get_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
     "jobs.cancel_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
@@ -334,7 +342,7 @@ ROUTES: dict[str, tuple[type | None, dict, str]] = {
     "jobs.stream_job": (None, {"HTTP_200": None, "HTTP_204": None, "HTTP_400": ErrorOut,
                               "HTTP_404": ErrorOut, "HTTP_429": ErrorOut}, "jobs"),
     # 202: still running after LLMQ_WAIT_TIMEOUT (the job as it stands)
-    "jobs.generate": (JobRequest, {"HTTP_200": JobOut, "HTTP_202": JobOut, **_ERRORS,
+    "jobs.generate": (JobRequest, {"HTTP_200": JobsFinished, "HTTP_202": JobsAccepted, **_ERRORS,
                                   **_FAILED}, "jobs"),
     "jobs.webhook_secret": (None, {"HTTP_200": WebhookSecret, "HTTP_404": ErrorOut}, "jobs"),
     "health.health": (None, {"HTTP_200": None, "HTTP_503": None}, "operations"),
