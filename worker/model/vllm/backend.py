@@ -211,14 +211,19 @@ class VllmBackend(ModelBackend):
 
 
 def _structured(spec: dict | None):
-    """llmq's structured-output spec (common/structured.py) as vLLM's: the same five kinds."""
+    """llmq's structured-output spec (common/structured.py) as vLLM's: the same five kinds, a
+    JSON schema with the same bounds as llmq's own grammars (integers to int64's range)."""
     if not spec:
         return None
     from vllm.sampling_params import StructuredOutputsParams
 
+    from common.structured import bounded
+
     kind, value = spec["type"], spec.get("value")
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        value = bounded(value)
     return StructuredOutputsParams(**{"json_schema": {"json": value}, "regex": {"regex": value},
                                       "choice": {"choice": value},
                                       "grammar": {"grammar": value}}[kind])
