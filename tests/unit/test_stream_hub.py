@@ -216,7 +216,8 @@ def test_a_reader_thread_that_died_is_replaced_by_the_next_subscription(hub, red
     monkeypatch.setattr(threading, "excepthook", lambda args: None)   # (expected: no report)
     others = set(threading.enumerate())   # (other tests' hubs may still be reading)
     with hub.subscribe({"first": "0-0"}):
-        [reader] = set(threading.enumerate()) - others
+        # (threads other tests left behind may start meanwhile: the hub's has its name)
+        [reader] = [t for t in set(threading.enumerate()) - others if t.name == "llmq-stream-hub"]
         reader.join(WAIT_S)
         assert calls and not reader.is_alive()
         with hub.subscribe({"second": "0-0"}) as second:
