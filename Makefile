@@ -155,7 +155,8 @@ gpu-check-offline: gpu-wheels
 	  ARGS="--device cpu --quick $(ARGS)"
 
 compose-check:
-	REDIS_PASSWORD=$${REDIS_PASSWORD:-compose-check} docker-compose -f docker-compose.yml config -q \
+	REDIS_PASSWORD=$${REDIS_PASSWORD:-compose-check} FLOWER_PASSWORD=$${FLOWER_PASSWORD:-compose-check} \
+	  docker-compose -f docker-compose.yml config -q \
 	  && echo "docker-compose.yml is valid"
 
 clean:
