@@ -53,7 +53,11 @@ def load(verbose: bool = False):
         # torch's cache keys on the sources and flags, not on the headers they include: the
         # headers' hash goes in as a define, so an edit to one rebuilds.
         headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
-        module = build(name="llmq_cpu_kernels", sources=[str(s) for s in SOURCES],
+        # One build folder per checkout: torch's build names its sources by path, so two
+        # checkouts sharing one folder (worktrees, the bench's baseline copy) would rebuild it
+        # in turn at every worker start, each waiting on the other's lock.
+        where = hashlib.sha256(str(HERE.resolve()).encode()).hexdigest()[:8]
+        module = build(name=f"llmq_cpu_kernels_{where}", sources=[str(s) for s in SOURCES],
                        extra_cflags=FLAGS + ["-fopenmp", f"-DLLMQ_HEADERS={headers}"],
                        extra_ldflags=["-fopenmp"], verbose=verbose)
     except Exception as e:    # no compiler, no ninja, a failed build: the torch paths serve
