@@ -31,7 +31,7 @@ def find_job(seq_id: str) -> dict:
 @bp.post("/v1/jobs")
 def create_jobs():
     req = parse_job_request()
-    if req.stream:   # it answered 202 anyway, after taking one of the key's stream slots
+    if req.stream:   # (it answers at once: a stream slot taken here would be held for nothing)
         raise APIError(400, "/v1/jobs answers at once and does not stream: use /v1/generate "
                             "with 'stream', or follow a job at /v1/jobs/<id>/stream",
                        param="stream")
