@@ -50,3 +50,24 @@ def test_a_required_build_that_fails_is_an_error(monkeypatch):
                     reason="only where the kernels are required (CI)")
 def test_the_kernels_load_where_required():
     assert cpu_kernels.load() is not None
+
+
+def test_a_build_lock_left_by_a_killed_builder_does_not_stall_the_next(monkeypatch, tmp_path):
+    """torch's build lock is a file removed when its build ends: a worker killed while
+    compiling left it behind, and every later start of that checkout waited on it for ever.
+    The next builder (holding the OS lock a dead process cannot hold) finds no lock file."""
+    import torch.utils.cpp_extension as ext
+
+    folder = tmp_path / "build"
+    folder.mkdir()
+    (folder / "lock").touch()                    # what a SIGKILLed build leaves
+    monkeypatch.setattr(ext, "_get_build_directory", lambda name, verbose: str(folder))
+
+    def build(**_kw):
+        assert not (folder / "lock").exists(), "torch would wait on a dead builder's lock"
+        return "module"
+
+    monkeypatch.setattr(ext, "load", build)
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "_cpu_has", lambda *flags: True)
+    assert cpu_kernels.load() == "module"

@@ -14,10 +14,12 @@ ops (worker/model/transformers/llama_forward.py).
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -57,14 +59,36 @@ def load(verbose: bool = False):
         # checkouts sharing one folder (worktrees, the bench's baseline copy) would rebuild it
         # in turn at every worker start, each waiting on the other's lock.
         where = hashlib.sha256(str(HERE.resolve()).encode()).hexdigest()[:8]
-        module = build(name=f"llmq_cpu_kernels_{where}", sources=[str(s) for s in SOURCES],
-                       extra_cflags=FLAGS + ["-fopenmp", f"-DLLMQ_HEADERS={headers}"],
-                       extra_ldflags=["-fopenmp"], verbose=verbose)
+        name = f"llmq_cpu_kernels_{where}"
+        with _only_builder(name):
+            module = build(name=name, sources=[str(s) for s in SOURCES],
+                           extra_cflags=FLAGS + ["-fopenmp", f"-DLLMQ_HEADERS={headers}"],
+                           extra_ldflags=["-fopenmp"], verbose=verbose)
     except Exception as e:    # no compiler, no ninja, a failed build: the torch paths serve
         log.warning("CPU kernels unavailable, using torch's ops (gather + SDPA attention): %s",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
     _loaded["module"] = module
     return module
+
+
+@contextmanager
+def _only_builder(name: str):
+    """Holds an OS lock on the build folder while torch builds or loads the module there.
+
+    torch's own build lock is a file it deletes when the build ends; a builder killed
+    mid-build (a worker SIGKILLed in its first start) leaves the file, and every later load
+    waits on it for ever. An flock is released by the kernel when its holder dies, so whoever
+    holds it is the only live builder, and a torch lock file found then is a dead one's."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory(name, verbose=False))
+    with open(folder / "llmq.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (folder / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _cpu_has(*flags: str) -> bool:
