@@ -487,9 +487,28 @@ def format_peers(peers: dict | None, eff: dict | None = None) -> list[str]:
     lines.append("  (x best: tok/s over the best peer's at that concurrency; limit: tok/s x "
                  "FLOPs/token over this machine's matmul rate at that batch, in the row's dtype; "
                  "GGUF rows against float32's)")
+    lines.extend(format_cpu_per_token(peers["systems"]))
     lines.extend(format_model_alone(peers.get("model_alone")))
     lines.append("")
     return lines
+
+
+def format_cpu_per_token(systems: list[dict]) -> list[str]:
+    """Where llmq's CPU went per output token, by layer (the model process; the Celery worker
+    around it, whose engine loop feeds it; the API; Redis), each row of the table: the part
+    beside the model is the frontend's cost, on the cores the model computes on."""
+    lines = []
+    for sys_ in systems:
+        for lv in sys_.get("levels", []) if sys_["role"] == "llmq" else []:
+            cpu = lv.get("cpu_ms_per_token") or {}
+            if not cpu.get("total"):
+                continue
+            parts = ", ".join(f"{k} {cpu.get(k, 0):.2f}" for k in ("model", "engine", "api", "redis"))
+            front = 1 - cpu.get("model", 0) / cpu["total"]
+            lines.append(f"    {sys_['name']:<26} c={level_key(lv)!s:<5} {parts}; total "
+                         f"{cpu['total']:.2f} (frontend {front:.0%})")
+    return (["  CPU ms per output token by layer (the frontend: all but the model):"] + lines
+            if lines else [])
 
 
 def format_model_alone(alone: list[dict] | None) -> list[str]:

@@ -293,3 +293,15 @@ def test_the_mixed_load_is_its_own_row_read_against_the_best_peer_on_it():
     assert mix[0].split()[3:6] == ["60.0", "5000", "20000"]   # tok/s, TTFT p50 and p95 (ms)
     # Without the mixed load: no such bar.
     assert not [n for n in peer_targets(_peers_result(), "transformers") if "mixed" in n["name"]]
+
+
+def test_the_table_says_where_llmqs_cpu_went_per_token_by_layer():
+    peers = _peers_result()
+    peers["systems"][0]["levels"][1]["cpu_ms_per_token"] = {
+        "model": 6.0, "engine": 1.5, "api": 2.0, "redis": 0.5, "total": 10.0}
+    peers["systems"][1]["levels"][1]["cpu_ms_per_token"] = {"server": 9.0, "total": 9.0}
+    lines = [x for x in format_peers(peers) if "frontend" in x]
+    assert len(lines) == 2 and "by layer" in lines[0]      # a heading, llmq's one row: no peer
+    assert lines[1].split() == ["llmq[transformers]", "c=64", "model", "6.00,", "engine", "1.50,",
+                                "api", "2.00,", "redis", "0.50;", "total", "10.00", "(frontend",
+                                "40%)"]
