@@ -1,7 +1,8 @@
 """The llama.cpp backend: llama.cpp's kernels and KV cache over the GGUF file itself, behind
 llmq's step protocol (LLMQ_BACKEND=llama_cpp).
 
-One llama.cpp context holds every running sequence, each in its own sequence slot; a step is
+One llama.cpp context holds every running sequence, each in its own sequence slot, all sharing
+one pool of KV cells (llama.cpp's unified cache, counted by the workload manager); a step is
 one `llama_decode` over a flat batch (a token each for the running sequences, whole prompts for
 newcomers), so decode and prefill share one pass over the weights. A sequence that needs only
 what llama.cpp's samplers do (greedy, temperature, top-k/p, min-p, seed, logit_bias, min_tokens)
