@@ -5,7 +5,8 @@ Phases, all on the default model, greedy, with the output length forced:
   0. peers    llmq and its peers (vLLM's own server, llama.cpp's llama-server) on the same load,
               all kept up and taking turns at each level, two rounds, with the fraction of this
               machine's compute limit each reached (the first table; --only peers runs it
-              alone, in about 20 minutes on 2 cores)
+              alone, in about 20 minutes on 2 cores), then the mixed load (16 streams over
+              48 prompts of 16-3,000 tokens; bench/peers_mixed.py) as one more row each
   1. raw      model.generate in this process (before the stack starts, then freed)
   2. served   own redis-server + one worker + gunicorn API; closed-loop SSE clients per level
   2c. prefix  chat requests sharing the template's system turn: TTFT without, then with reuse
@@ -48,6 +49,7 @@ from .loadgen import closed_loop, open_loop, payload
 from .peers import (LLAMA_SERVER, PEER_NAMES, add_model_alone, build_systems, peers_phase,
                     refresh_fractions)
 from .lengths import lengths_phase
+from .peers_mixed import MIXED_PROMPTS
 from .long import format_long, long_phase, long_targets
 from .prefix import prefix_phase
 from .quality import quality_phase
@@ -173,6 +175,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peers-requests", default="16,64,128",
                    help="requests per peers level (one per level, or one for all)")
     p.add_argument("--peers-tokens", type=int, default=64, help="output tokens per peers request")
+    p.add_argument("--peers-mixed", type=int, default=MIXED_PROMPTS,
+                   help="prompts of the peers table's mixed load: 16 streams, 16-3,000 tokens, "
+                        f"mean ~600 (default {MIXED_PROMPTS}; 0 skips it)")
     p.add_argument("--peers-level-time-limit", type=float, default=45.0,
                    help="per peers level: no new request after this many seconds, streams "
                         "closed after twice that (default 45)")
@@ -424,7 +429,7 @@ def _peers(args, workdir: Path, model_dir: str, dtype: str, eff: dict) -> dict:
     return peers_phase(systems, AutoTokenizer.from_pretrained(model_dir), args.peers_concurrency,
                        args.peers_requests, args.peers_tokens, args.peers_level_time_limit,
                        eff=eff, progress=progress, rounds=args.peers_rounds,
-                       order=args.peers_order)
+                       order=args.peers_order, mixed=args.peers_mixed)
 
 
 def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None:

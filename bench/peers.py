@@ -12,7 +12,9 @@ where two engines would contend for its memory, one is up at a time (sequential)
 A peer that is absent is reported as skipped, never as an error. The load is the same for all,
 from the same client: streaming POST /v1/completions, 40-token synthetic prompts (distinct from
 their first token, so no prefix cache helps), exactly `tokens` output tokens (ignore_eos, and
-min_tokens where the server takes it), closed loop at each concurrency.
+min_tokens where the server takes it), closed loop at each concurrency; then, with `mixed`,
+the mixed load (bench/peers_mixed.py: 16 streams over prompts of 16-3,000 tokens) as one more
+row per system.
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ import requests
 
 from .efficiency import fraction_for
 from .loadgen import closed_loop, stream_completion
-from .report import FLOAT32_LABEL, best_peer_ratios, summarize
+from .peers_mixed import (MIXED, MIXED_STREAMS, MIXED_TIME_LIMIT_S, mixed_prompt_lengths,
+                          mixed_prompts)
+from .report import FLOAT32_LABEL, best_peer_ratios, level_key, summarize
 from .stack import HOST, Proc, Stack, free_port, wait_until
 from common.settings import Settings
 from worker.model_manager import resolve_dtype
@@ -39,6 +43,7 @@ PROMPT_TOKENS = 40
 # llama-server's context per slot: a 40-token prompt and 64 tokens fit with room (-c is
 # slots x this; the KV buffer is allocated whole at start).
 LLAMA_SERVER_CONTEXT_PER_SLOT = 512
+LLAMA_SERVER_MIN_CONTEXT = 8192   # the mixed load's longest prompt and its output, with room
 VLLM_KVCACHE_GIB = 1   # 64 x ~100 tokens need ~0.3 GiB in fp32; the machine is shared
 FORCE_LENGTH = {"ignore_eos": True}   # every server takes it; min_tokens is added where taken
 WORDS = ("river stone light garden window music paper winter market silver story forest "
@@ -205,9 +210,11 @@ def llama_server_peer(binary: Path, gguf: str, workdir: Path, slots: int) -> Ser
     threads = str(Settings.from_env().torch_threads or os.cpu_count() or 1)
 
     def argv(port: int) -> list[str]:
+        # One KV pool for all slots (as the llama_cpp backend's), so a slot takes a prompt of
+        # the mixed load's longest (3,000 tokens) beside short ones.
         return [str(binary), "-m", gguf, "--host", HOST, "--port", str(port), "-np", str(slots),
-                "-c", str(slots * LLAMA_SERVER_CONTEXT_PER_SLOT), "-t", threads, "-tb", threads,
-                "--cont-batching"]
+                "-c", str(max(slots * LLAMA_SERVER_CONTEXT_PER_SLOT, LLAMA_SERVER_MIN_CONTEXT)),
+                "--kv-unified", "-t", threads, "-tb", threads, "--cont-batching"]
 
     def absent():
         return None if os.access(binary, os.X_OK) else f"{binary} is not built (make peers)"
@@ -287,16 +294,22 @@ def measure_level(system, model: str, c: int, prompts: list[str], tokens: int,
                   level_time_limit: float, eff: dict | None, progress,
                   bystanders: tuple = ()) -> dict:
     """One level of one running system: the closed loop, its summary, where the CPU went.
+    c: the concurrency, or MIXED for the mixed load (MIXED_STREAMS streams).
     bystanders: the systems kept up meanwhile (interleaved order); the CPU they used during
     the level is recorded, the check that an idle system does not slow the one measured."""
     payloads = [completion_payload(model, p, tokens, system.force) for p in prompts]
+    load, c = (MIXED, MIXED_STREAMS) if c == MIXED else (None, c)
     settled = settle(bystanders)
     cpu = system.cpu_seconds()
     others = cpu_total(bystanders)
+    if load:
+        level_time_limit = max(level_time_limit, MIXED_TIME_LIMIT_S)
     results, wall, cut = closed_loop(system.url, c, payloads, level_time_limit,
                                      2 * level_time_limit, send=stream_completion)
     s = summarize(results, wall)
     s.update(concurrency=c, max_tokens=tokens, truncated=cut)
+    if load:
+        s["load"] = load
     s["cpu_ms_per_token"] = cpu_ms_per_token(cpu, system.cpu_seconds(),
                                              round((s["tokens_per_s_all"] or 0) * wall))
     if bystanders:
@@ -305,13 +318,15 @@ def measure_level(system, model: str, c: int, prompts: list[str], tokens: int,
         # max 0: a bystander's child that exits mid-level takes its CPU seconds with it.
         s["bystanders_cpu_pct"] = max(0.0, round(100 * used / max(wall, 1e-9), 1))
         s["settle_s"] = settled
-    s["compute_fraction"] = fraction_for(eff, s["tokens_per_s_all"], system.dtype, c)
+    # (The limit is the uniform load's: the mixed load's prompts make its steps other work.)
+    s["compute_fraction"] = None if load else fraction_for(eff, s["tokens_per_s_all"],
+                                                          system.dtype, c)
     fail = (f", {s['failures']} failed ({'; '.join(s['failure_examples'])})"
             if s["failures"] else "")
     idle = (f", others idle at {s['bystanders_cpu_pct']}% of a core"
             if "bystanders_cpu_pct" in s else "")
-    progress(f"peers: {system.name} c={c}: {s['tokens_per_s_all']} tok/s, TTFT p50 "
-             f"{s['ttft_p50_s']} s, ITL p50 {s['itl_p50_s']} s, CPU ms/token "
+    progress(f"peers: {system.name} {load or ''} c={c}: {s['tokens_per_s_all']} tok/s, TTFT "
+             f"p50 {s['ttft_p50_s']} s p95 {s['ttft_p95_s']} s, ITL p50 {s['itl_p50_s']} s, CPU ms/token "
              f"{s['cpu_ms_per_token']}{fail}{idle}"
              f"{' (cut by the time limit)' if cut else ''}")
     return s
@@ -456,9 +471,11 @@ def _stop(system) -> None:
 
 def peers_phase(systems: list, tokenizer, levels: list[int], requests: list[int], tokens: int,
                 level_time_limit: float, eff: dict | None = None, progress=print,
-                rounds: int = 1, order: str = "interleaved") -> dict:
-    """Every system at every level, `rounds` times, in `order` (interleaved or sequential, see
-    their functions); each level's row the best of its rounds (see best_of_rounds)."""
+                rounds: int = 1, order: str = "interleaved", mixed: int = 0) -> dict:
+    """Every system at every level, then on `mixed` prompts of the mixed load (0: none),
+    `rounds` times, in `order` (interleaved or sequential, see their functions); each level's
+    row the best of its rounds (see best_of_rounds)."""
+    lengths = mixed_prompt_lengths(mixed) if mixed else []
     # The same prompts for every system in a round; each level and each round has its own,
     # so that no cache carries over (a system kept up between rounds would otherwise see its
     # prompts again: llama-server's slots and vLLM's prefix cache skip their prefill).
@@ -469,12 +486,20 @@ def peers_phase(systems: list, tokenizer, levels: list[int], requests: list[int]
         for c, n in zip(levels, requests):
             prompts[-1][c] = synthetic_prompts(tokenizer, n, offset=offset)
             offset += n
+        if lengths:
+            prompts[-1][MIXED] = mixed_prompts(tokenizer, synthetic_prompts, lengths, offset)
+            offset += len(lengths)
     out = {"levels": levels, "requests": requests, "max_tokens": tokens,
            "prompt_tokens": PROMPT_TOKENS, "level_time_limit_s": level_time_limit,
            "rounds": rounds, "order": order, "load_avg_start": list(os.getloadavg()),
            "systems": []}
+    if lengths:
+        out["mixed"] = {"streams": MIXED_STREAMS, "prompts": len(lengths),
+                        "prompt_tokens_range": [min(lengths), max(lengths)],
+                        "mean_prompt_tokens": round(sum(lengths) / len(lengths), 1)}
     run = {"interleaved": interleaved_rounds, "sequential": sequential_rounds}[order]
-    runs = run(systems, levels, prompts, tokens, level_time_limit, eff, progress, rounds)
+    loads = list(levels) + ([MIXED] if lengths else [])
+    runs = run(systems, loads, prompts, tokens, level_time_limit, eff, progress, rounds)
     out["systems"] = [best_of_rounds(entries) for entries in runs]
     out["load_avg_end"] = list(os.getloadavg())
     best_peer_ratios(out["systems"])
@@ -495,7 +520,7 @@ def best_of_rounds(entries: list[dict]) -> dict:
     by_level: dict[int, list[dict | None]] = {}
     for r, e in enumerate(entries):
         for lv in e.get("levels", []):
-            by_level.setdefault(lv["concurrency"], [None] * len(entries))[r] = lv
+            by_level.setdefault(level_key(lv), [None] * len(entries))[r] = lv
     out["levels"] = []
     for c, lvs in by_level.items():
         best = max((lv for lv in lvs if lv), key=lambda lv: lv.get("tokens_per_s_all") or 0)
@@ -516,6 +541,8 @@ def refresh_fractions(peers: dict, eff: dict) -> None:
     """Each row's fraction of the compute limit again, against eff's (merged) rates."""
     for sys_ in peers["systems"]:
         for lv in sys_.get("levels", []):
+            if lv.get("load"):
+                continue   # (no limit for the mixed load: see measure_level)
             lv["compute_fraction"] = fraction_for(eff, lv.get("tokens_per_s_all"), sys_["dtype"],
                                                   lv["concurrency"])
 
@@ -533,7 +560,7 @@ def add_model_alone(peers: dict, eff: dict | None, tokenizer, model: str, progre
     c = max(peers["levels"])
     out = []
     for sys_ in peers["systems"]:
-        lv = next((x for x in sys_.get("levels", []) if x["concurrency"] == c), None)
+        lv = next((x for x in sys_.get("levels", []) if level_key(x) == c), None)
         if (not sys_["name"].startswith("llmq[transformers]") or lv is None
                 or sys_["dtype"] not in ("float32", "bfloat16", "float16")):
             continue

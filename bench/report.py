@@ -5,6 +5,7 @@ from pathlib import Path
 
 from .efficiency import DTYPES, format_served
 from .loadgen import RequestResult
+from .peers_mixed import MIXED
 
 FLOAT32_LABEL = "float32"   # the name's suffix of the default backend's float32 twin row
 
@@ -290,6 +291,13 @@ SAME_ENGINE = {"llama_cpp": ("llama-server", 0.95, None, None), "vllm": ("vLLM",
 # Issue 17: where the default backend serves in a lower precision the hardware computes natively
 # (bfloat16 on AVX512-BF16/AMX), it serves at least this x its float32 twin at c=64.
 LOW_PRECISION_BAR = 1.6
+# Issue 52: on the mixed load, the default backend serves at least this x the best peer.
+MIXED_BAR = 1.5
+
+
+def level_key(lv: dict):
+    """What a peers row is the row of: its load's name (the mixed load), else its concurrency."""
+    return lv.get("load") or lv["concurrency"]
 
 
 def best_peer_ratios(systems: list[dict]) -> dict[int, dict]:
@@ -299,18 +307,18 @@ def best_peer_ratios(systems: list[dict]) -> dict[int, dict]:
     for sys_ in systems:
         for lv in sys_.get("levels", []) if sys_["role"] == "peer" else []:
             tps = lv.get("tokens_per_s_all")
-            if tps and tps > best.get(lv["concurrency"], {}).get("tokens_per_s", 0):
-                best[lv["concurrency"]] = {"name": sys_["name"], "tokens_per_s": tps}
+            if tps and tps > best.get(level_key(lv), {}).get("tokens_per_s", 0):
+                best[level_key(lv)] = {"name": sys_["name"], "tokens_per_s": tps}
     for sys_ in systems:
         for lv in sys_.get("levels", []):
             lv["over_best_peer"] = ratio(lv.get("tokens_per_s_all"),
-                                          best.get(lv["concurrency"], {}).get("tokens_per_s"))
+                                          best.get(level_key(lv), {}).get("tokens_per_s"))
     return best
 
 
 def _level(systems: list[dict], name: str, c: int) -> dict | None:
     sys_ = next((s for s in systems if s["name"] == name), None)
-    return next((lv for lv in (sys_ or {}).get("levels", []) if lv["concurrency"] == c), None)
+    return next((lv for lv in (sys_ or {}).get("levels", []) if level_key(lv) == c), None)
 
 
 def paired_rounds(ours: dict | None, theirs: dict | None) -> dict:
@@ -351,6 +359,7 @@ def peer_targets(peers: dict, backend: str) -> list[dict]:
                             f"alone {_f(alone.get('decode_compute_fraction'), '{:.3f}')}"}
                    if alone else {})})
     out += low_precision_targets(systems, backend)
+    out += mixed_targets(systems, backend)
     for engine, (peer, bar, at, ttft_bar) in SAME_ENGINE.items():
         name = f"llmq[{engine}]"
         if not any(s["name"] == name and s.get("levels") for s in systems):
@@ -365,6 +374,27 @@ def peer_targets(peers: dict, backend: str) -> list[dict]:
                 v = ratio(ours and ours.get("ttft_p50_s"), theirs and theirs.get("ttft_p50_s"))
                 out.append({"name": f"peers: {name} TTFT p50 <= {ttft_bar} x {peer} @{c}",
                             "value": v, "met": None if v is None else v <= ttft_bar})
+    return out
+
+
+def mixed_targets(systems: list[dict], backend: str) -> list[dict]:
+    """Issue 52's bars on the mixed load: llmq[backend] at least MIXED_BAR x the best peer's
+    output tok/s, and its TTFT p50 and p95 each below every peer's (the value: over the
+    lowest peer's). [] where the mixed load did not run."""
+    ours = _level(systems, f"llmq[{backend}]", MIXED)
+    if ours is None:
+        return []
+    peers = [lv for s in systems if s["role"] == "peer"
+             for lv in s.get("levels", []) if level_key(lv) == MIXED]
+    v = ours.get("over_best_peer")
+    out = [{"name": f"peers: llmq[{backend}] >= {MIXED_BAR} x best peer, mixed load",
+            "value": v, "met": None if v is None else v >= MIXED_BAR}]
+    for p in (50, 95):
+        key = f"ttft_p{p}_s"
+        lowest = min((lv[key] for lv in peers if lv.get(key) is not None), default=None)
+        v = ratio(ours.get(key), lowest)
+        out.append({"name": f"peers: llmq[{backend}] TTFT p{p} below every peer's, mixed load",
+                    "value": v, "met": None if v is None else v < 1.0})
     return out
 
 
@@ -413,16 +443,24 @@ def format_peers(peers: dict | None, eff: dict | None = None) -> list[str]:
              f"{peers['load_avg_start'][0]:.1f} -> {peers['load_avg_end'][0]:.1f}; times in ms)"]
     if eff:
         lines.append(f"  CPU: {eff['cpu']['model']}; flags: {' '.join(eff['cpu']['flags'])}")
-    lines.append(f"  {'conc':>4} {'system':<26} {'dtype':<8} {'tok/s':>7} {'TTFT50':>7} {'TTFT99':>7}"
-                 f" {'ITL50':>6} {'ITL99':>6} {'x best':>6} {'limit':>6} {'fail':>4}")
-    for c in peers["levels"]:
+    mixed = peers.get("mixed")
+    if mixed:
+        lines.append(f"  mix: the mixed load, {mixed['streams']} streams over {mixed['prompts']} "
+                     f"prompts of {mixed['prompt_tokens_range'][0]}-"
+                     f"{mixed['prompt_tokens_range'][1]} tokens (mean "
+                     f"{mixed['mean_prompt_tokens']:.0f}), {peers['max_tokens']} tokens each")
+    lines.append(f"  {'conc':>4} {'system':<26} {'dtype':<8} {'tok/s':>7} {'TTFT50':>7} {'TTFT95':>7}"
+                 f" {'TTFT99':>7} {'ITL50':>6} {'ITL99':>6} {'x best':>6} {'limit':>6} {'fail':>4}")
+    for c in peers["levels"] + ([MIXED] if mixed else []):
         for sys_ in peers["systems"]:
-            lv = next((x for x in sys_.get("levels", []) if x["concurrency"] == c), None)
+            lv = next((x for x in sys_.get("levels", []) if level_key(x) == c), None)
             if lv is None:
                 continue
+            label = "mix" if c == MIXED else c
             lines.append(
-                f"  {c:>4} {sys_['name']:<26} {sys_['dtype']:<8} {_f(lv['tokens_per_s_all']):>7}"
-                f" {_ms(lv['ttft_p50_s']):>7} {_ms(lv['ttft_p99_s']):>7} {_ms(lv['itl_p50_s']):>6}"
+                f"  {label:>4} {sys_['name']:<26} {sys_['dtype']:<8} {_f(lv['tokens_per_s_all']):>7}"
+                f" {_ms(lv['ttft_p50_s']):>7} {_ms(lv.get('ttft_p95_s')):>7}"
+                f" {_ms(lv['ttft_p99_s']):>7} {_ms(lv['itl_p50_s']):>6}"
                 f" {_ms(lv.get('itl_p99_s')):>6} {_f(lv.get('over_best_peer'), '{:.2f}'):>6}"
                 f" {_f(lv.get('compute_fraction') and 100 * lv['compute_fraction'], '{:.0f}%'):>6}"
                 f" {lv['failures']:>4}{'  (cut by time limit)' if lv.get('truncated') else ''}")
@@ -443,15 +481,34 @@ def format_peers(peers: dict | None, eff: dict | None = None) -> list[str]:
         for sys_ in peers["systems"]:
             for lv in sys_.get("levels", []):
                 idle = lv.get("bystanders_cpu_pct")
-                lines.append(f"    {sys_['name']:<26} c={lv['concurrency']:<3} "
+                lines.append(f"    {sys_['name']:<26} c={level_key(lv)!s:<3} "
                              + " ".join(_f(t) for t in lv.get("rounds_tokens_per_s", []))
                              + (f"  (others idle: {idle}%)" if idle is not None else ""))
     lines.append("  (x best: tok/s over the best peer's at that concurrency; limit: tok/s x "
                  "FLOPs/token over this machine's matmul rate at that batch, in the row's dtype; "
                  "GGUF rows against float32's)")
+    lines.extend(format_cpu_per_token(peers["systems"]))
     lines.extend(format_model_alone(peers.get("model_alone")))
     lines.append("")
     return lines
+
+
+def format_cpu_per_token(systems: list[dict]) -> list[str]:
+    """Where llmq's CPU went per output token, by layer (the model process; the Celery worker
+    around it, whose engine loop feeds it; the API; Redis), each row of the table: the part
+    beside the model is the frontend's cost, on the cores the model computes on."""
+    lines = []
+    for sys_ in systems:
+        for lv in sys_.get("levels", []) if sys_["role"] == "llmq" else []:
+            cpu = lv.get("cpu_ms_per_token") or {}
+            if not cpu.get("total"):
+                continue
+            parts = ", ".join(f"{k} {cpu.get(k, 0):.2f}" for k in ("model", "engine", "api", "redis"))
+            front = 1 - cpu.get("model", 0) / cpu["total"]
+            lines.append(f"    {sys_['name']:<26} c={level_key(lv)!s:<5} {parts}; total "
+                         f"{cpu['total']:.2f} (frontend {front:.0%})")
+    return (["  CPU ms per output token by layer (the frontend: all but the model):"] + lines
+            if lines else [])
 
 
 def format_model_alone(alone: list[dict] | None) -> list[str]:

@@ -267,14 +267,19 @@ class WorkloadManager:
         waits, the model process runs as many passes back to back as fit in the window; a
         newcomer that arrives meanwhile and could join cuts them short (CutShort) and waits
         for one pass. A big batch's pass is longer
-        than the window and goes one a step, as before. Not with a KV budget counted here: the
-        blocks of the passes after the first would have to be reserved up front."""
+        than the window and goes one a step, as before. With a KV budget, the blocks of every
+        pass are reserved up front: fewer passes where they would not fit."""
         pace = self._pace
         if not (self.multi_step and self.multi_step_window_s > 0 and pace is not None
                 and pace[0] == len(out.decode) and not out.prefill and not out.chunks
-                and not self.waiting and self.kv_budget is None):
+                and not self.waiting):
             return 1   # (a batch of a new size goes one pass first: its pace is not known)
-        return max(1, min(MAX_DECODE_PASSES, int(self.multi_step_window_s / pace[1])))
+        n = max(1, min(MAX_DECODE_PASSES, int(self.multi_step_window_s / pace[1])))
+        kv = self.kv_budget
+        while kv and n > 1 and sum(-(-(s.num_tokens + n - 1) // kv.block_size)
+                                   for s in out.decode) > kv.num_blocks:
+            n -= 1
+        return n
 
     def would_admit(self) -> bool:
         """Whether the next step could take a waiting sequence: a slot is free, or one waits at

@@ -491,32 +491,40 @@ def test_the_model_alone_waits_for_the_whole_machine_to_go_quiet(monkeypatch):
     assert peers_mod.settle_machine(window_s=0.01, max_s=0.05) == (None, 90.0)
 
 
+class _Up(_Turns):
+    """A system that is up at once and spends no CPU."""
+
+    def start(self):
+        return "http://x"
+
+    def stop(self):
+        pass
+
+    def cpu_seconds(self):
+        return {"server": 0.0}
+
+
+def _measured_by(monkeypatch, fake_measure):
+    """peers_phase with fake_measure for each level; returns a tokenizer of words."""
+    monkeypatch.setattr("bench.peers.measure_level", fake_measure)
+    monkeypatch.setattr("bench.peers.served_model", lambda url: "m")
+    monkeypatch.setattr("bench.peers.closed_loop", lambda *a, **k: ([], 0.0, False))
+    return type("T", (), {"encode": lambda self, s, **k: s.split(),
+                          "decode": lambda self, ids: " ".join(ids)})()
+
+
 def test_every_round_brings_new_prompts_the_same_for_every_system(monkeypatch):
     """Kept up between rounds, a system would see a round's prompts again and its cache
     (llama-server's slots, vLLM's and llmq's prefix caches) would skip their prefill."""
     seen: dict[tuple, tuple] = {}
-
-    class Up(_Turns):
-        def start(self):
-            return "http://x"
-
-        def stop(self):
-            pass
-
-        def cpu_seconds(self):
-            return {"server": 0.0}
 
     def fake_measure(system, model, c, prompts, *args, **kw):
         r = sum(1 for k in seen if k[0] == system.name and k[1] == c)
         seen[(system.name, c, r)] = tuple(prompts)
         return _level(c, 1.0)
 
-    monkeypatch.setattr("bench.peers.measure_level", fake_measure)
-    monkeypatch.setattr("bench.peers.served_model", lambda url: "m")
-    monkeypatch.setattr("bench.peers.closed_loop", lambda *a, **k: ([], 0.0, False))
-    tok = type("T", (), {"encode": lambda self, s, **k: s.split(),
-                         "decode": lambda self, ids: " ".join(ids)})()
-    peers_phase([Up("a", [], []), Up("b", [], [])], tok, [1, 4], [2, 3], 8, 10.0, rounds=2,
+    tok = _measured_by(monkeypatch, fake_measure)
+    peers_phase([_Up("a", [], []), _Up("b", [], [])], tok, [1, 4], [2, 3], 8, 10.0, rounds=2,
                 progress=lambda m: None)
     for c, n in ((1, 2), (4, 3)):
         assert seen[("a", c, 0)] == seen[("b", c, 0)] and seen[("a", c, 1)] == seen[("b", c, 1)]
@@ -642,3 +650,35 @@ def test_the_model_alone_rows_split_a_missed_limit_between_model_and_stack(defau
         lv["compute_fraction"] = lv["tokens_per_s_all"] / 2000
     bar = next(t for t in peer_targets(peers, "transformers") if "compute limit" in t["name"])
     assert bar["met"] is False and "alone in this process on the same load: 0.500" in bar["note"]
+
+
+def test_the_mixed_loads_lengths_span_the_range_with_the_asked_mean():
+    from bench.peers_mixed import mixed_prompt_lengths
+
+    lengths = mixed_prompt_lengths(48, 16, 3000, 600)
+    assert len(lengths) == 48 and min(lengths) == 16 and max(lengths) == 3000
+    assert sum(lengths) / 48 == pytest.approx(600, rel=0.01)
+    assert sorted(lengths) != lengths                       # shuffled, many short, few long
+    assert sorted(lengths)[24] < 600 < sorted(lengths)[40]
+    assert mixed_prompt_lengths(48, 16, 3000, 600) == lengths   # the same every run
+    assert sum(mixed_prompt_lengths(10, 16, 3000, 1200)) / 10 == pytest.approx(1200, rel=0.02)
+    with pytest.raises(ValueError):
+        mixed_prompt_lengths(8, 16, 3000, 4000)
+
+
+def test_the_mixed_load_is_one_more_row_per_system_at_16_streams(monkeypatch):
+    seen: dict[tuple, tuple] = {}
+
+    def fake_measure(system, model, c, prompts, *args, **kw):
+        seen[(system.name, c)] = tuple(prompts)
+        return _level(16, 2.0, load="mixed") if c == "mixed" else _level(c, 1.0)
+
+    tok = _measured_by(monkeypatch, fake_measure)
+    out = peers_phase([_Up("a", [], []), _Up("b", [], [])], tok, [1, 16], [2, 3], 8, 10.0,
+                      rounds=2, progress=lambda m: None, mixed=6)
+    assert out["mixed"]["streams"] == 16 and out["mixed"]["prompts"] == 6
+    assert seen[("a", "mixed")] == seen[("b", "mixed")] and len(seen[("a", "mixed")]) == 6
+    assert sorted(len(p.split()) for p in seen[("a", "mixed")])[-1] == 3000
+    for sys_ in out["systems"]:   # the mixed row beside the uniform c=16 one, not instead
+        assert [(lv["concurrency"], lv.get("load")) for lv in sys_["levels"]] == [
+            (1, None), (16, None), (16, "mixed")]

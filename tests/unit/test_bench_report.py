@@ -4,8 +4,8 @@ row against the best peer, the issues' bars for the systems that ran)."""
 import pytest
 
 from bench.loadgen import RequestResult
-from bench.report import (best_peer_ratios, compute_ratios, format_split, format_table, peer_targets,
-                          summarize, targets, time_split)
+from bench.report import (best_peer_ratios, compute_ratios, format_peers, format_split,
+                          format_table, peer_targets, summarize, targets, time_split)
 from .factories import FakeStream
 
 
@@ -214,7 +214,7 @@ def test_the_peers_table_comes_first_with_a_row_per_system_and_level():
     assert lines[0].startswith("Peers: the same load for all")
     assert "flags: avx2 avx512_bf16" in lines[1]
     row = next(x for x in lines if "64 llmq[transformers]" in x)
-    assert row.split()[3:] == ["231.0", "4100", "8200", "50", "200", "1.33", "51%", "0"]
+    assert row.split()[3:] == ["231.0", "4100", "-", "8200", "50", "200", "1.33", "51%", "0"]
     assert "llmq[vllm]: error: RuntimeError: worker exited" in table
     assert table.index("vLLM") < table.index("llmq[llama_cpp]")
     assert "WARNING" not in table
@@ -253,3 +253,55 @@ def test_the_batch_summary_shows_how_many_probes_were_interjected():
             in "\n".join(format_batch(batch)))
     del batch["interjected"]   # a result from before interjection
     assert "inside a batch step" not in "\n".join(format_batch(batch))
+
+
+def _with_mixed(peers: dict, rows: dict[str, tuple[float, float, float]]) -> dict:
+    """The mixed load's row (tok/s, TTFT p50, TTFT p95) added to each named system, at 16
+    streams, beside a uniform c=16 row of other numbers (the two must not be confused)."""
+    peers["mixed"] = {"streams": 16, "prompts": 48, "prompt_tokens_range": [16, 3000],
+                      "mean_prompt_tokens": 600.0}
+    for sys_ in peers["systems"]:
+        if sys_["name"] in rows:
+            tps, p50, p95 = rows[sys_["name"]]
+            sys_["levels"].append({"concurrency": 16, "tokens_per_s_all": 999.0,
+                                   "ttft_p50_s": 0.01, "ttft_p95_s": 0.01, "ttft_p99_s": 0.01,
+                                   "itl_p50_s": 0.05, "failures": 0})
+            sys_["levels"].append({"concurrency": 16, "load": "mixed", "tokens_per_s_all": tps,
+                                   "ttft_p50_s": p50, "ttft_p95_s": p95, "ttft_p99_s": p95,
+                                   "itl_p50_s": 0.05, "failures": 1, "compute_fraction": None})
+    return peers
+
+
+def test_the_mixed_load_is_its_own_row_read_against_the_best_peer_on_it():
+    peers = _with_mixed(_peers_result(), {"llmq[transformers]": (60.0, 5.0, 20.0),
+                                          "vLLM": (35.5, 10.7, 18.7),
+                                          "llama-server": (23.4, 15.1, 36.3)})
+    best = best_peer_ratios(peers["systems"])
+    assert best["mixed"] == {"name": "vLLM", "tokens_per_s": 35.5}
+    assert best[16]["tokens_per_s"] == 999.0
+    t = {x["name"]: x for x in peer_targets(peers, "transformers")}
+    bar = t["peers: llmq[transformers] >= 1.5 x best peer, mixed load"]
+    assert bar["value"] == pytest.approx(60 / 35.5, abs=1e-3) and bar["met"] is True
+    assert t["peers: llmq[transformers] TTFT p50 below every peer's, mixed load"]["value"] == \
+        pytest.approx(5.0 / 10.7, abs=1e-3)
+    p95 = t["peers: llmq[transformers] TTFT p95 below every peer's, mixed load"]
+    assert p95["value"] == pytest.approx(20.0 / 18.7, abs=1e-3) and p95["met"] is False
+    table = "\n".join(format_peers(peers))
+    assert "mixed load, 16 streams over 48 prompts of 16-3000 tokens (mean 600)" in table
+    mix = [line for line in table.splitlines() if line.strip().startswith("mix ")]
+    assert [line.split()[1] for line in mix] == ["llmq[transformers]", "vLLM", "llama-server"]
+    assert mix[0].split()[3:6] == ["60.0", "5000", "20000"]   # tok/s, TTFT p50 and p95 (ms)
+    # Without the mixed load: no such bar.
+    assert not [n for n in peer_targets(_peers_result(), "transformers") if "mixed" in n["name"]]
+
+
+def test_the_table_says_where_llmqs_cpu_went_per_token_by_layer():
+    peers = _peers_result()
+    peers["systems"][0]["levels"][1]["cpu_ms_per_token"] = {
+        "model": 6.0, "engine": 1.5, "api": 2.0, "redis": 0.5, "total": 10.0}
+    peers["systems"][1]["levels"][1]["cpu_ms_per_token"] = {"server": 9.0, "total": 9.0}
+    lines = [x for x in format_peers(peers) if "frontend" in x]
+    assert len(lines) == 2 and "by layer" in lines[0]      # a heading, llmq's one row: no peer
+    assert lines[1].split() == ["llmq[transformers]", "c=64", "model", "6.00,", "engine", "1.50,",
+                                "api", "2.00,", "redis", "0.50;", "total", "10.00", "(frontend",
+                                "40%)"]

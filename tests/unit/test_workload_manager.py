@@ -1053,9 +1053,22 @@ def test_multi_step_gives_way_to_newcomers_a_new_batch_size_and_the_kv_budget():
     wm.waiting.clear()
     wm.observe_pass(0.2, 2)
     assert wm.schedule().num_steps == 1  # a pass longer than the window: one a step
+
+
+def test_multi_step_passes_are_reserved_in_the_kv_budget():
+    wm = multi_step_manager(0.03)
+    a, b = make_seq(4, max_tokens=100), make_seq(4, max_tokens=100)
+    wm.add(a)
+    wm.add(b)
+    step(wm)
     for _ in range(30):
         wm.observe_pass(0.001, 2)
-    wm.set_kv_budget(100, 16)            # blocks counted here: the passes' are not reserved
+    wm.set_kv_budget(1000, 16)           # room for every pass: as many as fit in the window
+    assert wm.schedule().num_steps == MAX_DECODE_PASSES
+    # One cell a block (llama.cpp's pool): room for 3 tokens more each, after this step's.
+    wm.set_kv_budget(a.num_tokens + b.num_tokens + 2 * 3, 1)
+    assert wm.schedule().num_steps == 4
+    wm.set_kv_budget(a.num_tokens + b.num_tokens, 1)
     assert wm.schedule().num_steps == 1
 
 

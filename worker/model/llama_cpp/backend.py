@@ -1,7 +1,8 @@
 """The llama.cpp backend: llama.cpp's kernels and KV cache over the GGUF file itself, behind
 llmq's step protocol (LLMQ_BACKEND=llama_cpp).
 
-One llama.cpp context holds every running sequence, each in its own sequence slot; a step is
+One llama.cpp context holds every running sequence, each in its own sequence slot, all sharing
+one pool of KV cells (llama.cpp's unified cache, counted by the workload manager); a step is
 one `llama_decode` over a flat batch (a token each for the running sequences, whole prompts for
 newcomers), so decode and prefill share one pass over the weights. A sequence that needs only
 what llama.cpp's samplers do (greedy, temperature, top-k/p, min-p, seed, logit_bias, min_tokens)
@@ -92,14 +93,20 @@ class LlamaCppBackend(ModelBackend):
         if not model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         n_ctx_train = int(lib.llama_model_n_ctx_train(model))
-        per_seq = min(n_ctx_train, settings.max_model_len or DEFAULT_CONTEXT_PER_SEQUENCE)
+        # One pool of KV cells for all sequences, as many as max_num_seqs slots of
+        # LLMQ_MAX_MODEL_LEN (default DEFAULT_CONTEXT_PER_SEQUENCE) held before; any one
+        # sequence may use up to the model's context of it, so a long prompt beside short
+        # ones is served instead of refused at its slot's size.
+        pool = (settings.max_model_len or DEFAULT_CONTEXT_PER_SEQUENCE) * settings.max_num_seqs
+        per_seq = min(n_ctx_train, settings.max_model_len or pool, pool)
         n_batch = max(settings.max_num_batched_tokens, per_seq)
         cparams = lib.llama_context_default_params()
         cparams.n_seq_max = settings.max_num_seqs
-        # One KV stream per sequence: attention reads only a sequence's own cells (a unified
-        # buffer would make every query scan every sequence's cells).
-        cparams.kv_unified = False
-        cparams.n_ctx = per_seq * settings.max_num_seqs
+        # llama.cpp's unified KV cache: cells go to whichever sequence needs them. Attention
+        # then spans every used cell, masked per sequence (its flash-attention kernel skips
+        # the masked ones), the price of not fixing each sequence's share up front.
+        cparams.kv_unified = True
+        cparams.n_ctx = pool
         cparams.n_batch = n_batch
         cparams.n_ubatch = min(512, n_batch)
         threads = settings.torch_threads or os.cpu_count() or 1
@@ -120,10 +127,13 @@ class LlamaCppBackend(ModelBackend):
             device="cuda" if gpu else "cpu", dtype=_gguf_type(path),
             generation_defaults=generation_defaults(gen),
             kv_cache_dtype="float16", kernels="llama.cpp")   # (llama.cpp's default cache type)
-        log.info("llama.cpp loaded %s: %d sequences x %d tokens of context, %d threads",
-                 path, settings.max_num_seqs, per_seq, threads)
+        log.info("llama.cpp loaded %s: %d sequences sharing %d tokens of KV cache (up to %d "
+                 "each), %d threads", path, settings.max_num_seqs, pool, per_seq, threads)
         backend = cls(lib, model, ctx, info, settings.max_num_seqs, n_batch,
                       _runs_ahead(settings.run_ahead, threads), hooks)
+        # The workload manager admits and preempts by the pool's cells (a block is one cell:
+        # llama.cpp places each token in any free cell), so the shared pool never overflows.
+        backend.kv_capacity = (pool, 1)
         backend.tokenizer = tok
         return backend
 
@@ -276,11 +286,12 @@ class LlamaCppBackend(ModelBackend):
         return req.decode_seq_ids, 0.0
 
     def _in_slot_order(self, row) -> tuple[int, int]:
-        """The batch's rows by slot, then position. With one KV stream per sequence, llama.cpp
-        cuts a batch into micro-batches that hold only ascending runs of consecutive sequence
-        ids (`split_equal`, sequential), each a pass over all the weights: rows in admission
-        order made a 16-sequence decode up to 16 passes (1.8x the step time), in slot order it
-        is one per run of consecutive slots."""
+        """The batch's rows by slot, then position. The unified pool cuts a batch into plain
+        runs of n_ubatch rows, whatever their order; were the cache split into one KV stream
+        per sequence (kv_unified off), llama.cpp would cut it into micro-batches that hold only
+        ascending runs of consecutive sequence ids (`split_equal`, sequential), each a pass
+        over all the weights: in admission order a 16-sequence decode took up to 16 passes, in
+        slot order one per run of consecutive slots."""
         return self.slots[row[0]], row[2]
 
     def _logits(self, row: int) -> np.ndarray:
