@@ -1,0 +1,38 @@
+-- Admits n sequences to the queue, or says which cap refuses them, in one step: the queue's
+-- depth (the broker's priority lists, plus what other submissions admitted and have not sent
+-- yet) against LLMQ_MAX_QUEUED, and with keys the key's unfinished sequences against its share.
+-- Checked and then written in two round trips, concurrent submissions would all pass the check
+-- before any wrote. Each admitted id also enters the unstarted index
+-- (common/reconcile_store.py), here rather than in a round trip of its own.
+-- Returns {'ok', the owner's count before} or {the cap that refused: 'queue' or 'key', count}.
+local admitting = KEYS[1]        -- llmq:admitting
+local owner_seqs = KEYS[2]       -- the owner's unfinished sequences
+local unstarted = KEYS[3]        -- llmq:unstarted
+local FIRST_QUEUE_LIST = 4       -- KEYS[4..]: the queue's lists, one per priority step
+local now = ARGV[1]
+local admitting_stale = ARGV[2]  -- admissions at or before this no longer count
+local owner_stale = ARGV[3]      -- an owner's sequences at or before this no longer count
+local max_queued = tonumber(ARGV[4])
+local cap = tonumber(ARGV[5])    -- the owner's share; 0: none
+local pending_ttl = ARGV[6]
+local FIRST_ID = 7               -- ARGV[7..]: the ids to admit
+
+redis.call('ZREMRANGEBYSCORE', admitting, '-inf', admitting_stale)
+local n = #ARGV - FIRST_ID + 1
+local depth = redis.call('ZCARD', admitting)
+for i = FIRST_QUEUE_LIST, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
+if depth + n > max_queued then return {'queue', depth} end
+local mine = 0
+if cap > 0 then
+  redis.call('ZREMRANGEBYSCORE', owner_seqs, '-inf', owner_stale)
+  mine = redis.call('ZCARD', owner_seqs)
+  if mine + n > cap then return {'key', mine} end
+end
+for i = FIRST_ID, #ARGV do
+  redis.call('ZADD', admitting, now, ARGV[i])
+  redis.call('ZADD', unstarted, now, ARGV[i])
+  if cap > 0 then redis.call('ZADD', owner_seqs, now, ARGV[i]) end
+end
+redis.call('EXPIRE', admitting, 600)
+if cap > 0 then redis.call('EXPIRE', owner_seqs, pending_ttl) end
+return {'ok', mine}
