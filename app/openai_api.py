@@ -238,7 +238,8 @@ def _text_content(content) -> str:
 @bp.get("/v1/models")
 def list_models():
     """The models a live worker serves (with one model: that model)."""
-    engine().live_workers(fresh=True)
+    if len(settings().served_models()) > 1:
+        engine().live_workers(fresh=True)   # (a listing is rare: the registry as it is now)
     return jsonify({"object": "list", "data": [model_object(m) for m in listed_models()]})
 
 
