@@ -25,7 +25,10 @@ def world(tmp_path_factory, tiny_model_dir, default_model_dir):
     # The first entry a bare source (named after its folder, the default), the second named.
     models = f"{tiny_model_dir},{SECOND}={second_dir}"
     w = World(tmp_path_factory.mktemp("many-models"), tiny_model_dir)
-    w.models_env = {"LLMQ_MODELS": models, "LLMQ_MODEL_ALIASES": f"{ALIAS}={SECOND}"}
+    # (the CPU kernels are no part of routing: without them a worker starts at once, even on a
+    # checkout whose kernels are not built yet)
+    w.models_env = {"LLMQ_MODELS": models, "LLMQ_MODEL_ALIASES": f"{ALIAS}={SECOND}",
+                    "LLMQ_DECODE_KERNEL": "0", "LLMQ_LAYER_KERNELS": "0"}
     w.first = Path(tiny_model_dir).name
     try:
         w.start_redis()
@@ -53,16 +56,17 @@ def ran_on(world, seq_id: str) -> str:
 
 def test_each_request_is_answered_by_its_own_model(world, client):
     first, second = "first@test", f"{SECOND}@test"
-    texts = {}
+    logprobs = {}
     for name, worker in ((world.first, first), (SECOND, second), (ALIAS, second)):
         resp = client.chat.completions.create(
             model=name, messages=[{"role": "user", "content": "Say something."}],
-            max_tokens=8, temperature=0)
+            max_tokens=4, temperature=0, logprobs=True)
         assert ran_on(world, resp.id) == worker, name
         # The answer names the model that ran it (an alias resolved).
         assert resp.model == (world.first if worker == first else SECOND)
-        texts[name] = resp.choices[0].message.content
-    assert texts[SECOND] == texts[ALIAS] != texts[world.first]   # two different models
+        logprobs[name] = [round(t.logprob, 3) for t in resp.choices[0].logprobs.content]
+    # Two different models (random weights: their text is alike, their logprobs are not).
+    assert logprobs[SECOND] == logprobs[ALIAS] != logprobs[world.first]
     # /v1/jobs: `model` routes; without it, the default.
     api = world.api_client
     named = api.submit(prompt="Hello", max_tokens=4, model=SECOND)
