@@ -172,9 +172,10 @@ export LLMQ_REDIS_URL="${LLMQ_REDIS_URL:-$REDIS_URL}"
 # GPUs enough (else they share them in turn), each consuming its model's queue.
 served=("")
 if [ -n "${LLMQ_MODELS:-}" ]; then
-  mapfile -t served < <(.venv/bin/python -c 'from common.settings import Settings
-print("\n".join(m.name for m in Settings.from_env().served_models()))') \
+  names="$(.venv/bin/python -c 'from common.settings import Settings
+print("\n".join(m.name for m in Settings.from_env().served_models()))')" \
     || { echo "LLMQ_MODELS: see the error above" >&2; exit 1; }
+  mapfile -t served <<<"$names"
   WORKERS=${#served[@]}
 fi
 for i in $(seq 0 $(( WORKERS - 1 ))); do
