@@ -29,8 +29,9 @@ from .submit import checked_webhook, owned_params
 from .files_api import file_store, jsonl_lines
 from .limits import check_limits
 from .listing import list_params, page_json
-from .openai_api import (ChatCompletionRequest, CompletionRequest, model_id, shape_options,
-                         to_sequences, validate_request)
+from .model_routing import routed_model
+from .openai_api import (ChatCompletionRequest, CompletionRequest, shape_options, to_sequences,
+                         validate_request)
 from .schemas import WebhookFields
 
 bp = Blueprint("batches", __name__)
@@ -185,8 +186,10 @@ def _line_spec(obj: dict, endpoint: str, model_cls, s, seen: set) -> dict:
         engine().check_size([SequenceRequest(seq_id="", params=params, **inputs[0])])
     except TooLarge as exc:   # the driver could never queue it
         raise APIError(400, str(exc), code="request_too_large") from None
+    # (each line's own model: a batch may mix them, as OpenAI's Batch API allows per line)
     return {"custom_id": custom_id, "input": inputs[0], "params": params.to_dict(),
-            "timeout": req.timeout, "priority": req.priority, "shape": shape_options(req)}
+            "timeout": req.timeout, "priority": req.priority, "shape": shape_options(req),
+            "model": routed_model(req.model).name}
 
 
 # --- routes -----------------------------------------------------------------------------------
@@ -212,7 +215,8 @@ def create_batch():
     fields = {
         "id": batch_id, "owner": g.owner, "status": "validating", "endpoint": req.endpoint,
         "input_file_id": req.input_file_id, "completion_window": req.completion_window,
-        "created_at": now, "expires_at": now + req.window_s, "model": model_id(),
+        "created_at": now, "expires_at": now + req.window_s,
+        "model": settings().served_models()[0].name,
         "metadata": json.dumps(req.metadata) if req.metadata is not None else "",
         "webhook": hook[0] if hook else "", "webhook_events": ",".join(hook[1]) if hook else "",
         "errors": validation_errors([{k: e[k] for k in ("code", "message", "param", "line")}

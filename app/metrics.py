@@ -37,18 +37,24 @@ class ServiceCollector:
             fam.add_metric([reason], n)
         yield fam
         workers = self.store.live_workers(self.settings.worker_stale_s)
+        models = self.settings.served_models()
+        # (vLLM's label: a worker serves one model; one that names none serves the default)
         for name, key, help_ in (("num_requests_running", "running", "Sequences in a batch."),
                                  ("num_requests_waiting", "waiting",
                                   "Sequences a worker holds but has not batched yet.")):
-            g = GaugeMetricFamily(PREFIX + name, help_, labels=["worker"])
+            g = GaugeMetricFamily(PREFIX + name, help_, labels=["worker", "model_name"])
             for w in workers:
-                g.add_metric([w["name"]], float(w.get(key, 0) or 0))
+                g.add_metric([w["name"], w.get("model_name") or models[0].name],
+                             float(w.get(key, 0) or 0))
             yield g
         yield GaugeMetricFamily(PREFIX + "workers_ready", "Workers whose engine is stepping.",
                                 value=float(len(workers)))
-        yield GaugeMetricFamily(PREFIX + "queue_depth",
-                                "Sequences in the broker queue, not yet taken by a worker.",
-                                value=float(self.store.queue_depth(self.settings.queue)))
+        g = GaugeMetricFamily(PREFIX + "queue_depth",
+                              "Sequences in the broker queue, not yet taken by a worker.",
+                              labels=["model_name"])
+        for m in models:
+            g.add_metric([m.name], float(self.store.queue_depth(m.queue)))
+        yield g
 
 
 @bp.get("/metrics")

@@ -5,6 +5,7 @@ Flower). A client that disconnects from a streaming or waiting request cancels i
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from .request_body import parse_json_body
 from .submit import chat_input, submit
 from .client_connection import client_gone
 from .errors import APIError, failure_of
+from .model_routing import listed_models, model_object, routed_model
 from .schemas import MAX_LOGPROBS, Message, SamplingFields, ToolFields
 from .waiting import cancel_all, wait_or_cancel
 
@@ -209,10 +211,7 @@ def validate_request(model_cls, body: dict):
     problem = req.problem()
     if problem:
         raise _error(problem[1], param=problem[0])
-    served = served_model_names()
-    if req.model is not None and req.model not in served:
-        raise APIError(404, f"The model `{req.model}` does not exist.", "invalid_request_error",
-                       param="model", code="model_not_found")
+    routed_model(req.model)
     if req.request_id is not None:
         # vLLM runs the request under the caller's id; llmq's ids are its own (one key must
         # never name, or collide with, another's sequences), so it is refused, not ignored.
@@ -220,25 +219,6 @@ def validate_request(model_cls, body: dict):
                      "response's `id` and its X-Request-Id header)", param="request_id",
                      code="unsupported_parameter")
     return req   # lengths, counts and the context are submit()'s check_limits
-
-
-def served_model_names() -> list[str]:
-    """The names a request's `model` may give: the public one, the configured one, and for the
-    default its hub id (what `vllm serve HuggingFaceTB/SmolLM2-135M-Instruct` serves it as,
-    so a client set up for that vLLM server works unchanged)."""
-    name = settings().model
-    return [model_id(), name] + ([DEFAULT_HUB_ID] if name == "smollm2" else [])
-
-
-DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-def model_id() -> str:
-    """The public model name: the default's real name, else the configured id or folder name."""
-    name = settings().model
-    if name == "smollm2":
-        return "SmolLM2-135M-Instruct"
-    return name.rstrip("/").split("/")[-1] if name.startswith("/") else name
 
 
 def _text_content(content) -> str:
@@ -255,23 +235,18 @@ def _text_content(content) -> str:
 
 
 # --- routes -----------------------------------------------------------------------------------
-def _model_object() -> dict:
-    return {"id": model_id(), "object": "model", "created": 0, "owned_by": "llmq",
-            "root": settings().model}
-
-
 @bp.get("/v1/models")
 def list_models():
-    return jsonify({"object": "list", "data": [_model_object()]})
+    """The models a live worker serves (with one model: that model)."""
+    if len(settings().served_models()) > 1:
+        engine().live_workers(fresh=True)   # (a listing is rare: the registry as it is now)
+    return jsonify({"object": "list", "data": [model_object(m) for m in listed_models()]})
 
 
 @bp.get("/v1/models/<path:name>")
 def retrieve_model(name: str):
     """client.models.retrieve(name): the model object for any name a request may give."""
-    if name not in served_model_names():
-        raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error",
-                       param="model", code="model_not_found")
-    return jsonify(_model_object())
+    return jsonify(model_object(routed_model(name)))
 
 
 @bp.post("/v1/completions")
@@ -319,7 +294,7 @@ def shape_options(req: _Common) -> dict[str, Any]:
              "as_ids": req.return_tokens_as_token_ids,
              "prompt_logprobs": req.prompt_logprobs is not None}
     if isinstance(req, ChatCompletionRequest):
-        counter = engine().prompt_counter.get()
+        counter = engine().prompt_counter_for(req.model).get()
         shape["reasoning"] = reasoning.template_reasons(counter and counter.template_source)
         shape["tools"] = req._tools.shape() if req._tools is not None else None
     return shape
@@ -340,17 +315,18 @@ def _respond(req: _Common, jobs: list[dict], chat: bool):
         raise
     k = req.num_candidates
     chosen = best_candidates(finals, k, req.n) if k > req.n else finals
-    body = response_body(chosen, chat, model_id(),
+    body = response_body(chosen, chat, jobs[0]["model"],
                          ChoiceShaper(chosen, chat, **shape_options(req)), req.n)
     body["usage"] = usage(finals, k)   # with best_of, every candidate's tokens were spent
     if chat and shape_options(req).get("reasoning"):
-        reasoning.add_reasoning_tokens(body["usage"], [f["text"] for f in finals], _count)
+        count = functools.partial(_count, req.model)
+        reasoning.add_reasoning_tokens(body["usage"], [f["text"] for f in finals], count)
     return jsonify(body), 200, headers
 
 
-def _count(text: str) -> int:
+def _count(model: str | None, text: str) -> int:
     """Tokens of a text as the model's tokenizer makes them (0 without a tokenizer here)."""
-    counter = engine().prompt_counter.get()
+    counter = engine().prompt_counter_for(model).get()
     return len(counter.tokenizer.encode(text, add_special_tokens=False).ids) if counter else 0
 
 
@@ -434,7 +410,7 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
     """The request's sequences as one chunk stream; with n > 1 (or several prompts) the
     choices' chunks interleave as their tokens arrive, each carrying its choice index."""
     eng, owner, chat = engine(), g.owner, shaper.chat
-    created, model = int(time.time()), model_id()
+    created, model = int(time.time()), jobs[0]["model"]
     obj = "chat.completion.chunk" if chat else "text_completion"
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -546,7 +522,8 @@ def _stream_chunks(req: _Common, jobs: list[dict], shaper: ChoiceShaper) -> Iter
         if include_usage:
             total = usage([c.final for c in choices], req.n)
             if shaper.reasoning:
-                reasoning.add_reasoning_tokens(total, [c.final["text"] for c in choices], _count)
+                reasoning.add_reasoning_tokens(total, [c.final["text"] for c in choices],
+                                               functools.partial(_count, req.model))
             yield _data({"id": jobs[0]["id"], "object": obj, "created": created, "model": model,
                          "choices": [], "usage": total})
         yield "data: [DONE]\n\n"

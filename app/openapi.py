@@ -194,6 +194,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     root: str | None = None
+    max_model_len: int | None = None   # the smallest its live workers report
+    backend: str | None = None
 
 
 class ModelList(BaseModel):
@@ -334,16 +336,17 @@ _FAILED = {"HTTP_500": ErrorOut, "HTTP_504": ErrorOut}
 # documentation lives here, in one table. Validation stays in the views (skip_validation) so
 # every error has the one JSON shape.
 ROUTES: dict[str, tuple[type | None, dict, str]] = {
-    "jobs.create_jobs": (JobRequest, {"HTTP_202": JobsAccepted, "HTTP_409": ErrorOut, **_ERRORS},
-                        "jobs"),
+    # 404: a `model` nothing serves
+    "jobs.create_jobs": (JobRequest, {"HTTP_202": JobsAccepted, "HTTP_404": ErrorOut,
+                                      "HTTP_409": ErrorOut, **_ERRORS}, "jobs"),
     "jobs.get_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
     "jobs.cancel_job": (None, {"HTTP_200": JobOut, "HTTP_404": ErrorOut}, "jobs"),
     # 204: resumed at the done event, nothing follows (EventSource stops reconnecting)
     "jobs.stream_job": (None, {"HTTP_200": None, "HTTP_204": None, "HTTP_400": ErrorOut,
                               "HTTP_404": ErrorOut, "HTTP_429": ErrorOut}, "jobs"),
     # 202: still running after LLMQ_WAIT_TIMEOUT (the job as it stands)
-    "jobs.generate": (JobRequest, {"HTTP_200": JobsFinished, "HTTP_202": JobsAccepted, **_ERRORS,
-                                  **_FAILED}, "jobs"),
+    "jobs.generate": (JobRequest, {"HTTP_200": JobsFinished, "HTTP_202": JobsAccepted,
+                                  "HTTP_404": ErrorOut, **_ERRORS, **_FAILED}, "jobs"),
     "jobs.webhook_secret": (None, {"HTTP_200": WebhookSecret, "HTTP_404": ErrorOut}, "jobs"),
     "health.health": (None, {"HTTP_200": None, "HTTP_503": None}, "operations"),
     "health.healthz": (None, {"HTTP_200": Health}, "operations"),

@@ -50,20 +50,26 @@ def annotate(obj: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     """`obj` (the job itself, or the response made of it) with its queue figures added."""
     status = SequenceStatus(job["status"])
     if status == SequenceStatus.QUEUED:
-        obj["queue_position"], obj["estimated_start_s"] = _position(job["id"])
+        obj["queue_position"], obj["estimated_start_s"] = _position(job["id"], job.get("model"))
     elif status.is_finished:
         obj["metrics"] = _metrics(job)
     return obj
 
 
-def _position(seq_id: str) -> tuple[int, float | None]:
+def _position(seq_id: str, model: str | None) -> tuple[int, float | None]:
+    """Its place in its model's queue, and that model's workers' recent rate."""
     ext = current_app.extensions["llmq"]
     s, store = ext["settings"], ext["store"]
+    served = s.resolve_model(model) or s.served_models()[0]
     queue = ext.setdefault("queue_store", store.beside(QueueStore))
-    ahead = queue.position(s.queue, seq_id, store.priority_of(seq_id), scan=s.max_queued)
+    ahead = queue.position(served.queue, seq_id, store.priority_of(seq_id), scan=s.max_queued)
     ahead = ahead or 0   # (not in the lists: a worker holds its message; it starts next)
-    rate = ext.setdefault("service_rate", ServiceRate()).per_second(
-        store.live_workers(s.worker_stale_s))
+    workers = store.live_workers(s.worker_stale_s)
+    if len(s.served_models()) > 1:
+        workers = [w for w in workers if (w.get("model_name") or s.served_models()[0].name)
+                   == served.name]
+    rate = ext.setdefault("service_rate", {}).setdefault(
+        served.name, ServiceRate()).per_second(workers)
     return ahead, (round(ahead / rate, 1) if rate else None)
 
 

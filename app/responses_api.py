@@ -32,7 +32,7 @@ from .streaming import take_stream_slot
 from .submit import submit
 from .client_connection import client_gone
 from .errors import APIError, failure_of
-from .openai_api import model_id, served_model_names
+from .model_routing import routed_model
 from .response_events import ResponseEventLog
 from .schemas import SamplingFields, WebhookFields
 from .waiting import WaitTimedOut, wait_or_cancel
@@ -163,9 +163,7 @@ def _parse(body: dict) -> ResponseCreate:
         param = ".".join(str(x) for x in err["loc"]) or None
         raise _error(f"{param}: {err['msg'].removeprefix('Value error, ')}" if param
                      else err["msg"], param=param) from None
-    if req.model is not None and req.model not in served_model_names():
-        raise APIError(404, f"The model `{req.model}` does not exist.", "invalid_request_error",
-                       param="model", code="model_not_found")
+    routed_model(req.model)
     if req.background and req.store is False:
         raise _error("background responses must be stored (store: true)", param="store")
     return req
@@ -258,7 +256,7 @@ def create_response():
     sampling = req.sampling(settings().batch_priority)
     if req.stream:
         take_stream_slot()
-    doc = {"model": req.model or model_id(), "instructions": req.instructions,
+    doc = {"model": routed_model(req.model).name, "instructions": req.instructions,
            "conversation": conversation, "max_output_tokens": req.max_output_tokens,
            "temperature": req.temperature, "top_p": req.top_p,
            "text": req.text.model_dump(by_alias=True, exclude_none=True) if req.text else None,
@@ -277,7 +275,7 @@ def create_response():
 
     job = submit([{"messages": system + conversation}], sampling,
                  max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens",
-                 on_created=save)[0]
+                 on_created=save, model=req.model)[0]
     seq_id = job["id"]
     headers = {"X-Request-Id": seq_id}
     if req.stream:

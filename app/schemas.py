@@ -331,6 +331,8 @@ class JobRequest(ToolFields, SamplingFields, WebhookFields):
 
     NULL_IS_DEFAULT = SamplingFields.NULL_IS_DEFAULT | ToolFields.NULL_IS_DEFAULT | {"stream"}
 
+    # a name of /v1/models (an alias too); unset: the default model
+    model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
     prompts: list[str] | None = None

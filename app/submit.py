@@ -13,6 +13,7 @@ from . import submit_hooks
 from .context import engine, settings
 from .errors import APIError
 from .limits import check_limits
+from .model_routing import ready_model
 from .schemas import JobRequest, SamplingFields, ToolFields
 from .streaming import take_stream_slot
 
@@ -29,7 +30,7 @@ def chat_input(req: ToolFields, messages: list[dict]) -> dict[str, Any]:
     """The sequence input of a request's chat messages (the OpenAI route, a batch line,
     /v1/jobs), rendered for the model's chat template; a 400 when the tools' grammar cannot
     compile."""
-    counter = engine().prompt_counter.get()
+    counter = engine().prompt_counter_for(getattr(req, "model", None)).get()
     inp = req.chat_input(messages, counter.template_source if counter else None,
                          settings().template_kwargs())
     if error := req.tools_error():
@@ -52,18 +53,21 @@ def owned_params(req: SamplingFields, default_max_tokens: int,
 def submit(inputs: list[dict[str, Any]], req: SamplingFields,
            default_max_tokens: int | None = None, max_tokens: int | None = None,
            max_tokens_param: str = "max_tokens", n: int = 1,
-           on_created: Callable[[list[dict]], None] | None = None) -> list[dict]:
+           on_created: Callable[[list[dict]], None] | None = None,
+           model: str | None = None) -> list[dict]:
     """Checks the request's limits and webhook, then queues one sequence per input with its
     sampling and queueing fields, owned by the caller (every submitting route, OpenAI's
     included, comes through here). `max_tokens` overrides the field (OpenAI's
     max_completion_tokens); with n > 1, n sequences per input, each with its own seed
     (input-major order). `on_created(jobs)`: the route's own writes beside the records, made
-    before any worker can see them."""
+    before any worker can see them. `model` (else the request's): whose queue takes them."""
     s, eng = settings(), engine()
+    model = ready_model(model or getattr(req, "model", None)).name
     default_max_tokens = default_max_tokens or s.default_max_tokens
     check_limits(s, req, inputs, max_tokens=max_tokens or req.max_tokens,
-                 default_max_tokens=default_max_tokens, counter=eng.prompt_counter.get(),
-                 context_len=eng.context_length(), max_tokens_param=max_tokens_param)
+                 default_max_tokens=default_max_tokens,
+                 counter=eng.prompt_counter_for(model).get(),
+                 context_len=eng.context_length(model), max_tokens_param=max_tokens_param)
     hook = checked_webhook(req)
     params = owned_params(req, default_max_tokens, max_tokens)
     if n > 1:
@@ -81,7 +85,8 @@ def submit(inputs: list[dict[str, Any]], req: SamplingFields,
 
     return eng.submit(inputs, params, owner, req.timeout, req.priority,
                       before_queue=before_queue,
-                      unqueue=lambda ids: submit_hooks.unindex_and_unhook(ext, owner, ids, hook))
+                      unqueue=lambda ids: submit_hooks.unindex_and_unhook(ext, owner, ids, hook),
+                      model=model)
 
 
 def checked_webhook(req) -> tuple[str, list[str]] | None:

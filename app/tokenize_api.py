@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .context import engine, settings
 from .request_body import describe, parse_json_body
 from .errors import APIError
-from .openai_api import ChatMessage, _text_content, served_model_names
+from .model_routing import routed_model
+from .openai_api import ChatMessage, _text_content
 
 bp = Blueprint("tokenize", __name__)
 
@@ -43,14 +44,12 @@ def _parsed(model_cls):
     except ValidationError as exc:
         loc = exc.errors()[0]["loc"]
         raise APIError(400, describe(exc), param=str(loc[0]) if loc else None) from None
-    if req.model is not None and req.model not in served_model_names():
-        raise APIError(404, f"The model `{req.model}` does not exist.", "invalid_request_error",
-                       param="model", code="model_not_found")
+    routed_model(req.model)
     return req
 
 
-def _counter():
-    counter = engine().prompt_counter.get()
+def _counter(model: str | None):
+    counter = engine().prompt_counter_for(model).get()
     if counter is None:
         # As /v1/webhooks/secret answers a feature this server lacks: not a 5xx (nothing
         # failed), and no retry will change it while the model's files stay out of sight.
@@ -72,13 +71,13 @@ def tokenize():
                            {"messages": [{"role": "system" if m.role == "developer" else m.role,
                                           "content": _text_content(m.content)}
                                          for m in req.messages]})
-    counter = _counter()
+    counter = _counter(req.model)
     try:
         ids = counter.token_ids(inp, req.add_special_tokens, req.add_generation_prompt)
     except Exception as exc:  # noqa: BLE001 - a template's raise_exception, bad content
         raise APIError(400, f"cannot tokenize: {exc}", param="messages" if req.messages
                        else "prompt", code="invalid_prompt") from None
-    body = {"count": len(ids), "max_model_len": engine().context_length(), "tokens": ids,
+    body = {"count": len(ids), "max_model_len": engine().context_length(req.model), "tokens": ids,
             "token_strs": ([counter.tokenizer.id_to_token(i) for i in ids]
                            if req.return_token_strs else None)}
     return jsonify(body)
@@ -87,7 +86,7 @@ def tokenize():
 @bp.post("/detokenize")
 def detokenize():
     req = _parsed(DetokenizeRequest)
-    counter = _counter()
+    counter = _counter(req.model)
     if any(t >= counter.tokenizer.get_vocab_size() for t in req.tokens):
         raise APIError(400, f"token ids must be below the vocabulary size "
                        f"({counter.tokenizer.get_vocab_size()})", param="tokens")

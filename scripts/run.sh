@@ -168,12 +168,24 @@ if [ -z "${REDIS_URL:-}" ] && [ -z "${LLMQ_REDIS_URL:-}" ]; then
 fi
 export LLMQ_REDIS_URL="${LLMQ_REDIS_URL:-$REDIS_URL}"
 
+# Several models (LLMQ_MODELS): one worker per model, each on its own GPU while there are
+# GPUs enough (else they share them in turn), each consuming its model's queue.
+served=("")
+if [ -n "${LLMQ_MODELS:-}" ]; then
+  names="$(.venv/bin/python -c 'from common.settings import Settings
+print("\n".join(m.name for m in Settings.from_env().served_models()))')" \
+    || { echo "LLMQ_MODELS: see the error above" >&2; exit 1; }
+  mapfile -t served <<<"$names"
+  WORKERS=${#served[@]}
+fi
 for i in $(seq 0 $(( WORKERS - 1 ))); do
   if [ "$ngpu" -gt 0 ]; then dev="gpu$(( i % ngpu ))"; gpu=$(( i % ngpu )); else dev="cpu$i"; gpu=""; fi
-  LLMQ_WORKER_INDEX=$i LLMQ_GPU=$gpu LLMQ_WORKER_DEVICE_NAME=$dev setsid bash scripts/worker.sh \
-    >"$RUN/worker$i.log" 2>&1 &
+  model="${served[$i]:-}"
+  [ -n "$model" ] && dev="$dev-$(printf '%s' "$model" | tr -c 'A-Za-z0-9_-' '_')"
+  LLMQ_SERVE_MODEL=$model LLMQ_WORKER_INDEX=$i LLMQ_GPU=$gpu LLMQ_WORKER_DEVICE_NAME=$dev \
+    setsid bash scripts/worker.sh >"$RUN/worker$i.log" 2>&1 &
   workers+=($!)
-  echo "worker: llmq-$dev (log $RUN/worker$i.log)"
+  echo "worker: llmq-$dev${model:+ serving $model} (log $RUN/worker$i.log)"
 done
 setsid bash scripts/delivery.sh >"$RUN/delivery.log" 2>&1 &
 deliveries+=($!)

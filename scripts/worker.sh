@@ -17,6 +17,12 @@ esac
 # One task thread per batch slot, plus a quarter more: with API keys, another key's sequence
 # reaches the scheduler (and its fair share) while one key fills the batch (docs/security.md).
 threads="${LLMQ_TASK_THREADS:-$(( seqs + (seqs + 3) / 4 ))}"
+# Several models (LLMQ_MODELS): this worker consumes its own model's queue (LLMQ_SERVE_MODEL's).
+queue="${LLMQ_QUEUE:-llmq}"
+if [ -n "${LLMQ_MODELS:-}" ]; then
+  queue="$(.venv/bin/python -c 'from common.settings import Settings
+print(Settings.from_env().served_model.queue)')"
+fi
 exec .venv/bin/celery -A worker.celery_app worker --pool threads --concurrency "$threads" \
-  --queues "${LLMQ_QUEUE:-llmq}" --prefetch-multiplier 1 --task-events \
+  --queues "$queue" --prefetch-multiplier 1 --task-events \
   --hostname "llmq-${dev}@%h" --loglevel "${LLMQ_LOG_LEVEL:-INFO}"

@@ -161,9 +161,17 @@ class WorkerProcess:
         return env
 
     def pool(self) -> tuple[str, str]:
-        """(its task threads, its queue)."""
+        """(its task threads, its queue: with LLMQ_MODELS, its model's, as scripts/worker.sh)."""
+        from unittest import mock
+
+        from common.settings import Settings
+
         env = self.env()
-        return env.get("LLMQ_TASK_THREADS", env["LLMQ_MAX_NUM_SEQS"]), env.get("LLMQ_QUEUE", "llmq")
+        queue = env.get("LLMQ_QUEUE", "llmq")
+        if env.get("LLMQ_MODELS"):
+            with mock.patch.dict(os.environ, env, clear=True):
+                queue = Settings.from_env().served_model.queue
+        return env.get("LLMQ_TASK_THREADS", env["LLMQ_MAX_NUM_SEQS"]), queue
 
     def start(self, wait_ready: bool = True) -> "WorkerProcess":
         log = open(self.log_path, "ab")

@@ -131,16 +131,18 @@ class BatchDriver:
                 since = self.queued_at.setdefault(i, float(rec["created_at"]))
                 if time.time() - since > self.requeue_after_s:
                     log.warning("batch line queued again", extra={"seq_id": rec["id"]})
-                    self.queue_again(rec["id"])
+                    self.queue_again(rec["id"], rec.get("model"))
                     self.queued_at[i] = time.time()
 
-    def queue_again(self, seq_id: str) -> None:
-        """Another message for a queued record: the first to start it runs it; a later one
-        finds it ended (or running elsewhere) and does nothing, or restarts it on the worker
-        running it: wasted work, never a second answer."""
+    def queue_again(self, seq_id: str, model: str | None) -> None:
+        """Another message for a queued record, on its model's queue: the first to start it
+        runs it; a later one finds it ended (or running elsewhere) and does nothing, or
+        restarts it on the worker running it: wasted work, never a second answer."""
+        s = self.svc.settings
         BatchLineSender(self.svc.celery).send_task(
-            GENERATE_TASK, args=[seq_id], task_id=seq_id, queue=self.svc.settings.queue,
-            priority=self.svc.settings.batch_priority)
+            GENERATE_TASK, args=[seq_id], task_id=seq_id,
+            queue=(s.resolve_model(model) or s.served_models()[0]).queue,
+            priority=s.batch_priority)
 
     def submit_more(self) -> bool:
         """Queues lines while there is room; True once every line has been queued."""
@@ -162,7 +164,7 @@ class BatchDriver:
                 try:
                     submitter.submit([spec["input"]], SamplingParams.from_dict(spec["params"]),
                                      self.h["owner"], self.timeout(spec), self.priority(spec),
-                                     seq_ids=[seq_id])
+                                     seq_ids=[seq_id], model=spec.get("model"))
                 except Overloaded:   # the queue is full or the key is over its rate limit
                     self.batches.untake_line(self.batch_id, i)
                     return False
@@ -172,7 +174,8 @@ class BatchDriver:
                     i += 1
                     continue
             elif rec["status"] == SequenceStatus.QUEUED.value and i not in self.sent():
-                self.queue_again(seq_id)   # created by a driver that died before queueing it
+                # created by a driver that died before queueing it
+                self.queue_again(seq_id, rec.get("model"))
             self.batches.line_sent(self.batch_id, i)
             i += 1
             room -= 1
@@ -198,7 +201,7 @@ class BatchDriver:
             spec = self.batches.line(self.batch_id, i)
             chat = self.h["endpoint"] == "/v1/chat/completions"
             # with the line's echo and logprobs, as the route answers them
-            body = response_body([job], chat, self.h.get("model") or "",
+            body = response_body([job], chat, job.get("model") or self.h.get("model") or "",
                                  ChoiceShaper([job], chat, **spec.get("shape", {})))
             self.batches.answer(self.batch_id, i, True,
                                 self.line(i, job["id"], 200, body, spec.get("custom_id")), used)

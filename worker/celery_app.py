@@ -52,8 +52,8 @@ def build_engine(settings: Settings, name: str):
         store = SequenceStore.from_settings(settings)
 
         def requeue(seq_id: str, priority: int | None = None) -> None:
-            celery.send_task(GENERATE_TASK, args=[seq_id], task_id=seq_id, queue=settings.queue,
-                             priority=priority)
+            celery.send_task(GENERATE_TASK, args=[seq_id], task_id=seq_id,
+                             queue=queue_of(settings, store, seq_id), priority=priority)
 
         engine = EngineCore(name, settings, store, executor, tokenizer, requeue=requeue)
         engine.start()
@@ -63,7 +63,18 @@ def build_engine(settings: Settings, name: str):
     return engine
 
 
-celery = create_celery(Settings.from_env())
+def queue_of(settings: Settings, store, seq_id: str) -> str:
+    """The queue of a sequence sent again: its model's (a reaped or reconciled one may be
+    another model's). With one model there is one queue, and nothing to read."""
+    models = settings.served_models()
+    if len(models) == 1:
+        return models[0].queue
+    rec = store.get_record(seq_id, text=False) or {}
+    return (settings.resolve_model(rec.get("model") or None) or settings.served_model).queue
+
+
+# A worker serves one model: LLMQ_SERVE_MODEL's (docs/deployment.md).
+celery = create_celery(Settings.from_env().for_served_model())
 
 
 @signals.after_setup_logger.connect
@@ -77,7 +88,7 @@ def serves_generation(worker, settings: Settings) -> bool:
     """Whether a Celery worker takes generation tasks (its --queues name the generation queue):
     a delivery worker (scripts/delivery.sh, the webhook queue alone) has no engine and no
     model."""
-    return worker is None or settings.queue in worker.app.amqp.queues.consume_from
+    return worker is None or settings.served_model.queue in worker.app.amqp.queues.consume_from
 
 
 @signals.worker_init.connect

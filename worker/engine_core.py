@@ -126,8 +126,10 @@ class EngineCore:
         self.output = OutputProcessor(store, self.workload_manager, tokenizer)
         self.liveness = Liveness(
             name, settings, store, self.stats, self._send_back, self._stop,
-            Reconciler(settings, store.beside(ReconcileStore, queue_lists(settings.queue)),
-                       self.requeue))
+            # (every model's queues: a message in another model's queue is not lost)
+            Reconciler(settings, store.beside(ReconcileStore, [
+                name for m in settings.served_models() for name in queue_lists(m.queue)]),
+                self.requeue))
         self.inbox: queue.Queue[Sequence] = queue.Queue()
         self.bell = Bell()
         # Newcomers prefilled inside the step in flight, their result not yet in (one at a time).
@@ -548,6 +550,9 @@ class EngineCore:
     def stats(self) -> dict:
         st, info, out = self.workload_manager.stats, self.executor.info, self.output
         return {"model": info.name if info else "",
+                # the name the API routes requests by (`model`), and what /v1/models says
+                "model_name": self.settings.served_model.name,
+                "backend": self.settings.backend,
                 "device": info.device if info else "",
                 "dtype": info.dtype if info else "",
                 "kv_cache_dtype": info.kv_cache_dtype if info else "",

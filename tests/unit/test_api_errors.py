@@ -62,7 +62,7 @@ class Api:
         if context:
             self.store.heartbeat("w1", {"model_loaded": 1, "max_model_len": context}, 60)
         engine = self.app.extensions["llmq"]["engine"]
-        engine._context_checked_at = -1e9   # re-read the heartbeat now
+        engine._workers_read_at = -1e9   # re-read the heartbeat now
         return self
 
     def seq_ids(self) -> list[str]:

@@ -70,7 +70,6 @@ def test_messages_and_prompts():
     {"prompt": "x", "min_tokens": -1},
     {"prompt": "x", "min_tokens": 5, "max_tokens": 4},
     {"prompt": "x", "unknown_field": 1},
-    {"prompt": "x", "model": "gpt-4"},
     {"prompt": "x", "priority": 10},
     {"prompt": "x", "priority": -1},
     {"prompt": "x", "timeout": 0},
