@@ -103,6 +103,11 @@ class Settings:
     # a handful of EOS ids, with a wide margin
     max_stop_token_ids: int = setting(64, "LLMQ_MAX_STOP_TOKEN_IDS", minimum=0)
     max_body_bytes: int = setting(2 * 1024 * 1024, "LLMQ_MAX_BODY_BYTES", positive=True)
+    # Structured output (app/grammar_check.py): llguidance unrolls a JSON schema's counts
+    # (maxItems 200,000 takes seconds to compile), so a count above this is refused before
+    # any compile; a grammar that still takes longer than grammar_timeout_s is refused too.
+    max_schema_count: int = setting(4096, "LLMQ_MAX_SCHEMA_COUNT", positive=True)
+    grammar_timeout_s: float = setting(2.0, "LLMQ_GRAMMAR_TIMEOUT", positive=True)
     # Engine.
     max_num_seqs: int = setting(64, "LLMQ_MAX_NUM_SEQS", positive=True)
     max_num_batched_tokens: int = setting(2048, "LLMQ_MAX_NUM_BATCHED_TOKENS", positive=True)
