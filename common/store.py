@@ -58,6 +58,12 @@ record_key, events_key, channel = Keys.record, Keys.events, Keys.channel
 text_key = Keys.running_text
 worker_key, running_key, held_key = Keys.worker, Keys.running, Keys.held
 owner_seqs_key, owner_streams_key, rate_key = Keys.owner_seqs, Keys.owner_streams, Keys.rate
+
+
+def _slots_key(owner: str, waiting: bool) -> str:
+    return Keys.owner_waiting(owner) if waiting else owner_streams_key(owner)
+
+
 PRIORITY_SEP = "\x06\x16"   # kombu's Redis priority-queue separator
 
 # Ids are checked by shape before they become part of a key name: "seq-<id>:events" names a
@@ -239,21 +245,24 @@ return 1
 # Each admitted id also enters the unstarted index (common/reconcile_store.py), here rather than
 # in a round trip of its own.
 # KEYS: admitting, the owner's sequences, unstarted, the queue's lists. ARGV: now,
-# admitting-stale-before, owner-stale-before, max queued, owner cap (0: none), pending TTL, ids...
+# admitting-stale-before, owner-stale-before, max queued, owner cap (0: none), pending TTL,
+# owner floor (what the owner may always have unfinished, a full queue or not), ids...
 _ADMIT = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
-local n = #ARGV - 6
+local n = #ARGV - 7
 local depth = redis.call('ZCARD', KEYS[1])
 for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
-if depth + n > tonumber(ARGV[4]) then return {'queue', depth} end
 local mine = 0
 local cap = tonumber(ARGV[5])
 if cap > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[3])
   mine = redis.call('ZCARD', KEYS[2])
-  if mine + n > cap then return {'key', mine} end
 end
-for i = 7, #ARGV do
+if depth + n > tonumber(ARGV[4]) and (cap == 0 or mine + n > tonumber(ARGV[7])) then
+  return {'queue', depth}
+end
+if cap > 0 and mine + n > cap then return {'key', mine} end
+for i = 8, #ARGV do
   redis.call('ZADD', KEYS[1], ARGV[1], ARGV[i])
   redis.call('ZADD', KEYS[3], ARGV[1], ARGV[i])
   if cap > 0 then redis.call('ZADD', KEYS[2], ARGV[1], ARGV[i]) end
@@ -842,16 +851,18 @@ class SequenceStore:
         return ("" if hit == "ok" else hit), max(1, int((window + 1) * 60 - now) + 1), key
 
     def admit(self, queue: str, seq_ids: list[str], owner: str, max_queued: int,
-              owner_cap: int) -> tuple[str, int]:
+              owner_cap: int, owner_floor: int = 0) -> tuple[str, int]:
         """Admits the sequences in one atomic step unless the queue (LLMQ_MAX_QUEUED) or the
-        owner's share (owner_cap; 0: none) is full. Returns ("ok", the owner's unfinished
+        owner's share (owner_cap; 0: none) is full; an owner with a cap whose unfinished
+        sequences, these included, stay within owner_floor gets in even past a full queue
+        (other keys' backlog cannot lock it out). Returns ("ok", the owner's unfinished
         sequences before them) or the cap that refused them ("queue" or "key") and its count.
         Admitted ids count towards the queue until `sent` (or unadmit) takes them out."""
         now = time.time()
         kind, count = self._admit(
             keys=[ADMITTING_KEY, owner_seqs_key(owner), UNSTARTED_KEY, *queue_lists(queue)],
             args=[now, now - ADMITTING_S, now - self.pending_ttl_s, max_queued, owner_cap,
-                  int(self.pending_ttl_s), *seq_ids])
+                  int(self.pending_ttl_s), owner_floor, *seq_ids])
         return (kind.decode() if isinstance(kind, bytes) else kind), int(count)
 
     def sent(self, seq_ids: list[str]) -> None:
@@ -878,19 +889,21 @@ class SequenceStore:
         pipe.zcard(owner_seqs_key(owner))
         return pipe.execute()[1]
 
-    def open_stream(self, owner: str, cap: int, lease_s: float) -> str | None:
-        """Takes one of a key's `cap` stream slots for `lease_s` seconds (renew it with
-        renew_stream while the stream lives); returns its token, or None when all are taken."""
+    def open_stream(self, owner: str, cap: int, lease_s: float,
+                    waiting: bool = False) -> str | None:
+        """Takes one of a key's `cap` stream slots (with `waiting`: slots of requests waiting
+        for their result) for `lease_s` seconds (renew it with renew_stream while the stream
+        lives); returns its token, or None when all are taken."""
         token, now = secrets.token_hex(8), time.time()
-        ok = self._open_stream(keys=[owner_streams_key(owner)],
+        ok = self._open_stream(keys=[_slots_key(owner, waiting)],
                                args=[now, now + lease_s, cap, token])
         return token if ok else None
 
     def renew_stream(self, owner: str, token: str, lease_s: float) -> None:
         self.r.zadd(owner_streams_key(owner), {token: time.time() + lease_s}, xx=True)
 
-    def close_stream(self, owner: str, token: str) -> None:
-        self.r.zrem(owner_streams_key(owner), token)
+    def close_stream(self, owner: str, token: str, waiting: bool = False) -> None:
+        self.r.zrem(_slots_key(owner, waiting), token)
 
     def owner_secret(self, known: str | None = None) -> str:
         """The HMAC secret that names owners, made once and shared by every API replica (for
