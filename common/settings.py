@@ -164,10 +164,16 @@ class Settings:
     # shares never apply.
     # of LLMQ_MAX_QUEUED: one key's unfinished sequences
     key_queue_share: float = setting(0.5, "LLMQ_KEY_QUEUE_SHARE", positive=True, maximum=1)
+    # unfinished sequences a key may always have, however full others have made the queue
+    # (which may then hold up to LLMQ_MAX_QUEUED + this per key)
+    key_queue_floor: int = setting(64, "LLMQ_KEY_QUEUE_FLOOR", minimum=0)
     # of a worker's batch, while other keys' sequences wait
     key_batch_share: float = setting(0.5, "LLMQ_KEY_BATCH_SHARE", positive=True, maximum=1)
     # open SSE streams per key (0 = no cap)
     key_max_streams: int = setting(32, "LLMQ_KEY_MAX_STREAMS", minimum=0)
+    # requests per key waiting on an API thread for their result (a waiting /v1/generate, a
+    # non-streamed OpenAI request or response; 0 = no cap): each holds a thread until it ends
+    key_max_waiting: int = setting(64, "LLMQ_KEY_MAX_WAITING", minimum=0)
     # HMAC secret naming owners in records and logs
     owner_secret: str = setting("", "LLMQ_OWNER_SECRET")
     # let different keys reuse each other's cached prefixes
