@@ -6,7 +6,7 @@ bounded three ways so that no request makes an API thread (or another key) wait 
   seconds), and no answer within LLMQ_MAX_TOKENS_LIMIT tokens needs that many;
 - the compile runs on a small pool, off the request thread (llguidance releases the GIL), and a
   grammar whose compile takes longer than LLMQ_GRAMMAR_TIMEOUT is refused, now and whenever it
-  is sent again;
+  is sent again (one that never got a thread in that time is a 503: the pool was busy);
 - each verdict is kept by the spec's hash: batch lines and retries repeat one schema, and a
   spec being compiled is waited on, not compiled twice.
 """
@@ -23,6 +23,8 @@ from typing import Any
 from flask import has_app_context
 
 from common import structured
+
+from .errors import APIError
 
 COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
           "minContains", "maxContains")
@@ -80,6 +82,12 @@ class GrammarCheck:
         try:
             error, seconds = verdict.result(timeout=timeout_s)
         except FutureTimeout:
+            if not (verdict.running() or verdict.done()):
+                # Never started: other grammars hold the pool. Not this one's fault, so not a
+                # 400; its verdict comes when a thread frees (and is kept for the retry).
+                raise APIError(503, "the server's grammar checks are all busy; retry shortly",
+                               "service_unavailable", {"Retry-After": "1"},
+                               code="grammar_checks_busy") from None
             return slow
         return slow if seconds > timeout_s else error
 

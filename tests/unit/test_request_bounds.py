@@ -155,3 +155,28 @@ def test_a_grammar_slower_than_the_time_limit_is_refused_and_stays_refused(monke
     # It compiled in the end, in more than the limit: sent again, it is refused at once.
     msg = refused(api.reset(), path, body, param)
     assert "LLMQ_GRAMMAR_TIMEOUT" in msg and len(started) == 1
+
+
+def test_a_grammar_that_finds_every_check_thread_busy_is_a_503_not_a_400(monkeypatch):
+    """Other requests' compiles hold the pool: the waiting one is not at fault (no 400), and
+    its verdict, computed once a thread frees, answers its retry."""
+    import threading
+
+    from app.errors import APIError
+    from app.grammar_check import GrammarCheck
+    from common import structured
+
+    check, release = GrammarCheck(threads=1), threading.Event()
+    slow = {"type": "json_schema", "value": {"type": "object", "title": "busy: slow"}}
+    mine = {"type": "json_schema", "value": {"type": "object", "title": "busy: mine"}}
+    monkeypatch.setattr(structured, "validate", lambda spec: release.wait(30) and None
+                        if spec is slow else None)
+    try:
+        assert "LLMQ_GRAMMAR_TIMEOUT" in check.error(slow, timeout_s=0.1)
+        with pytest.raises(APIError) as busy:
+            check.error(mine, timeout_s=0.1)
+        assert busy.value.status == 503 and busy.value.headers["Retry-After"]
+        release.set()
+        assert check.error(mine, timeout_s=5) is None
+    finally:
+        release.set()
