@@ -111,8 +111,10 @@ class Attacker:
     """Key a's clients for one row, sending until stopped; counts how each request was
     answered (status codes; `error` for no answer)."""
 
-    def __init__(self, url: str, kind: str, tarpit_url: str):
+    def __init__(self, url: str, kind: str, tarpit_url: str, tokens: int | None = None):
         self.url, self.kind, self.tarpit_url = url, kind, tarpit_url
+        # Key a's output tokens (a smoke run on a small machine asks for fewer).
+        self.flood_tokens, self.wave_tokens = tokens or FLOOD_TOKENS, tokens or WAVE_TOKENS
         self.stop = threading.Event()
         self.answers: Counter = Counter()
         self.lock = threading.Lock()
@@ -151,19 +153,20 @@ class Attacker:
             if self.kind == "webhook_tarpit":
                 r = self._post(session, "/v1/jobs", {
                     "prompts": [f"Story {i} about the sea." for i in range(64)],
-                    "max_tokens": FLOOD_TOKENS, "ignore_eos": True, "webhook": self.tarpit_url,
+                    "max_tokens": self.flood_tokens, "ignore_eos": True,
+                    "webhook": self.tarpit_url,
                     "webhook_events": ["started", "completed"]})
                 if r is not None and r.status_code == 202:
                     self._wait_jobs(session, [j["id"] for j in r.json()["jobs"]])
                 continue
             extra = {"control": {},
                      "stop_token_ids": {"stop_token_ids": list(range(200_000)),
-                                        "min_tokens": FLOOD_TOKENS},
+                                        "min_tokens": self.flood_tokens},
                      "logit_bias": {"logit_bias": {str(i): 1.0 for i in range(VOCAB)}},
                      "costly_schema": {"response_format": {"type": "json_schema", "json_schema": {
                          "name": "costly", "schema": COSTLY_SCHEMA}}}}[self.kind]
             n = 1 if self.kind == "costly_schema" else FLOOD_N
-            self._post(session, "/v1/chat/completions", _chat(FLOOD_TOKENS, n, **extra))
+            self._post(session, "/v1/chat/completions", _chat(self.flood_tokens, n, **extra))
 
     def _wait_jobs(self, session: requests.Session, ids: list[str]) -> None:
         for seq_id in ids:
@@ -188,7 +191,8 @@ class Attacker:
     def _one_generate(self) -> None:
         with _session(KEY_A) as session:
             self._post(session, "/v1/generate", {"prompt": "Tell a story about the sea.",
-                                                 "max_tokens": WAVE_TOKENS, "ignore_eos": True})
+                                                 "max_tokens": self.wave_tokens,
+                                                 "ignore_eos": True})
 
     def finish(self, timeout_s: float = 120.0) -> None:
         """Stops sending, cancels key a's unfinished jobs (which ends its waiting requests) until
@@ -262,15 +266,17 @@ def probe(url: str, seconds: float) -> Probe:
     return out
 
 
-def attacks_phase(stack, seconds: float = 60.0, rows=ROWS, progress=print) -> dict:
-    """Each row in turn on the stack (started with stack_env() and a delivery worker)."""
+def attacks_phase(stack, seconds: float = 60.0, rows=ROWS, progress=print,
+                  tokens: int | None = None) -> dict:
+    """Each row in turn on the stack (started with stack_env() and a delivery worker);
+    `tokens`: key a's output tokens instead of the issue's (256 a flood, 200 a wave)."""
     tarpit = SilentReceiver()
     ramp = min(10.0, seconds / 4)
     measured = []
     try:
         probe(stack.url, 0.0)   # warm-up: one request
         for kind in rows:
-            attacker = Attacker(stack.url, kind, tarpit.url + "/hook")
+            attacker = Attacker(stack.url, kind, tarpit.url + "/hook", tokens)
             attacker.start()
             if kind != "alone":
                 attacker.stop.wait(ramp)

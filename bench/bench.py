@@ -154,7 +154,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             ("--long-tokens", int, 8000, "tokens each long sequence generates (300: a smoke run)"),
             ("--long-time-limit", float, 3600.0,
              "seconds after which the long phase cancels what still runs, and reports"),
-            ("--attack-seconds", float, 60.0, "seconds key b is measured under each attack row")):
+            ("--attack-seconds", float, 60.0, "seconds key b is measured under each attack row"),
+            ("--attack-tokens", int, 0,
+             "output tokens of key a's requests (0: the issue's, 256 a flood, 200 a wave; "
+             "fewer for a smoke run on a small machine)")):
         p.add_argument(flag, type=kind, default=default, help=f"{what} (default {default:g})")
     p.add_argument("--attacks", default=",".join(ATTACK_ROWS),
                    help="rows of the attacks phase, of " + ",".join(ATTACK_ROWS) + " (default: "
@@ -461,7 +464,9 @@ def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None
                  if args.only == "long" else attack_stack_env() if args.only == "attacks" else {})
     stack = Stack(workdir, max_num_seqs=args.max_num_seqs, device=args.device, backend=args.backend,
                   dtype=result["meta"]["dtype"], api_app=args.api_app, extra_env=extra_env,
-                  metrics_key=METRICS_KEY if args.only == "attacks" else None)
+                  metrics_key=METRICS_KEY if args.only == "attacks" else None,
+                  task_threads=(args.max_num_seqs + (args.max_num_seqs + 3) // 4
+                                if args.only == "attacks" else None))
     error = None
     try:
         progress(f"phase 2/3: starting redis-server :{stack.redis_port}, a worker and the API "
@@ -477,7 +482,8 @@ def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None
             progress(f"phase 2i: key b's latency beside key a's attacks {args.attacks}, "
                      f"{args.attack_seconds:g} s each")
             result["attacks"] = attacks_phase(stack, args.attack_seconds, args.attacks,
-                                              progress=progress)
+                                              progress=progress,
+                                              tokens=args.attack_tokens or None)
             return None
         if args.only == "long":
             progress(f"phase 2h: {args.long_seqs} sequences generating {args.long_tokens} "

@@ -103,7 +103,7 @@ class Stack:
                  dtype: str = "float32", api_workers: int = 2, api_threads: int = 256,
                  api_app: str = "app.wsgi:application", log=print, root: Path = ROOT,
                  extra_paths: tuple[Path, ...] = (), extra_env: dict[str, str] | None = None,
-                 metrics_key: str | None = None):
+                 metrics_key: str | None = None, task_threads: int | None = None):
         self.root = Path(root)
         self.extra_paths = [str(p) for p in extra_paths]   # ahead of the venv (an overlay)
         self.workdir = workdir
@@ -111,6 +111,10 @@ class Stack:
         self.redis_port = free_port()
         self.api_port = free_port()
         self.max_num_seqs = max_num_seqs
+        # The worker's Celery task threads (default: one per batch slot). scripts/worker.sh
+        # starts a quarter more, which is what lets another key's sequence reach the engine
+        # while one key fills the batch: a phase about tenants runs that.
+        self.task_threads = task_threads or max_num_seqs
         self.device, self.dtype = device, dtype
         self.backend = backend
         self.api_workers, self.api_threads = api_workers, api_threads
@@ -193,7 +197,7 @@ class Stack:
         env["LLMQ_BATCH_POLICY"] = batch_policy
         self.worker = Proc(f"worker ({batch_policy})",
                            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
-                            "--pool", "threads", "--concurrency", str(self.max_num_seqs),
+                            "--pool", "threads", "--concurrency", str(self.task_threads),
                             "--queues", env.get("LLMQ_QUEUE", "llmq"), "--prefetch-multiplier", "1",
                             "--task-events", "--hostname", self.worker_name,
                             "--loglevel", env.get("LLMQ_LOG_LEVEL", "INFO"),
