@@ -77,7 +77,7 @@ def generate():
     req = parse_job_request()
     if req.stream and req.prompts is not None:
         raise APIError(400, "'stream' works with one prompt; use /v1/jobs for a batch")
-    jobs = submit(inputs_of(req), req)
+    jobs = submit(inputs_of(req), req, waits=True)
     if req.stream:
         # The stream holds the id and can be resumed (/v1/jobs/<id>/stream, Last-Event-ID):
         # a client that hangs up does not cancel it; it runs to its end like any job.

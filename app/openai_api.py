@@ -253,14 +253,14 @@ def retrieve_model(name: str):
 def completions():
     req = _parse(CompletionRequest)
     inputs, options = to_sequences(req)
-    return _respond(req, submit(inputs, req, **options), chat=False)
+    return _respond(req, submit(inputs, req, **options, waits=True), chat=False)
 
 
 @bp.post("/v1/chat/completions")
 def chat_completions():
     req = _parse(ChatCompletionRequest)
     inputs, options = to_sequences(req)
-    return _respond(req, submit(inputs, req, **options), chat=True)
+    return _respond(req, submit(inputs, req, **options, waits=True), chat=True)
 
 
 def to_sequences(req: _Common) -> tuple[list[dict[str, Any]], dict[str, Any]]:

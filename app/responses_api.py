@@ -275,7 +275,7 @@ def create_response():
 
     job = submit([{"messages": system + conversation}], sampling,
                  max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens",
-                 on_created=save, model=req.model)[0]
+                 on_created=save, model=req.model, waits=not req.background)[0]
     seq_id = job["id"]
     headers = {"X-Request-Id": seq_id}
     if req.stream:

@@ -7,9 +7,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from common import structured
 from common.protocol import SamplingParams
 from common.tool_calls import ToolRequest, choice_name, detect_format
+
+from .grammar_check import grammar_error
 
 MAX_LOGPROBS = 20   # vLLM's default --max-logprobs
 # logit_bias entries (OpenAI's cap): each is an edit of the logits at every token of the
@@ -138,7 +139,7 @@ class ToolFields(BaseModel):
         if self._tools is None or not self._tools.active:
             return None
         spec = self._tools.structured_spec()
-        return structured.validate(spec) if spec else None
+        return grammar_error(spec) if spec else None
 
     def structured_spec(self) -> dict[str, Any] | None:
         if self._tools is not None and self._tools.active:
@@ -158,7 +159,7 @@ class JsonSchemaSpec(BaseModel):
 
 def _compiled(spec: dict[str, Any]) -> dict[str, Any]:
     """The spec, once its grammar is known to compile (else a 400 that says why)."""
-    error = structured.validate(spec)
+    error = grammar_error(spec)
     if error:
         raise ValueError(f"cannot compile the {spec['type'].replace('_', ' ')}: {error}")
     return spec

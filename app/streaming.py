@@ -17,6 +17,7 @@ from .errors import APIError
 
 def init_app(app: Flask) -> None:
     app.after_request(hand_stream_slot_to_response)
+    app.teardown_request(close_waiting_slot)
 
 
 def format_sse(entry_id: str, kind: str, data: dict) -> str:
@@ -47,8 +48,10 @@ class StreamSlot:
     ends. Slots are leases in Redis, renewed as the stream runs, so those of an API process
     that died free themselves."""
 
-    def __init__(self, store: SequenceStore, owner: str, token: str, lease_s: float):
+    def __init__(self, store: SequenceStore, owner: str, token: str, lease_s: float,
+                 waiting: bool = False):
         self.store, self.owner, self.token, self.lease_s = store, owner, token, lease_s
+        self.waiting = waiting   # a slot of a request that waits for its result, not a stream
 
     def hold(self, chunks):
         """The response body, passed through; the slot lives until the body is closed (the
@@ -70,7 +73,7 @@ class StreamSlot:
 
     def close(self) -> None:
         try:
-            self.store.close_stream(self.owner, self.token)
+            self.store.close_stream(self.owner, self.token, self.waiting)
         except redis.RedisError:
             pass   # the lease runs out by itself
 
@@ -89,6 +92,31 @@ def take_stream_slot() -> None:
                             "(LLMQ_KEY_MAX_STREAMS); close one first", "rate_limit_error",
                        {"Retry-After": "5"}, code="too_many_streams")
     g.stream_slot = StreamSlot(store, g.owner, token, lease)
+
+
+def take_waiting_slot() -> None:
+    """Takes a slot for a request that waits on this thread for its result (429 when the key
+    has LLMQ_KEY_MAX_WAITING such requests): one key's waiting requests cannot hold every API
+    thread. The request holds it until it ends (its lease outlasts LLMQ_WAIT_TIMEOUT, after
+    which a wait ends, so the slots of an API process that died free themselves). Keys only."""
+    s = settings()
+    if not (g.owner and s.key_max_waiting) or "waiting_slot" in g:
+        return
+    lease = s.wait_timeout_s + 30
+    store = engine().store
+    token = store.open_stream(g.owner, s.key_max_waiting, lease, waiting=True)
+    if token is None:
+        raise APIError(429, f"this key has {s.key_max_waiting} requests waiting for their "
+                            "results (LLMQ_KEY_MAX_WAITING); retry when one ends, or queue "
+                            "jobs (POST /v1/jobs) and follow them", "rate_limit_error",
+                       {"Retry-After": "5"}, code="too_many_waiting")
+    g.waiting_slot = StreamSlot(store, g.owner, token, lease, waiting=True)
+
+
+def close_waiting_slot(_exc=None) -> None:
+    slot = g.pop("waiting_slot", None)
+    if slot is not None:
+        slot.close()
 
 
 def hand_stream_slot_to_response(resp: Response) -> Response:

@@ -15,7 +15,7 @@ from .errors import APIError
 from .limits import check_limits
 from .model_routing import ready_model
 from .schemas import JobRequest, SamplingFields, ToolFields
-from .streaming import take_stream_slot
+from .streaming import take_stream_slot, take_waiting_slot
 
 
 def inputs_of(req: JobRequest) -> list[dict[str, Any]]:
@@ -54,13 +54,15 @@ def submit(inputs: list[dict[str, Any]], req: SamplingFields,
            default_max_tokens: int | None = None, max_tokens: int | None = None,
            max_tokens_param: str = "max_tokens", n: int = 1,
            on_created: Callable[[list[dict]], None] | None = None,
-           model: str | None = None) -> list[dict]:
+           model: str | None = None, waits: bool = False) -> list[dict]:
     """Checks the request's limits and webhook, then queues one sequence per input with its
     sampling and queueing fields, owned by the caller (every submitting route, OpenAI's
     included, comes through here). `max_tokens` overrides the field (OpenAI's
     max_completion_tokens); with n > 1, n sequences per input, each with its own seed
     (input-major order). `on_created(jobs)`: the route's own writes beside the records, made
-    before any worker can see them. `model` (else the request's): whose queue takes them."""
+    before any worker can see them. `model` (else the request's): whose queue takes them.
+    `waits`: the route waits on this thread for the result (a slot of the key's
+    LLMQ_KEY_MAX_WAITING)."""
     s, eng = settings(), engine()
     model = ready_model(model or getattr(req, "model", None)).name
     default_max_tokens = default_max_tokens or s.default_max_tokens
@@ -74,6 +76,8 @@ def submit(inputs: list[dict[str, Any]], req: SamplingFields,
         inputs = [{**inp, "params": p} for inp in inputs for p in params.copies(n)]
     if getattr(req, "stream", False):
         take_stream_slot()
+    elif waits:
+        take_waiting_slot()
     # Indexed and hooked before the messages go: a failure there is a 503 with nothing queued
     # (after them, the 503 came for jobs that ran anyway, and a retry ran them twice).
     ext, owner = current_app.extensions["llmq"], g.owner

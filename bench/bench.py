@@ -22,6 +22,9 @@ Phases, all on the default model, greedy, with the output length forced:
               per step at 100, 1,000, 4,000 and 8,000 tokens, tok/s over time, the AOF's growth
               against the tokens (--only long runs it, alone; --long-tokens 300 --long-seqs 8
               for a smoke run)
+  2i. attacks key b's 16-token chat requests alone, beside a plain flood from key a (the control)
+              and beside each of issue 48's attacks from key a: p50, x alone, x the control,
+              b's errors (--only attacks runs it, alone; --attack-seconds 10 for a smoke run)
   4. baseline with --baseline REF: REF's own stack (from a temporary copy of its tree) against
               this checkout's at the same levels, prompts and dtype (float32), in turn
               (--only baseline runs it alone)
@@ -43,6 +46,8 @@ from pathlib import Path
 
 from . import report
 from .efficiency import measure as measure_efficiency, merge_probe
+from .attacks import ROWS as ATTACK_ROWS, attack_targets, attacks_phase, format_attacks
+from .attacks import METRICS_KEY, stack_env as attack_stack_env
 from .baseline import baseline_phase
 from .batch import batch_phase
 from .loadgen import closed_loop, open_loop, payload
@@ -139,17 +144,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-app", default="app.wsgi:application",
                    help="the WSGI app gunicorn serves (module:variable, importable from the repo)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="LLMQ_MAX_NUM_SEQS of the worker")
-    p.add_argument("--only", choices=["peers", "quality", "baseline", "batch", "lengths", "long"],
+    p.add_argument("--only", choices=["peers", "quality", "baseline", "batch", "lengths", "long",
+                                      "attacks"],
                    help="run only this phase (peers: the peers table, ~10 min; quality: the "
                         "bfloat16 quality guard, ~2 min; baseline: the --baseline comparison; "
                         "batch: the Batch API phase; lengths: the mixed-lengths phase, ~5 min; "
-                        "long: the long-generations phase, which runs only so)")
+                        "long: the long-generations phase, which runs only so; attacks: one "
+                        "key's attacks against another's latency, which runs only so)")
     for flag, kind, default, what in (
             ("--long-seqs", int, 64, "sequences of the long-generations phase"),
             ("--long-tokens", int, 8000, "tokens each long sequence generates (300: a smoke run)"),
             ("--long-time-limit", float, 3600.0,
-             "seconds after which the long phase cancels what still runs, and reports")):
+             "seconds after which the long phase cancels what still runs, and reports"),
+            ("--attack-seconds", float, 60.0, "seconds key b is measured under each attack row"),
+            ("--attack-tokens", int, 0,
+             "output tokens of key a's requests (0: the issue's, 256 a flood, 200 a wave; "
+             "fewer for a smoke run on a small machine)")):
         p.add_argument(flag, type=kind, default=default, help=f"{what} (default {default:g})")
+    p.add_argument("--attacks", default=",".join(ATTACK_ROWS),
+                   help="rows of the attacks phase, of " + ",".join(ATTACK_ROWS) + " (default: "
+                        "all; alone and control are what the others are divided by)")
     p.add_argument("--baseline", metavar="REF",
                    help="also run the uniform levels on REF's own stack (a commit, branch or "
                         "tag of this repository, e.g. bb17313) and report llmq's float32 tok/s "
@@ -198,6 +212,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--baseline-rounds and --peers-rounds: at least 1")
     if args.long_seqs < 1 or args.long_tokens < 2:
         p.error("--long-seqs: at least 1; --long-tokens: at least 2")
+    args.attacks = [x for x in args.attacks.replace(" ", "").split(",") if x]
+    if bad := [x for x in args.attacks if x not in ATTACK_ROWS]:
+        p.error(f"--attacks: unknown {bad}; choose from {list(ATTACK_ROWS)}")
+    if args.attack_seconds <= 0:
+        p.error("--attack-seconds: more than 0")
     q = args.quick
     args.levels = _ints(args.concurrency) if args.concurrency else ([1, 8, 32] if q else [1, 8, 32, 64])
     # The levels the issues judge against the baseline, unless levels are asked for.
@@ -447,9 +466,12 @@ def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None
                                         max_num_seqs=args.max_num_seqs)
     # The long phase asks for more tokens than the API's default cap allows.
     extra_env = ({"LLMQ_MAX_TOKENS_LIMIT": str(max(4096, args.long_tokens))}
-                 if args.only == "long" else {})
+                 if args.only == "long" else attack_stack_env() if args.only == "attacks" else {})
     stack = Stack(workdir, max_num_seqs=args.max_num_seqs, device=args.device, backend=args.backend,
-                  dtype=result["meta"]["dtype"], api_app=args.api_app, extra_env=extra_env)
+                  dtype=result["meta"]["dtype"], api_app=args.api_app, extra_env=extra_env,
+                  metrics_key=METRICS_KEY if args.only == "attacks" else None,
+                  task_threads=(args.max_num_seqs + (args.max_num_seqs + 3) // 4
+                                if args.only == "attacks" else None))
     error = None
     try:
         progress(f"phase 2/3: starting redis-server :{stack.redis_port}, a worker and the API "
@@ -459,6 +481,14 @@ def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None
         progress(f"stack ready in {time.monotonic() - t:.1f} s")
         if args.only == "lengths":
             result["lengths"] = _lengths(stack, args, progress)
+            return None
+        if args.only == "attacks":
+            stack.start_delivery_worker()
+            progress(f"phase 2i: key b's latency beside key a's attacks {args.attacks}, "
+                     f"{args.attack_seconds:g} s each")
+            result["attacks"] = attacks_phase(stack, args.attack_seconds, args.attacks,
+                                              progress=progress,
+                                              tokens=args.attack_tokens or None)
             return None
         if args.only == "long":
             progress(f"phase 2h: {args.long_seqs} sequences generating {args.long_tokens} "
@@ -560,7 +590,7 @@ def main(argv=None) -> int:
             progress(f"phase 0: peers table at concurrency {args.peers_concurrency} "
                      f"(logs in {workdir})")
             result["peers"] = _peers(args, workdir, model_dir, args.dtype, result["efficiency"])
-        if args.only in (None, "batch", "lengths", "long"):
+        if args.only in (None, "batch", "lengths", "long", "attacks"):
             # The budget covers the llmq phases; the peers table and the baseline comparison
             # have their own per-level limits.
             budget = Budget(args.budget, start=time.monotonic())
@@ -609,6 +639,7 @@ def main(argv=None) -> int:
     if result.get("batch"):
         result["targets"] += report.batch_targets(result["batch"])
     result["targets"] += long_targets(result.get("long"))
+    result["targets"] += attack_targets(result.get("attacks"))
     if result.get("baseline"):
         result["targets"] += report.baseline_targets(result["baseline"])
     json_path = out_dir / f"{stamp}.json"
@@ -623,6 +654,7 @@ def main(argv=None) -> int:
     print()
     print(report.format_table(result))
     print("\n".join(format_long(result.get("long"))))
+    print("\n".join(format_attacks(result.get("attacks"))))
     print("\n".join(structured_lines(result.get("structured"))))
     progress(f"results: {json_path}" + (f" and {png_path}" if png_path else ""))
     # --only baseline: a baseline that did not run is this run's failure (the row says why).

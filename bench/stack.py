@@ -102,7 +102,8 @@ class Stack:
                  backend: str = "transformers",
                  dtype: str = "float32", api_workers: int = 2, api_threads: int = 256,
                  api_app: str = "app.wsgi:application", log=print, root: Path = ROOT,
-                 extra_paths: tuple[Path, ...] = (), extra_env: dict[str, str] | None = None):
+                 extra_paths: tuple[Path, ...] = (), extra_env: dict[str, str] | None = None,
+                 metrics_key: str | None = None, task_threads: int | None = None):
         self.root = Path(root)
         self.extra_paths = [str(p) for p in extra_paths]   # ahead of the venv (an overlay)
         self.workdir = workdir
@@ -110,14 +111,21 @@ class Stack:
         self.redis_port = free_port()
         self.api_port = free_port()
         self.max_num_seqs = max_num_seqs
+        # The worker's Celery task threads (default: one per batch slot). scripts/worker.sh
+        # starts a quarter more, which is what lets another key's sequence reach the engine
+        # while one key fills the batch: a phase about tenants runs that.
+        self.task_threads = task_threads or max_num_seqs
         self.device, self.dtype = device, dtype
         self.backend = backend
         self.api_workers, self.api_threads = api_workers, api_threads
         self.api_app = api_app
         self.log = log
         self.extra_env = dict(extra_env or {})   # settings of the API and the worker
+        # With API keys set, /readyz lists the workers only to a key in LLMQ_METRICS_KEYS.
+        self.auth = {"Authorization": f"Bearer {metrics_key}"} if metrics_key else {}
         self.redis: Proc | None = None
         self.worker: Proc | None = None
+        self.delivery: Proc | None = None   # webhook deliveries' worker, where a phase needs it
         self.api: Proc | None = None
         self.worker_name = ""
         self._worker_count = 0
@@ -189,7 +197,7 @@ class Stack:
         env["LLMQ_BATCH_POLICY"] = batch_policy
         self.worker = Proc(f"worker ({batch_policy})",
                            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
-                            "--pool", "threads", "--concurrency", str(self.max_num_seqs),
+                            "--pool", "threads", "--concurrency", str(self.task_threads),
                             "--queues", env.get("LLMQ_QUEUE", "llmq"), "--prefetch-multiplier", "1",
                             "--task-events", "--hostname", self.worker_name,
                             "--loglevel", env.get("LLMQ_LOG_LEVEL", "INFO"),
@@ -203,6 +211,7 @@ class Stack:
     def wait_ready(self, timeout_s: float) -> None:
         """Until /readyz (through gunicorn) lists this run's worker with its model loaded."""
         session = requests.Session()
+        session.headers.update(self.auth)
 
         def ready():
             self.api.check_alive()
@@ -226,7 +235,7 @@ class Stack:
     def worker_report(self) -> dict[str, str]:
         """What the stack's worker reports in its heartbeat (/readyz): its dtype, KV cache dtype
         and kernels beside its counters."""
-        r = requests.get(f"{self.url}/readyz", timeout=5)
+        r = requests.get(f"{self.url}/readyz", headers=self.auth, timeout=5)
         return next((w for w in r.json().get("workers", []) if w.get("name") == self.worker_name),
                     {})
 
@@ -235,7 +244,7 @@ class Stack:
         moving (the heartbeat lags the last step by up to LLMQ_WORKER_HEARTBEAT)."""
         last, deadline = None, time.monotonic() + settle_s
         while time.monotonic() < deadline:
-            r = requests.get(f"{self.url}/readyz", timeout=5)
+            r = requests.get(f"{self.url}/readyz", headers=self.auth, timeout=5)
             w = next((w for w in r.json().get("workers", []) if w.get("name") == self.worker_name), {})
             now = {k: float(v) for k, v in w.items()
                    if k.startswith("timing_") or k in self.COUNTERS}
@@ -250,13 +259,27 @@ class Stack:
         return {k[len("timing_"):]: v for k, v in self.worker_info(settle_s).items()
                 if k.startswith("timing_")}
 
+    def start_delivery_worker(self, threads: int = 16) -> None:
+        """A delivery worker as scripts/delivery.sh starts it: webhook deliveries on their own
+        queue and pool, no model. Not waited for: deliveries wait in their queue until it is up."""
+        env = self.base_env()
+        self.delivery = Proc("delivery worker",
+                             [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
+                              "--pool", "threads", "--concurrency", str(threads),
+                              "--queues", f"{env.get('LLMQ_QUEUE', 'llmq')}.webhooks",
+                              "--prefetch-multiplier", "1", "--hostname",
+                              f"llmq-bench-delivery@{socket.gethostname()}",
+                              "--loglevel", env.get("LLMQ_LOG_LEVEL", "INFO"),
+                              "--without-mingle", "--without-gossip"],
+                             env, self.workdir / "delivery.log", self.root).start()
+
     def restart_worker(self, batch_policy: str, timeout_s: float = 300.0) -> None:
         if self.worker is not None:
             self.worker.stop(grace_s=20)
         self.start_worker(batch_policy, timeout_s)
 
     def stop(self) -> None:
-        for attr in ("api", "worker", "redis"):
+        for attr in ("api", "worker", "delivery", "redis"):
             proc = getattr(self, attr)
             if proc is not None:
                 try:

@@ -103,6 +103,12 @@ class Keys:
         return f"{Keys.owner(owner)}:streams"
 
     @staticmethod
+    def owner_waiting(owner: str) -> str:
+        """zset: an owner's requests waiting on an API thread for their result -> lease end
+        (its waiting cap)."""
+        return f"{Keys.owner(owner)}:waiting"
+
+    @staticmethod
     def owner_index(owner: str, kind: str) -> str:
         """zset: an owner's jobs, files or batches, newest first."""
         return f"{Keys.owner(owner or 'anonymous')}:{kind}"

@@ -138,8 +138,9 @@ class LLMEngine:
 
     def _admission_control(self, reqs: list[SequenceRequest], owner: str, queue: str) -> int:
         """Refuses (429) what the queue cannot take: past LLMQ_MAX_QUEUED in the model's
-        queue, or, with API keys, past one key's share of it. Returns the key's unfinished
-        sequences (0 without keys)."""
+        queue (unless, with API keys, the key stays within LLMQ_KEY_QUEUE_FLOOR: other keys'
+        backlog never locks a light key out), or, with keys, past one key's share of it.
+        Returns the key's unfinished sequences (0 without keys)."""
         s, n = self.settings, len(reqs)
         keyed = bool(owner and s.api_keys)
         cap = max(1, int(s.max_queued * s.key_queue_share)) if keyed else s.max_queued
@@ -150,7 +151,8 @@ class LLMEngine:
                            + f"LLMQ_MAX_QUEUED={s.max_queued})")
         # One atomic step: checked, then written, concurrent requests all passed the check.
         full, count = self.store.admit(queue, [r.seq_id for r in reqs], owner if keyed else "",
-                                       s.max_queued, cap if keyed else 0)
+                                       s.max_queued, cap if keyed else 0,
+                                       s.key_queue_floor if keyed else 0)
         if full == "queue":
             raise Overloaded(f"the queue is full ({count} sequences waiting); retry later", 2,
                              "queue_full")

@@ -174,6 +174,11 @@ class Settings:
     # a handful of EOS ids, with a wide margin
     max_stop_token_ids: int = setting(64, "LLMQ_MAX_STOP_TOKEN_IDS", minimum=0)
     max_body_bytes: int = setting(2 * 1024 * 1024, "LLMQ_MAX_BODY_BYTES", positive=True)
+    # Structured output (app/grammar_check.py): llguidance unrolls a JSON schema's counts
+    # (maxItems 200,000 takes seconds to compile), so a count above this is refused before
+    # any compile; a grammar that still takes longer than grammar_timeout_s is refused too.
+    max_schema_count: int = setting(4096, "LLMQ_MAX_SCHEMA_COUNT", positive=True)
+    grammar_timeout_s: float = setting(2.0, "LLMQ_GRAMMAR_TIMEOUT", positive=True)
     # Engine.
     max_num_seqs: int = setting(64, "LLMQ_MAX_NUM_SEQS", positive=True)
     max_num_batched_tokens: int = setting(2048, "LLMQ_MAX_NUM_BATCHED_TOKENS", positive=True)
@@ -230,10 +235,16 @@ class Settings:
     # shares never apply.
     # of LLMQ_MAX_QUEUED: one key's unfinished sequences
     key_queue_share: float = setting(0.5, "LLMQ_KEY_QUEUE_SHARE", positive=True, maximum=1)
+    # unfinished sequences a key may always have, however full others have made the queue
+    # (which may then hold up to LLMQ_MAX_QUEUED + this per key)
+    key_queue_floor: int = setting(64, "LLMQ_KEY_QUEUE_FLOOR", minimum=0)
     # of a worker's batch, while other keys' sequences wait
     key_batch_share: float = setting(0.5, "LLMQ_KEY_BATCH_SHARE", positive=True, maximum=1)
     # open SSE streams per key (0 = no cap)
     key_max_streams: int = setting(32, "LLMQ_KEY_MAX_STREAMS", minimum=0)
+    # requests per key waiting on an API thread for their result (a waiting /v1/generate, a
+    # non-streamed OpenAI request or response; 0 = no cap): each holds a thread until it ends
+    key_max_waiting: int = setting(64, "LLMQ_KEY_MAX_WAITING", minimum=0)
     # HMAC secret naming owners in records and logs
     owner_secret: str = setting("", "LLMQ_OWNER_SECRET")
     # let different keys reuse each other's cached prefixes

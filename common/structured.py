@@ -56,6 +56,21 @@ def bounded(schema: Any, depth: int = 0) -> Any:
     return out
 
 
+def subschemas(schema: Any):
+    """The schemas directly inside a JSON schema (those bounded() walks)."""
+    if not isinstance(schema, dict):
+        return
+    for key in _SCHEMA_KEYS:
+        if key in schema:
+            yield schema[key]
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            yield from schema[key].values()
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            yield from schema[key]
+
+
 def json_schema_grammar(schema: dict | bool) -> str:
     """The llguidance grammar of a JSON schema, compact and with bounded integers."""
     from llguidance import LLMatcher

@@ -51,16 +51,18 @@ class Admission(StorePart):
         return ("" if hit == "ok" else hit), max(1, int((window + 1) * 60 - t) + 1), key
 
     def admit(self, queue: str, seq_ids: list[str], owner: str, max_queued: int,
-              owner_cap: int) -> tuple[str, int]:
+              owner_cap: int, owner_floor: int = 0) -> tuple[str, int]:
         """Admits the sequences in one atomic step unless the queue (LLMQ_MAX_QUEUED) or the
-        owner's share (owner_cap; 0: none) is full. Returns ("ok", the owner's unfinished
+        owner's share (owner_cap; 0: none) is full; an owner with a cap whose unfinished
+        sequences, these included, stay within owner_floor gets in even past a full queue
+        (other keys' backlog cannot lock it out). Returns ("ok", the owner's unfinished
         sequences before them) or the cap that refused them ("queue" or "key") and its count.
         Admitted ids count towards the queue until `sent` (or unadmit) takes them out."""
         t = time.time()
         kind, count = self._admit(
             keys=[ADMITTING_KEY, owner_seqs_key(owner), UNSTARTED_KEY, *queue_lists(queue)],
             args=[t, t - ADMITTING_S, t - self.pending_ttl_s, max_queued, owner_cap,
-                  int(self.pending_ttl_s), *seq_ids])
+                  int(self.pending_ttl_s), owner_floor, *seq_ids])
         return (kind.decode() if isinstance(kind, bytes) else kind), int(count)
 
     def sent(self, seq_ids: list[str]) -> None:

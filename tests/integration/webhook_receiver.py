@@ -11,6 +11,8 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from bench.attacks import SilentReceiver  # noqa: F401 - the webhook tests' silent receiver
+
 
 def new_secret() -> str:
     return "whsec_" + base64.b64encode(os.urandom(32)).decode()
@@ -76,37 +78,3 @@ class WebhookReceiver:
         self.server.shutdown()
 
 
-class SilentReceiver:
-    """Accepts connections and never answers: each delivery to it lasts its whole timeout.
-    `connections` counts those it accepted."""
-
-    def __init__(self):
-        import socket
-
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.held: list = []
-        self.lock = threading.Lock()
-        self.closed = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def connections(self) -> int:
-        with self.lock:
-            return len(self.held)
-
-    def _accept(self) -> None:
-        while not self.closed.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with self.lock:
-                self.held.append(conn)
-
-    def stop(self) -> None:
-        self.closed.set()
-        self.sock.close()
-        with self.lock:
-            for conn in self.held:
-                conn.close()

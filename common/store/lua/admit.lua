@@ -15,19 +15,21 @@ local owner_stale = ARGV[3]      -- an owner's sequences at or before this no lo
 local max_queued = tonumber(ARGV[4])
 local cap = tonumber(ARGV[5])    -- the owner's share; 0: none
 local pending_ttl = ARGV[6]
-local FIRST_ID = 7               -- ARGV[7..]: the ids to admit
+local floor = tonumber(ARGV[7])  -- what the owner may always have unfinished, a full queue or not
+local FIRST_ID = 8               -- ARGV[8..]: the ids to admit
 
 redis.call('ZREMRANGEBYSCORE', admitting, '-inf', admitting_stale)
 local n = #ARGV - FIRST_ID + 1
 local depth = redis.call('ZCARD', admitting)
 for i = FIRST_QUEUE_LIST, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
-if depth + n > max_queued then return {'queue', depth} end
 local mine = 0
 if cap > 0 then
   redis.call('ZREMRANGEBYSCORE', owner_seqs, '-inf', owner_stale)
   mine = redis.call('ZCARD', owner_seqs)
-  if mine + n > cap then return {'key', mine} end
 end
+-- Within its floor a key gets in past a full queue: other keys' backlog cannot lock it out.
+if depth + n > max_queued and (cap == 0 or mine + n > floor) then return {'queue', depth} end
+if cap > 0 and mine + n > cap then return {'key', mine} end
 for i = FIRST_ID, #ARGV do
   redis.call('ZADD', admitting, now, ARGV[i])
   redis.call('ZADD', unstarted, now, ARGV[i])
