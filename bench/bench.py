@@ -126,6 +126,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip the structured-output phase (its cost at the top concurrency)")
     p.add_argument("--skip-tools", action="store_true",
                    help="skip the tool-calling phase (its cost at the top concurrency)")
+    p.add_argument("--tools-items", type=int, default=24,
+                   help="digits in each tool call's arguments (default 24, ~96 tokens an "
+                        "answer; 4 for a smoke run)")
     p.add_argument("--streams", type=int, default=None,
                    help="SSE streams to hold open at once (default 256; quick 64; 0 skips)")
     p.add_argument("--prefix-requests", type=int, default=None,
@@ -406,7 +409,7 @@ def _tools(stack: Stack, args) -> dict:
     progress(f"phase 2i: tool calls at concurrency {c}: free text, a named tool_choice, "
              "required with two tools")
     return tools_phase(stack.url, c, requests_for(c, args), 2 * args.level_time_limit,
-                       progress=progress)
+                       progress=progress, items=args.tools_items)
 
 
 def served_kv_dtype(stack) -> str:

@@ -188,6 +188,11 @@ def stream_completion(session: requests.Session, url: str, payload: dict,
     try:
         with session.post(f"{url}{path}", json=payload, stream=True,
                           timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S)) as resp:
+            # llmq's id: the watchdog cancels a stream that sends nothing until its end (an
+            # answer with tools is held so) by it.
+            res.seq_id = resp.headers.get("X-Request-Id")
+            if inflight is not None:
+                inflight.add(res.seq_id)
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 res.end = time.perf_counter()
@@ -232,6 +237,9 @@ def stream_completion(session: requests.Session, url: str, payload: dict,
     except (requests.RequestException, ValueError) as exc:
         res.end = time.perf_counter()
         res.error = f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        if inflight is not None:
+            inflight.discard(res.seq_id)
     return res
 
 

@@ -19,7 +19,7 @@ from .loadgen import closed_loop, stream_completion
 from .raw import short_prompts
 
 BAR = 0.90
-ITEMS = 24   # ~50 tokens of arguments with the default model's tokenizer
+ITEMS = 24   # ~96 tokens an answer with the default model's tokenizer
 ARMS = ("free", "named", "required")
 send_chat = functools.partial(stream_completion, path="/v1/chat/completions")
 
@@ -34,7 +34,7 @@ def tool(name: str, items: int = ITEMS) -> dict:
                        "required": ["readings"], "additionalProperties": False}}}
 
 
-def chat_payload(prompt: str, arm: str, max_tokens: int) -> dict:
+def chat_payload(prompt: str, arm: str, max_tokens: int, items: int = ITEMS) -> dict:
     """One streamed greedy chat request of the arm: free text of exactly max_tokens tokens, or
     one call (max_tokens only a ceiling) of a named tool or of either of two tools."""
     body = {"messages": [{"role": "user", "content": prompt}], "stream": True,
@@ -42,19 +42,21 @@ def chat_payload(prompt: str, arm: str, max_tokens: int) -> dict:
             "max_tokens": max_tokens}
     if arm == "free":
         return {**body, "min_tokens": max_tokens, "ignore_eos": True}
-    tools = [tool("record_readings")] + ([tool("log_readings")] if arm == "required" else [])
+    tools = [tool("record_readings", items)] + ([tool("log_readings", items)]
+                                                if arm == "required" else [])
     choice = ({"type": "function", "function": {"name": "record_readings"}} if arm == "named"
               else "required")
     return {**body, "tools": tools, "tool_choice": choice, "parallel_tool_calls": False}
 
 
 def tools_phase(url: str, concurrency: int, num_requests: int, time_limit_s: float,
-                progress=print, prompt_offset: int = 3000, ceiling: int = 256) -> dict:
+                progress=print, prompt_offset: int = 3000, ceiling: int = 256,
+                items: int = ITEMS) -> dict:
     """Runs the three arms; returns their summaries, the answers' lengths and the ratios."""
     prompts = short_prompts(num_requests, prompt_offset)
     # Untimed: the worker builds its grammar tokenizer at the first structured request (~1 s),
     # and the named call's length sets the free arm's.
-    warm, _, _ = closed_loop(url, 1, [chat_payload(prompts[0], "named", ceiling)],
+    warm, _, _ = closed_loop(url, 1, [chat_payload(prompts[0], "named", ceiling, items)],
                              time_limit_s / 2, time_limit_s, send=send_chat)
     length = warm[0].completion_tokens if warm and warm[0].finish_reason == "tool_calls" else 0
     if not length:
@@ -63,7 +65,8 @@ def tools_phase(url: str, concurrency: int, num_requests: int, time_limit_s: flo
                                                      f"(finish {warm[0].finish_reason if warm else None})"}
     runs = {}
     for arm in ARMS:
-        payloads = [chat_payload(p, arm, length if arm == "free" else ceiling) for p in prompts]
+        payloads = [chat_payload(p, arm, length if arm == "free" else ceiling, items)
+                    for p in prompts]
         results, wall, truncated = closed_loop(url, concurrency, payloads, time_limit_s / 2,
                                                time_limit_s, send=send_chat)
         runs[arm] = summarize_arm(arm, results, wall, truncated)

@@ -1,12 +1,16 @@
 """The tool-calling bench phase's maths and report, from made-up results (no stack): the arms'
 payloads, the ratios per token against free text, answers that are not calls counted as
-failures, and the targets judged against the 0.90 bar."""
+failures, the targets judged against the 0.90 bar, and the chat stream's client."""
 from __future__ import annotations
 
+import json
+
 from bench.bench import parse_args
-from bench.loadgen import RequestResult
-from bench.tools import (ITEMS, chat_payload, format_lines, ratios, summarize_arm, tool,
-                         tools_targets)
+from bench.loadgen import Inflight, RequestResult
+from bench.tools import (ITEMS, chat_payload, format_lines, ratios, send_chat, summarize_arm,
+                         tool, tools_targets)
+
+from .factories import FakeStream
 
 
 def results(n: int, tokens: int, wall: float, finish: str, max_tokens: int = 256) -> list:
@@ -67,3 +71,38 @@ def test_a_failed_warm_up_reports_no_target():
 def test_only_tools_is_a_phase():
     assert parse_args(["--only", "tools"]).only == "tools"
     assert parse_args(["--skip-tools"]).skip_tools
+
+
+class _Session:
+    def __init__(self, chunks, headers):
+        self.chunks, self.headers, self.sent = chunks, headers, []
+
+    def post(self, url, json=None, **kw):
+        self.sent.append(url)
+        return FakeStream(self.chunks, self.headers)
+
+
+def _delta(delta, finish=None) -> bytes:
+    body = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def test_a_held_chat_stream_is_read_and_cancellable_by_its_id():
+    """The chat route's deltas are token events (a call's too), the finish reason is kept,
+    and llmq's id is in flight while the stream is open (the watchdog cancels by it: an
+    answer with tools sends nothing until its end)."""
+    inflight, seen = Inflight(), []
+    chunks = [_delta({"role": "assistant", "content": ""}),
+              _delta({"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f"}}]}),
+              _delta({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]},
+                     "tool_calls"),
+              f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': 9}})}\n\n"
+              .encode(), b"data: [DONE]\n\n"]
+    session = _Session(chunks, {"X-Request-Id": "seq-1"})
+    add = inflight.add
+    inflight.add = lambda seq_id: (add(seq_id), seen.append(set(inflight.ids)))
+    r = send_chat(session, "http://x", chat_payload("Hi", "named", 256), inflight=inflight)
+    assert session.sent == ["http://x/v1/chat/completions"]
+    assert r.status == "succeeded" and r.finish_reason == "tool_calls"
+    assert r.completion_tokens == 9 and len(r.token_times) == 2
+    assert seen == [{"seq-1"}] and inflight.ids == set()   # added, then discarded
