@@ -16,6 +16,9 @@ Phases, all on the default model, greedy, with the output length forced:
   2g. lengths 32 short requests alone, then beside one 3,000-token prompt (and one of 8,000):
               the short ones' latency p50 ratio, the model process's RSS against its KV bytes
               (--only lengths runs it alone)
+  2i. tools  chat requests at the top level three times: free text, a named tool_choice, and
+              "required" with two tools, the answers the same length: tool calls' tok/s against
+              free text's, bar 0.90 (--only tools runs it alone; --skip-tools leaves it out)
   3. mixed    prompts 10-400 tokens, outputs 8-256, Poisson arrivals near saturation:
               continuous batching, then the worker restarted with LLMQ_BATCH_POLICY=static
   2h. long   64 sequences generating 8,000 tokens each (ignore_eos): host time and Redis bytes
@@ -63,6 +66,7 @@ from .stack import ROOT, Stack
 from .stop_strings import stop_strings_phase
 from .streams import streams_phase
 from .structured import format_lines as structured_lines, structured_phase
+from .tools import format_lines as tools_lines, tools_phase, tools_targets
 from .workload import mixed_requests, poisson_offsets
 from worker.model_manager import resolve_dtype
 
@@ -127,6 +131,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "CPUs with native bf16)")
     p.add_argument("--skip-structured", action="store_true",
                    help="skip the structured-output phase (its cost at the top concurrency)")
+    p.add_argument("--skip-tools", action="store_true",
+                   help="skip the tool-calling phase (its cost at the top concurrency)")
+    p.add_argument("--tools-items", type=int, default=24,
+                   help="digits in each tool call's arguments (default 24, ~96 tokens an "
+                        "answer; 4 for a smoke run)")
     p.add_argument("--streams", type=int, default=None,
                    help="SSE streams to hold open at once (default 256; quick 64; 0 skips)")
     p.add_argument("--prefix-requests", type=int, default=None,
@@ -145,12 +154,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the WSGI app gunicorn serves (module:variable, importable from the repo)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="LLMQ_MAX_NUM_SEQS of the worker")
     p.add_argument("--only", choices=["peers", "quality", "baseline", "batch", "lengths", "long",
-                                      "attacks"],
+                                      "attacks", "tools"],
                    help="run only this phase (peers: the peers table, ~10 min; quality: the "
                         "bfloat16 quality guard, ~2 min; baseline: the --baseline comparison; "
                         "batch: the Batch API phase; lengths: the mixed-lengths phase, ~5 min; "
                         "long: the long-generations phase, which runs only so; attacks: one "
-                        "key's attacks against another's latency, which runs only so)")
+                        "key's attacks against another's latency, which runs only so; tools: "
+                        "the tool-calling phase at the top --concurrency level)")
     for flag, kind, default, what in (
             ("--long-seqs", int, 64, "sequences of the long-generations phase"),
             ("--long-tokens", int, 8000, "tokens each long sequence generates (300: a smoke run)"),
@@ -417,6 +427,14 @@ def _lengths(stack: Stack, args, progress) -> dict:
                          dtype=stack.dtype, kv_dtype=served_kv_dtype(stack))
 
 
+def _tools(stack: Stack, args) -> dict:
+    c = max(args.levels)
+    progress(f"phase 2i: tool calls at concurrency {c}: free text, a named tool_choice, "
+             "required with two tools")
+    return tools_phase(stack.url, c, requests_for(c, args), 2 * args.level_time_limit,
+                       progress=progress, items=args.tools_items)
+
+
 def served_kv_dtype(stack) -> str:
     """The KV cache dtype the stack's worker chose (LLMQ_KV_CACHE_DTYPE; auto: float16 under
     float32 on a CPU with the decode kernel), as its heartbeat reports it."""
@@ -484,11 +502,14 @@ def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None
             return None
         if args.only == "attacks":
             stack.start_delivery_worker()
-            progress(f"phase 2i: key b's latency beside key a's attacks {args.attacks}, "
+            progress(f"phase 2j: key b's latency beside key a's attacks {args.attacks}, "
                      f"{args.attack_seconds:g} s each")
             result["attacks"] = attacks_phase(stack, args.attack_seconds, args.attacks,
                                               progress=progress,
                                               tokens=args.attack_tokens or None)
+            return None
+        if args.only == "tools":
+            result["tools"] = _tools(stack, args)
             return None
         if args.only == "long":
             progress(f"phase 2h: {args.long_seqs} sequences generating {args.long_tokens} "
@@ -528,6 +549,8 @@ def llmq_phases(args, result: dict, budget: Budget, workdir: Path) -> str | None
             result["structured"] = structured_phase(
                 stack.url, c, requests_for(c, args), lambda p: payload(p, args.tokens),
                 2 * args.level_time_limit, progress=progress)
+        if full and not args.skip_tools and budget.allows("tool calls", 90):
+            result["tools"] = _tools(stack, args)
         if full and args.lengths and args.backend == "transformers" and budget.allows(
                 "mixed lengths", 120 * (len(args.lengths) + 2)):
             progress(f"phase 2g: mixed lengths, 32 short requests alone and beside one long "
@@ -590,7 +613,7 @@ def main(argv=None) -> int:
             progress(f"phase 0: peers table at concurrency {args.peers_concurrency} "
                      f"(logs in {workdir})")
             result["peers"] = _peers(args, workdir, model_dir, args.dtype, result["efficiency"])
-        if args.only in (None, "batch", "lengths", "long", "attacks"):
+        if args.only in (None, "batch", "lengths", "long", "attacks", "tools"):
             # The budget covers the llmq phases; the peers table and the baseline comparison
             # have their own per-level limits.
             budget = Budget(args.budget, start=time.monotonic())
@@ -640,6 +663,7 @@ def main(argv=None) -> int:
         result["targets"] += report.batch_targets(result["batch"])
     result["targets"] += long_targets(result.get("long"))
     result["targets"] += attack_targets(result.get("attacks"))
+    result["targets"] += tools_targets(result.get("tools"))
     if result.get("baseline"):
         result["targets"] += report.baseline_targets(result["baseline"])
     json_path = out_dir / f"{stamp}.json"
@@ -656,6 +680,7 @@ def main(argv=None) -> int:
     print("\n".join(format_long(result.get("long"))))
     print("\n".join(format_attacks(result.get("attacks"))))
     print("\n".join(structured_lines(result.get("structured"))))
+    print("\n".join(tools_lines(result.get("tools"))))
     progress(f"results: {json_path}" + (f" and {png_path}" if png_path else ""))
     # --only baseline: a baseline that did not run is this run's failure (the row says why).
     failed = args.only == "baseline" and (result.get("baseline") or {}).get("error")

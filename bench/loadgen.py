@@ -31,6 +31,7 @@ class RequestResult:
     status: str = ""
     error: str | None = None
     seq_id: str | None = None
+    finish_reason: str | None = None      # the OpenAI routes' last one
 
     @property
     def ok(self) -> bool:
@@ -173,17 +174,25 @@ def stream_generate(session: requests.Session, url: str, payload: dict,
 
 
 def stream_completion(session: requests.Session, url: str, payload: dict,
-                      start: float | None = None, inflight: Inflight | None = None) -> RequestResult:
+                      start: float | None = None, inflight: Inflight | None = None,
+                      path: str = "/v1/completions") -> RequestResult:
     """Sends one streaming POST /v1/completions (OpenAI's wire format, which llmq, vLLM and
-    llama-server all serve) and reads it to `data: [DONE]`. Each chunk with text is a token
-    event; the usage chunk (stream_options.include_usage) gives the counts, else the chunks are
-    counted. Past inflight.deadline it closes the stream: every server aborts on disconnect."""
+    llama-server all serve; path="/v1/chat/completions" for the chat route) and reads it to
+    `data: [DONE]`. Each chunk with text (a chat delta with content, reasoning or tool calls)
+    is a token event; the usage chunk (stream_options.include_usage) gives the counts, else the
+    chunks are counted. Past inflight.deadline it closes the stream: every server aborts on
+    disconnect."""
     res = RequestResult(start=time.perf_counter() if start is None else start,
                         expected_tokens=int(payload.get("max_tokens") or 0))
     chunks = 0
     try:
-        with session.post(f"{url}/v1/completions", json=payload, stream=True,
+        with session.post(f"{url}{path}", json=payload, stream=True,
                           timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S)) as resp:
+            # llmq's id: the watchdog cancels a stream that sends nothing until its end (an
+            # answer with tools is held so) by it.
+            res.seq_id = resp.headers.get("X-Request-Id")
+            if inflight is not None:
+                inflight.add(res.seq_id)
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 res.end = time.perf_counter()
@@ -209,8 +218,8 @@ def stream_completion(session: requests.Session, url: str, payload: dict,
                         res.completion_tokens = int(usage["completion_tokens"])
                         res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     for choice in body.get("choices") or []:
-                        finish = choice.get("finish_reason") or finish
-                        if choice.get("text"):
+                        finish = res.finish_reason = choice.get("finish_reason") or finish
+                        if choice.get("text") or _delta_has_text(choice.get("delta")):
                             chunks += 1
                             if res.first_token is None:
                                 res.first_token = res.first_text = now
@@ -228,7 +237,15 @@ def stream_completion(session: requests.Session, url: str, payload: dict,
     except (requests.RequestException, ValueError) as exc:
         res.end = time.perf_counter()
         res.error = f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        if inflight is not None:
+            inflight.discard(res.seq_id)
     return res
+
+
+def _delta_has_text(delta: dict | None) -> bool:
+    return bool(delta) and any(delta.get(k) for k in ("content", "reasoning_content",
+                                                       "tool_calls"))
 
 
 def _parse_event(block: bytes) -> tuple[str, str]:

@@ -22,6 +22,11 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # JSON compiler has no digit limit of its own and works on f64 bounds, so the largest double
 # below 2**63 is the bound (19 digits; int64's last 1023 values are refused).
 INT_BOUND = 2**63 - 1024
+# A number the schema leaves unbounded gets an integer part of at most the 17 significant digits
+# a float64 holds: a bound also makes llguidance write it without an exponent, where digits could
+# otherwise run on ("1e99999..."). llguidance has no limit on a fraction's digits (its multipleOf
+# takes no negative numbers and at most 10 decimals), so those stay open to max_tokens.
+NUMBER_BOUND = 1e17
 # Keys whose values are schemas, or maps/lists of schemas (the walk leaves const, enum,
 # default and examples alone: they are values, not schemas).
 _SCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
@@ -33,17 +38,18 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 
 def bounded(schema: Any, depth: int = 0) -> Any:
     """A copy of a JSON schema in which every integer without a bound of its own has int64's
-    bounds (see INT_BOUND)."""
+    bounds (see INT_BOUND), and every number float64's digits (see NUMBER_BOUND)."""
     if not isinstance(schema, dict) or depth > 64:
         return schema
     out = dict(schema)
     types = out.get("type")
     types = types if isinstance(types, list) else [types]
-    if "integer" in types and "number" not in types:
+    bound = NUMBER_BOUND if "number" in types else INT_BOUND if "integer" in types else None
+    if bound is not None:
         if "minimum" not in out and "exclusiveMinimum" not in out:
-            out["minimum"] = -INT_BOUND
+            out["minimum"] = -bound
         if "maximum" not in out and "exclusiveMaximum" not in out:
-            out["maximum"] = INT_BOUND
+            out["maximum"] = bound
     for key in _SCHEMA_KEYS:
         if key in out:
             out[key] = bounded(out[key], depth + 1)
@@ -72,7 +78,7 @@ def subschemas(schema: Any):
 
 
 def json_schema_grammar(schema: dict | bool) -> str:
-    """The llguidance grammar of a JSON schema, compact and with bounded integers."""
+    """The llguidance grammar of a JSON schema, compact and with bounded numbers."""
     from llguidance import LLMatcher
 
     return LLMatcher.grammar_from_json_schema(json.dumps(bounded(schema)),

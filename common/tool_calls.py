@@ -8,6 +8,10 @@ Formats:
   (Qwen2.5/3, Hermes, SmolLM3): the tools go to the template, the calls are parsed from the tags.
 - "llama3_json": Llama 3.1+ templates: a bare `{"name", "parameters"}` object (after an
   optional `<|python_tag|>`).
+- "mistral": Mistral templates (`[AVAILABLE_TOOLS]`, `[TOOL_CALLS]`): `[TOOL_CALLS]` and a JSON
+  list of `{"name", "arguments"}`; the list is a call without its marker too (the marker is a
+  special token, which the detokenizer drops). Past calls' ids are cut to the 9 letters and
+  digits Mistral's templates insist on.
 - "generic": any other template (SmolLM2, the default, and templates whose tool format is not
   recognised): as llama.cpp's server does, the tools are described in the system prompt and the
   answer is a JSON object, `{"tool_calls": [{"name", "arguments"}]}` or `{"response": text}`.
@@ -15,8 +19,8 @@ Formats:
 `required` and a named function decode under a grammar built from the tools' parameter
 schemas, so a call's arguments always parse and validate; `auto` does too in the generic
 format (the grammar is "a call or a text answer") and in the Hermes one (a lazy grammar: free
-text until the model opens `<tool_call>`, the call under the schema); Llama 3.1's `auto` is
-free text, its call parsed after the fact; `none` renders no tools and never calls.
+text until the model opens `<tool_call>`, the call under the schema); Llama 3.1's and Mistral's `auto`
+are free text, their calls parsed after the fact; `none` renders no tools and never calls.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from typing import Any
 
 from .structured import JSON_OPTIONS, bounded
 
-GENERIC, HERMES, LLAMA3 = "generic", "hermes", "llama3_json"
+GENERIC, HERMES, LLAMA3, MISTRAL = "generic", "hermes", "llama3_json", "mistral"
+MISTRAL_MARKER = "[TOOL_CALLS]"
 
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -37,6 +42,8 @@ def detect_format(template: str | None) -> str:
         return GENERIC
     if "<tool_call>" in template:
         return HERMES
+    if MISTRAL_MARKER in template:
+        return MISTRAL
     if "<|python_tag|>" in template or "ipython" in template:
         return LLAMA3
     return GENERIC
@@ -101,13 +108,14 @@ class ToolRequest:
                 return {"role": "user", "content": json.dumps({"tool_response": result},
                                                               ensure_ascii=False)}
             return {"role": m["role"], "content": m["content"] or ""}
+        call_id = _mistral_id if self.fmt == MISTRAL else (lambda x: x)
         out = {"role": m["role"], "content": m["content"] or ""}
         if calls:
-            out["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
+            out["tool_calls"] = [{"id": call_id(c.get("id")), "type": "function", "function": {
                 "name": c["function"]["name"], "arguments": _arguments(c["function"])}}
                 for c in calls]
         if m["role"] == "tool":
-            out["tool_call_id"] = m.get("tool_call_id")
+            out["tool_call_id"] = call_id(m.get("tool_call_id"))
         return out
 
     def _system_prompt(self) -> str:
@@ -143,6 +151,13 @@ class ToolRequest:
             # auto: free text, a call parsed after the fact (its opening is no fixed string)
             return ({"type": "json_schema", "value": self._any_call("parameters")}
                     if self.forced else None)
+        if self.fmt == MISTRAL:
+            # Forced: the list without its marker (a special token, not text a grammar
+            # matches); auto: free text, the calls parsed after the fact.
+            calls = {"type": "array", "items": self._any_call("arguments"), "minItems": 1}
+            if not self.parallel:
+                calls["maxItems"] = 1
+            return {"type": "json_schema", "value": calls} if self.forced else None
         call_schema = {**bounded(self._any_call("arguments")), "x-guidance": JSON_OPTIONS}
         if not self.forced:
             # A lazy grammar: free text until the model opens a call, the call under the
@@ -198,6 +213,11 @@ def parse_calls(text: str, tools: dict, call_id: str) -> tuple[str | None, list[
     elif fmt == HERMES:
         found = [c for c in (_json(m) for m in _HERMES_CALL.findall(text)) if c is not None]
         content = _HERMES_CALL.sub("", text).strip() if found else text
+    elif fmt == MISTRAL:
+        before, marker, after = text.partition(MISTRAL_MARKER)
+        obj = _json(after if marker else text)
+        if isinstance(obj, list) and obj:
+            found, content = obj, before.strip() if marker else None
     elif fmt == LLAMA3:
         obj = _json(text.strip().removeprefix("<|python_tag|>"))
         if isinstance(obj, dict) and "name" in obj:
@@ -212,6 +232,13 @@ def parse_calls(text: str, tools: dict, call_id: str) -> tuple[str | None, list[
                       "function": {"name": c["name"],
                                    "arguments": json.dumps(c["arguments"], ensure_ascii=False)}})
     return (content or None) if calls else content, calls
+
+
+def _mistral_id(call_id: str | None) -> str:
+    """A call id as Mistral's templates take it: 9 letters and digits (its last ones, as vLLM
+    cuts them)."""
+    kept = re.sub(r"[^A-Za-z0-9]", "", call_id or "")
+    return kept[-9:].rjust(9, "0")
 
 
 def _json(text: str) -> Any:

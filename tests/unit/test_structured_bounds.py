@@ -1,12 +1,13 @@
 """The grammar bounds of structured output: what JSON lets a small model run on forever (digits
-of an integer) is bounded by default, so a strict schema's object always closes."""
+of an integer or of a number's integer part, an exponent, whitespace) is bounded by default, so
+a strict schema's object always closes."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from common.structured import INT_BOUND, bounded, grammar_of
+from common.structured import INT_BOUND, NUMBER_BOUND, bounded, grammar_of
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,24 @@ def test_the_schemas_own_bounds_are_kept():
     assert s["minimum"] == 0 and s["maximum"] == INT_BOUND
     assert s["enum"] == [{"type": "integer"}]   # a value, not a schema
     assert bounded({"type": ["integer", "null"]})["minimum"] == -INT_BOUND
-    assert "minimum" not in bounded({"type": "number"})
+    assert bounded({"type": "number", "exclusiveMinimum": 0})["maximum"] == NUMBER_BOUND
+    assert "minimum" not in bounded({"type": "number", "exclusiveMinimum": 0})
+    assert bounded({"type": ["integer", "number"]})["maximum"] == NUMBER_BOUND
+    assert "minimum" not in bounded({"type": "string"})
+
+
+AREA = {"type": "object", "additionalProperties": False,
+        "properties": {"km2": {"type": "number"}}, "required": ["km2"]}
+
+
+def test_a_number_is_bounded_to_float64_digits(lltok):
+    spec = {"type": "json_schema", "value": AREA}
+    for value in ("105.4", "-0.25", "0", "12345678901234567.5", "-" + "9" * 16):
+        assert accepts(lltok, spec, '{"km2": ' + value + "}"), value
+    assert not accepts(lltok, spec, '{"km2": ' + "1" * 30)
+    assert not accepts(lltok, spec, '{"km2": ' + "1" * 19)
+    # An exponent's digits are where a bounded integer part could run on.
+    assert not accepts(lltok, spec, '{"km2": 1e9999')
 
 
 def test_no_whitespace_runs_between_tokens(lltok):

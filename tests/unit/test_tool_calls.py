@@ -16,7 +16,8 @@ from common.protocol import FinishReason
 from common.settings import Settings
 from common.store import TokenDelta
 from common.structured import grammar_of, validate
-from common.tool_calls import GENERIC, HERMES, LLAMA3, ToolRequest, detect_format, parse_calls
+from common.tool_calls import (GENERIC, HERMES, LLAMA3, MISTRAL, ToolRequest, detect_format,
+                               parse_calls)
 
 from .test_api_unit import Api
 from .test_structured_bounds import accepts, lltok  # noqa: F401 - a fixture
@@ -57,6 +58,25 @@ Call a function as <tool_call>{"name": <function-name>, "arguments": <args-json-
 
 {% endif %}{% endif %}"""
 
+# Mistral's own (v3) template, shortened: tools before the last user turn, calls as a JSON list
+# after [TOOL_CALLS], and ids that must be 9 letters and digits.
+MISTRAL_TEMPLATE = """\
+{{- bos_token }}
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{%- if tools and loop.last %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+[INST] {{ message.content }}[/INST]
+{%- elif message.role == 'assistant' and message.tool_calls %}[TOOL_CALLS] [
+{%- for call in message.tool_calls %}
+{%- if call.id is not defined or call.id | length != 9 %}
+{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+{%- endif %}{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}, "id": "{{ call.id }}"}
+{%- if not loop.last %}, {% endif %}{%- endfor %}]{{ eos_token }}
+{%- elif message.role == 'tool' %}[TOOL_RESULTS] {"content": {{ message.content | tojson }}, "call_id": "{{ message.tool_call_id }}"}[/TOOL_RESULTS]
+{%- elif message.role == 'assistant' %} {{ message.content }}{{ eos_token }}
+{%- endif %}
+{%- endfor %}"""
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -71,14 +91,25 @@ CONVERSATION = [
 ]
 
 
+def tokenizer_with(tmp_path_factory, default_model_dir, template: str):
+    """A folder with the default model's tokenizer and another chat template."""
+    folder = tmp_path_factory.mktemp("tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{default_model_dir}/{name}", folder / name)
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def hermes_dir(tmp_path_factory, default_model_dir):
     """The default model's tokenizer with a Hermes-style template that renders tools."""
-    folder = tmp_path_factory.mktemp("hermes-tokenizer")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{default_model_dir}/{name}", folder / name)
-    (folder / "chat_template.jinja").write_text(HERMES_TEMPLATE)
-    return folder
+    return tokenizer_with(tmp_path_factory, default_model_dir, HERMES_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def mistral_counter(tmp_path_factory, default_model_dir):
+    """The default model's tokenizer with a Mistral-style template."""
+    return PromptCounter(tokenizer_with(tmp_path_factory, default_model_dir, MISTRAL_TEMPLATE))
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +240,45 @@ def test_llama3_and_generic_calls_are_parsed():
     assert content is None and call["function"]["name"] == "get_weather"
     content, calls = parse_calls('{"response": "Sunny."}', {**SHAPE, "format": GENERIC}, "s")
     assert (content, calls) == ("Sunny.", [])
+
+
+def test_a_mistral_template_renders_tools_and_past_calls(mistral_counter):
+    assert detect_format(mistral_counter.template_source) == MISTRAL
+    tools = ToolRequest([WEATHER], "auto", True, MISTRAL)
+    # OpenAI's ids are longer than Mistral's 9 characters, which its template refuses.
+    conversation = [*CONVERSATION[:2], {**CONVERSATION[2], "tool_calls": [
+        {**CONVERSATION[2]["tool_calls"][0], "id": "call_seq-abc_0"}]},
+        {**CONVERSATION[3], "tool_call_id": "call_seq-abc_0"}, CONVERSATION[1]]
+    text = render(mistral_counter, tools, conversation)
+    assert ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, '
+            '"id": "llseqabc0"}]') in text   # its last 9 letters and digits
+    assert '"call_id": "llseqabc0"' in text
+    assert "[AVAILABLE_TOOLS] " + json.dumps([WEATHER]) in text
+    assert tools.structured_spec() is None   # auto: parsed after the fact
+
+
+def test_mistral_calls_are_parsed_with_and_without_the_marker():
+    shape = {**SHAPE, "format": MISTRAL}
+    calls = '[{"name": "get_weather", "arguments": {"city": "A"}}, ' \
+            '{"name": "get_weather", "arguments": {"city": "B"}}]'
+    content, found = parse_calls("Checking. [TOOL_CALLS]" + calls, shape, "s")
+    assert content == "Checking."
+    assert [json.loads(c["function"]["arguments"]) for c in found] == [{"city": "A"},
+                                                                       {"city": "B"}]
+    # The marker is a special token: a detokenizer that skips those leaves the list alone.
+    content, found = parse_calls(" " + calls, shape, "s")
+    assert content is None and len(found) == 2
+    assert parse_calls("[1, 2]", shape, "s") == ("[1, 2]", [])
+
+
+def test_a_required_mistral_call_decodes_under_the_tools_schema(lltok):
+    spec = ToolRequest([WEATHER], "required", False, MISTRAL).structured_spec()
+    call = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+    assert validate(spec) is None and accepts(lltok, spec, call)
+    assert not accepts(lltok, spec, call[:-1] + ", {")   # one call: not parallel
+    assert not accepts(lltok, spec, '[{"name": "get_time"')
+    content, [found] = parse_calls(call, {**SHAPE, "format": MISTRAL}, "s")
+    assert found["function"]["name"] == "get_weather"
 
 
 @pytest.mark.parametrize("fmt,text", [

@@ -16,7 +16,7 @@ from common.protocol import SamplingParams
 from common.structured import validate
 from factories import GREEDY, Driver, make_prompts, new_seq, run_batch, run_solo
 from worker.model.transformers.backend import TransformersBackend
-from worker.model.structured_output import apply_bitmask
+from worker.model.structured_output import SPARSE_WORDS, apply_bitmask
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -50,10 +50,32 @@ def test_apply_bitmask_keeps_exactly_the_set_bits():
     logits = torch.randn(3, vocab, generator=gen)
     out = logits.clone()
     apply_bitmask(out, bitmask)
-    for r in range(3):
-        for t in range(vocab):
+    assert_masked(out, logits, bitmask)
+
+
+def assert_masked(out, logits, bitmask):
+    for r in range(logits.shape[0]):
+        for t in range(logits.shape[1]):
             allowed = (int(bitmask[r, t // 32]) >> (t % 32)) & 1
             assert out[r, t] == (logits[r, t] if allowed else float("-inf")), (r, t)
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [0, 2]])
+def test_sparse_and_dense_rows_share_a_mask(rows):
+    """Rows with few allowed tokens (a JSON grammar's usual step) take the sparse path, the
+    others the dense one; in a batch of both each row keeps exactly its bits."""
+    gen = torch.Generator().manual_seed(1)
+    words = SPARSE_WORDS * 3
+    vocab = 32 * words - 7
+    bitmask = torch.zeros((4, words), dtype=torch.int32)
+    bitmask[0, [3, words - 1]] = torch.tensor([0b1011, -1], dtype=torch.int32)  # sparse
+    bitmask[1] = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, generator=gen)
+    bitmask[2, :SPARSE_WORDS] = -1   # as many words as the sparse path takes
+    bitmask[3] = -1                  # everything allowed
+    logits = torch.randn(4, vocab, generator=gen)[rows]
+    out = logits.clone()
+    apply_bitmask(out, bitmask[rows])
+    assert_masked(out, logits, bitmask[rows])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -171,6 +171,9 @@ class Sampler:
             return
         bitmask = self.grammars.fill([states[i].matcher for i in rows])
         some = bitmask.ne(0).any(-1)
+        if len(rows) == len(states) and bool(some.all()):
+            apply_bitmask(logits, bitmask)   # every row: in place, no 12 MB gather and scatter
+            return
         idx = torch.tensor(rows, device=logits.device)[some]
         if len(idx):
             sub = logits[idx]

@@ -18,17 +18,53 @@ import torch
 from common.structured import grammar_of
 
 
+# A row whose mask has at most this many non-zero words (32 tokens each) is masked sparsely.
+SPARSE_WORDS = 64
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Sets to -inf, in place, every logit whose bit is 0 in its row's bitmask (int32 words,
-    32 tokens each, lowest bit first: llguidance's and xgrammar's layout). Adding log(bit)
-    (0 or -inf) is vectorised arithmetic: torch's masked_fill and where over an irregular
-    mask were 10-20x slower on this CPU (~70 ms against ~5 ms at 64 x 49152)."""
+    32 tokens each, lowest bit first: llguidance's and xgrammar's layout).
+
+    A JSON grammar allows a few tokens at most steps (a digit, a separator, a key), so a row
+    with few non-zero words keeps just its allowed logits and fills the rest: the whole-vocab
+    arithmetic is what cost (at 64 x 49,152 on a loaded 2-core CPU, ~45 ms a step with a
+    log-bias over every row, ~6 ms so). A dense row (inside a free string) is masked with
+    numpy's putmask over its unpacked bits, ~2.5x faster than the log-bias, where torch's
+    masked_fill was slower still."""
     vocab = logits.shape[-1]
-    bits = np.unpackbits(bitmask.cpu().numpy().view(np.uint8), axis=-1,
-                         bitorder="little")[:, :vocab]
-    with np.errstate(divide="ignore"):
-        bias = np.log(bits.astype(np.float32))
-    logits += torch.from_numpy(bias).to(logits.device)
+    dev = logits.device
+    words = bitmask.cpu().numpy()
+    sparse = np.count_nonzero(words, axis=1) <= SPARSE_WORDS
+    if sparse.any():
+        srows = np.flatnonzero(sparse)
+        r, w = np.divmod(np.flatnonzero(words[srows] != 0), words.shape[1])
+        bits = np.unpackbits(words[srows[r], w].view(np.uint8).reshape(-1, 4), axis=-1,
+                             bitorder="little")
+        br, bc = np.nonzero(bits)
+        cols = w[br] * 32 + bc
+        ok = cols < vocab
+        rows = torch.from_numpy(srows[r[br]][ok]).to(dev)
+        cols = torch.from_numpy(cols[ok]).to(dev)
+        kept = logits[rows, cols]
+        logits.index_fill_(0, torch.from_numpy(srows).to(dev), float("-inf"))
+        logits[rows, cols] = kept
+    dense = np.flatnonzero(~sparse)
+    if not len(dense):
+        return
+    banned = np.unpackbits(np.invert(words[dense]).view(np.uint8), axis=-1,
+                           bitorder="little")[:, :vocab].view(np.bool_)
+    if dev.type == "cpu" and logits.is_contiguous() and logits.dtype == torch.float32:
+        view = logits.numpy()
+        if len(dense) == len(words):
+            np.putmask(view, banned, -np.inf)
+        else:
+            sub = view[dense]
+            np.putmask(sub, banned, -np.inf)
+            view[dense] = sub
+    else:
+        idx = torch.from_numpy(dense).to(dev)
+        logits[idx] = logits[idx].masked_fill(torch.from_numpy(banned).to(dev), float("-inf"))
 
 
 class Grammars:

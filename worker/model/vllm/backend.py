@@ -212,7 +212,8 @@ class VllmBackend(ModelBackend):
 
 def _structured(spec: dict | None):
     """llmq's structured-output spec (common/structured.py) as vLLM's: the same five kinds, a
-    JSON schema with the same bounds as llmq's own grammars (integers to int64's range)."""
+    JSON schema with the same bounds as llmq's own grammars (integers to int64's range,
+    numbers to float64's digits)."""
     if not spec:
         return None
     from vllm.sampling_params import StructuredOutputsParams
