@@ -1,8 +1,8 @@
 """The quality guard of a lower-precision dtype: the same greedy tokens as float32.
 
 Judged: bfloat16, float32 over a float16 KV cache (what LLMQ_KV_CACHE_DTYPE=auto gives a
-float32 model on a CPU), int8 and int4 weights (LLMQ_QUANTIZATION), and the CPU default (float32,
-float16 cache, int8 weights), each against float32 with its own float32 cache and float weights.
+float32 model on a CPU), int8 and int4 weights (LLMQ_QUANTIZATION), and int8 weights over the float16 cache (what a
+float32 model runs with LLMQ_QUANTIZATION=int8 on a CPU), each against float32 with its own float32 cache and float weights.
 The quantized weights serve every step of these runs, prefill and 16-row decode steps included,
 where the worker takes them only at steps of one or two rows: the guard judges them on every
 position, not only on those a small step would compute.
@@ -49,7 +49,7 @@ TARGET = 0.95
 
 # (model dtype, KV cache dtype, weights): float32 with its own float32 cache and float weights
 # is the reference; the float16 cache that `auto` gives a float32 model on a CPU, bfloat16, the
-# quantized weights and the CPU default's combination are judged against it.
+# quantized weights and int8 over the float16 cache are judged against it.
 VARIANTS = (("float32", "model", "none"), ("float32", "float16", "none"),
             ("bfloat16", "model", "none"), ("float32", "model", "int8"),
             ("float32", "model", "int4"), ("float32", "float16", "int8"))

@@ -11,8 +11,8 @@ from worker.messages import StepRequest
 from worker.model.transformers import cpu_kernels
 from worker.model.transformers.backend import TransformersBackend
 from worker.model.transformers.packed_linear import PackedLinear
-from worker.model.transformers.quantized_linear import (MAX_ROWS, QuantizedLinear, dequantize,
-                                                        quantize_linears)
+from worker.model.transformers.quantized_linear import (AUTO, QuantizedLinear, dequantize,
+                                                        quantize_linears, resolve_quantization)
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +130,8 @@ def test_greedy_tokens_at_one_row_against_the_float_model(kernels, tiny_model, m
         same += diverge
         total += len(runs[0])
     assert same / total >= agree
+
+
+def test_auto_is_the_mode_the_guard_passed():
+    assert resolve_quantization("auto") == AUTO
+    assert [resolve_quantization(m) for m in ("none", "int8", "int4")] == ["none", "int8", "int4"]

@@ -11,8 +11,8 @@ two rows 0.6x on the layers and 1.1x on the lm_head, at four rows 1.0x and 1.8x.
 at most `max_rows` rows takes the quantized weights and a larger one the float layer, which is
 kept beside them (the memory of both: float32 + int8 is 1.25x the model's weights).
 
-`LLMQ_QUANTIZATION` (common/settings.py) picks int8, int4 or none; `auto` is int8 where it
-passes the bench's quality guard (bench/quality.py: greedy tokens against float32).
+`LLMQ_QUANTIZATION` (common/settings.py) picks int8, int4 or none; `auto` is AUTO below, the
+mode the bench's quality guard has passed (bench/quality.py: greedy tokens against float32).
 """
 from __future__ import annotations
 
@@ -29,7 +29,10 @@ GROUP = 32            # int4: inputs per (scale, minimum) group, as the kernel r
 # sums run in another order), relative to the output's largest magnitude.
 TOLERANCE = 1e-4
 MODES = ("int8", "int4")
-AUTO = "int8"         # what `auto` means: the bench's quality guard passed it (docs/settings.md)
+# What `auto` means. int8 becomes it once the bench's quality guard has passed it on the default
+# model (`python -m bench.bench --only quality`, variant "float32, int8 weights"): until then
+# the default does not change the model's answers.
+AUTO = "none"
 
 
 def resolve_quantization(name: str) -> str:
