@@ -1,7 +1,8 @@
 """`make bench` / `python -m bench.bench [--quick]`: one run, results in bench/results/.
 
 Phases, all on the default model, greedy, with the output length forced:
-  0. quality  bfloat16's greedy tokens against float32's (bench/quality.py; --only quality)
+  0. quality  bfloat16's, a float16 cache's, int8 / int4 weights' greedy tokens against
+              float32's (bench/quality.py; --only quality)
   0. peers    llmq and its peers (vLLM's own server, llama.cpp's llama-server) on the same load,
               all kept up and taking turns at each level, two rounds, with the fraction of this
               machine's compute limit each reached (the first table; --only peers runs it
@@ -600,8 +601,8 @@ def main(argv=None) -> int:
         model_dir = _model_manager().resolve()
         if args.only == "quality" or not (args.only or args.skip_quality
                                           or args.backend != "transformers"):
-            progress("phase 0: quality guard, greedy tokens of bfloat16 and of a float16 KV cache "
-                     "against float32")
+            progress("phase 0: quality guard, greedy tokens of bfloat16, a float16 KV cache and "
+                     "int8 / int4 weights against float32")
             result["quality"] = quality_phase(progress=progress)
         batches = args.peers_concurrency if args.run_peers else []
         batches = batches + (args.levels if args.only is None else [])

@@ -1,7 +1,11 @@
 """The quality guard of a lower-precision dtype: the same greedy tokens as float32.
 
-Judged: bfloat16, and float32 over a float16 KV cache (what LLMQ_KV_CACHE_DTYPE=auto gives a
-float32 model on a CPU), each against float32 with its own float32 cache.
+Judged: bfloat16, float32 over a float16 KV cache (what LLMQ_KV_CACHE_DTYPE=auto gives a
+float32 model on a CPU), int8 and int4 weights (LLMQ_QUANTIZATION), and int8 weights over the float16 cache (what a
+float32 model runs with LLMQ_QUANTIZATION=int8 on a CPU), each against float32 with its own float32 cache and float weights.
+The quantized weights serve every step of these runs, prefill and 16-row decode steps included,
+where the worker takes them only at steps of one or two rows: the guard judges them on every
+position, not only on those a small step would compute.
 
 Sixteen short chat prompts (the README's Paris question first) run greedy through the model
 worker in this process, once per dtype, all prompts as one batch, exactly `tokens` new tokens
@@ -43,13 +47,17 @@ PROMPTS = [
 TARGET = 0.95
 
 
-# (model dtype, KV cache dtype): float32 with its own float32 cache is the reference; the
-# float16 cache that `auto` gives a float32 model on a CPU, and bfloat16, are judged against it.
-VARIANTS = (("float32", "model"), ("float32", "float16"), ("bfloat16", "model"))
+# (model dtype, KV cache dtype, weights): float32 with its own float32 cache and float weights
+# is the reference; the float16 cache that `auto` gives a float32 model on a CPU, bfloat16, the
+# quantized weights and int8 over the float16 cache are judged against it.
+VARIANTS = (("float32", "model", "none"), ("float32", "float16", "none"),
+            ("bfloat16", "model", "none"), ("float32", "model", "int8"),
+            ("float32", "model", "int4"), ("float32", "float16", "int8"))
 
 
-def label(dtype: str, kv: str) -> str:
-    return dtype if kv == "model" else f"{dtype}, {kv} KV cache"
+def label(dtype: str, kv: str, quant: str = "none") -> str:
+    return (dtype + ("" if kv == "model" else f", {kv} KV cache")
+            + ("" if quant == "none" else f", {quant} weights"))
 
 
 def quality_phase(tokens: int = 64, variants=VARIANTS, progress=print) -> dict:
@@ -96,25 +104,28 @@ def compare(ref: list[list[int]], other: list[list[int]], eos: set[int]) -> dict
             "prefix_match": round(prefix / max(1, positions), 4)}
 
 
-def _greedy(dtype: str, kv: str, tokens: int, progress, score: dict | None = None) -> dict:
-    """All prompts as one batch through a fresh model worker in `dtype` with a `kv` KV cache;
-    with `score` (the reference run), also how often this one's argmax agrees with the
+def _greedy(dtype: str, kv: str, quant: str, tokens: int, progress, score: dict | None = None
+            ) -> dict:
+    """All prompts as one batch through a fresh model worker in `dtype` with a `kv` KV cache
+    and `quant` weights (at every step); with `score` (the reference run), also how often this one's argmax agrees with the
     reference's tokens."""
     from common.protocol import SamplingParams
     from common.settings import Settings
     from worker.messages import NewSequence, StepRequest
     from worker.model_manager import ModelManager
     from worker.model.transformers.backend import TransformersBackend
+    from worker.model.transformers.quantized_linear import set_max_rows
 
     settings = Settings.from_env().replace(device="cpu", dtype=dtype, max_num_seqs=len(PROMPTS),
                                            kv_cache_mb=256, prefix_cache_mb=0,
-                                           kv_cache_dtype=kv)
+                                           kv_cache_dtype=kv, quantization=quant)
     if settings.torch_threads > 0:   # as the model process does (model_worker.main)
         import torch
 
         torch.set_num_threads(settings.torch_threads)
     t = time.perf_counter()
     worker = TransformersBackend.load(settings)
+    set_max_rows(worker.model, 1 << 30)
     tok = ModelManager.from_settings(settings).load_tokenizer()
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                    tokenize=True, return_dict=False) for p in PROMPTS]
@@ -135,7 +146,7 @@ def _greedy(dtype: str, kv: str, tokens: int, progress, score: dict | None = Non
     got = [out[s.seq_id] for s in seqs]
     answers = [tok.decode(g[:next((i for i, x in enumerate(g) if x in eos), len(g))],
                           skip_special_tokens=True).strip() for g in got]
-    progress(f"quality: {label(dtype, kv)}: {len(seqs)} prompts x {tokens} tokens in "
+    progress(f"quality: {label(dtype, kv, quant)}: {len(seqs)} prompts x {tokens} tokens in "
              f"{time.perf_counter() - t:.1f} s (load included), decode {rate:.0f} tok/s")
     result = {"tokens": got, "answers": answers, "eos": eos,
               "decode_tokens_per_s": round(rate, 1)}

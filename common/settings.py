@@ -157,6 +157,9 @@ class Settings:
     kv_cache_mb: int = setting(0, "LLMQ_KV_CACHE_MB", minimum=0)
     # CPU fp32, bf16: oneDNN-prepacked Linear weights (faster)
     packed_linears: bool = setting(True, "LLMQ_PACKED_LINEARS")
+    # CPU: int8 / int4 weights at steps of 1-2 rows (auto: quantized_linear.AUTO, none for now)
+    quantization: str = setting("auto", "LLMQ_QUANTIZATION",
+                                choices=("auto", "none", "int8", "int4"))
     # CPU: decode attention by worker/model/transformers/decode_attention.cpp
     decode_kernel: bool = setting(True, "LLMQ_DECODE_KERNEL")
     # CPU: a Llama layer's elementwise ops by worker/model/transformers/layer_ops.cpp

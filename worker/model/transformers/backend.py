@@ -19,6 +19,7 @@ from .kv_cache import PagedKVCache
 from .llama_forward import LlamaForward
 from .packed_linear import pack_linears
 from .paged_attention import use_paged_attention
+from .quantized_linear import MAX_ROWS as QUANT_MAX_ROWS, quantize_linears, resolve_quantization
 
 log = logging.getLogger("llmq.model_worker")
 
@@ -106,7 +107,17 @@ class TransformersBackend(ModelBackend):
                         settings.test_fail_seed)
             worker.fail_seed = settings.test_fail_seed
         # After the worker is built: its LlamaForward fuses q/k/v and gate/up first, and the
-        # fused linears are packed as one.
+        # fused linears are quantized and packed as one. Quantized first: packing then packs
+        # the float layers the quantized ones keep for large steps.
+        mode = resolve_quantization(settings.quantization)
+        if mode != "none" and info.device == "cpu":
+            done = quantize_linears(model, mode, cpu_kernels.load())
+            log.info("%s weights for %d linear layers at steps of up to %d rows", mode, done,
+                     QUANT_MAX_ROWS)
+            if done:
+                worker.info = dataclasses.replace(
+                    worker.info, kernels=f"{worker.info.kernels}; linears: {mode} weights at "
+                                         f"up to {QUANT_MAX_ROWS} rows")
         if settings.packed_linears and info.device == "cpu":
             log.info("packed %d linear layers for oneDNN", pack_linears(model))
         return worker

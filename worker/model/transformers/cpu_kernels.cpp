@@ -1,6 +1,6 @@
 // The CPU kernels' Python module (built by worker/model/transformers/cpu_kernels.py): decode attention over the
 // paged KV cache (decode_attention.cpp) and a Llama layer's fused elementwise ops
-// (layer_ops.cpp).
+// (layer_ops.cpp), and weight-only quantized linear layers (quant_linear.cpp).
 #include <torch/extension.h>
 #include <optional>
 #include <vector>
@@ -14,6 +14,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 std::vector<torch::Tensor> rotary(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                   int64_t heads, int64_t kv_heads);
 bool wide_ops(std::optional<bool> on);
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
+                          std::optional<torch::Tensor> bias);
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale_min,
+                          std::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention, pools read in place");
@@ -23,4 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "q, k of qkv rows with the rotary embedding applied");
   m.def("wide_ops", &wide_ops, "whether the bfloat16 kernels (layer ops, decode "
         "attention) take their AVX512-BF16 paths; on: turn them off or back on", pybind11::arg("on") = pybind11::none());
+  m.def("int8_linear", &int8_linear, "x @ (int8 weight * row scales).T + bias",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("scales"), pybind11::arg("bias"));
+  m.def("int4_linear", &int4_linear, "x @ (int4 weight, per-32 scale and min).T + bias",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("scale_min"), pybind11::arg("bias"));
 }

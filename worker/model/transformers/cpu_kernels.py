@@ -1,7 +1,8 @@
 """The CPU kernels' module: built once, loaded, or None.
 
-One module of three sources: decode attention over the paged KV cache
-(worker/model/transformers/decode_attention.cpp), a Llama layer's fused elementwise ops (worker/model/transformers/layer_ops.cpp) and
+One module of four sources: decode attention over the paged KV cache
+(worker/model/transformers/decode_attention.cpp), a Llama layer's fused elementwise ops (worker/model/transformers/layer_ops.cpp),
+weight-only quantized linear layers (worker/model/transformers/quant_linear.cpp) and
 their bindings (worker/model/transformers/cpu_kernels.cpp), with the AVX2 helpers they share (worker/model/transformers/simd.h);
 bfloat16's ops and attention have AVX512-BF16 paths, compiled function by function and taken
 where the CPU has the instructions (docs/architecture.md, "The CPU kernels").
@@ -25,7 +26,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_kernels.cpp", HERE / "decode_attention.cpp", HERE / "layer_ops.cpp"]
+SOURCES = [HERE / "cpu_kernels.cpp", HERE / "decode_attention.cpp", HERE / "layer_ops.cpp",
+           HERE / "quant_linear.cpp"]
 HEADERS = [HERE / "simd.h"]
 # Portable flags only: -march=native builds crashed on AMX-reporting CPUs (llama.cpp), and the
 # cache may be shared by machines of different CPUs. AVX2 + FMA + F16C is every x86 server
@@ -38,7 +40,8 @@ _loaded: dict[str, object] = {}
 
 
 def load(verbose: bool = False):
-    """The compiled module (.decode_attention, .add_rms_norm, .silu_mul, .rotary, .wide_ops),
+    """The compiled module (.decode_attention, .add_rms_norm, .silu_mul, .rotary, .wide_ops,
+    .int8_linear, .int4_linear),
     or None when it cannot be built here."""
     if "module" in _loaded:
         return _loaded["module"]

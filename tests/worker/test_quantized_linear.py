@@ -1,0 +1,137 @@
+"""QuantizedLinear: int8 / int4 weights at small steps, the float layer at large ones."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from common.settings import Settings
+from factories import make_prompts, new_seq, sharpened
+from worker.messages import StepRequest
+from worker.model.transformers import cpu_kernels
+from worker.model.transformers.backend import TransformersBackend
+from worker.model.transformers.packed_linear import PackedLinear
+from worker.model.transformers.quantized_linear import (AUTO, QuantizedLinear, dequantize,
+                                                        quantize_linears, resolve_quantization)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    return module
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_the_kernel_computes_the_matmul_over_the_dequantized_weight(kernels, mode, dtype, rows):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 70, bias=True).to(dtype)   # 70 outputs: a last tile of two rows
+    q = QuantizedLinear(lin, lin.weight, mode, kernels, max_rows=rows)
+    x = torch.randn(rows, 96).to(dtype)
+    with torch.inference_mode():
+        got = q(x)
+        want = x.float() @ dequantize(mode, q.q, q.scales).t() + lin.bias.float()
+    assert got.dtype == dtype and got.shape == (rows, 70)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2   # (bfloat16: the output's rounding)
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mode, tol", [("int8", 0.01), ("int4", 0.1)])
+def test_a_quantized_linear_stays_close_to_the_float_one(kernels, mode, tol):
+    torch.manual_seed(0)
+    lin = nn.Linear(576, 192, bias=False)
+    x = torch.randn(1, 576)
+    with torch.inference_mode():
+        want = lin(x)
+        got = QuantizedLinear(lin, lin.weight, mode, kernels)(x)
+    # relative to the output's size: int8 rounds each weight to 1/254 of its row's largest,
+    # int4 to 1/30 of its group's range
+    assert (got - want).abs().max() <= tol * want.abs().max()
+
+
+def test_steps_above_the_row_limit_take_the_float_layer(kernels):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    q = QuantizedLinear(lin, lin.weight, "int8", kernels, max_rows=2)
+    calls = []
+    q.float_linear.register_forward_hook(lambda *_: calls.append(1))
+    with torch.inference_mode():
+        q(torch.randn(2, 64))
+        assert not calls
+        x = torch.randn(3, 64)
+        assert torch.equal(q(x), lin(x)) and calls
+
+
+def worker_with(model_dir: str, quantization: str) -> TransformersBackend:
+    return TransformersBackend.load(Settings(model=model_dir, device="cpu", dtype="float32",
+                                             quantization=quantization, prefix_cache_mb=0))
+
+
+def test_the_engine_takes_the_quantized_weights_at_one_row_and_the_float_ones_at_many(
+        kernels, tiny_model_dir):
+    worker = worker_with(tiny_model_dir, "int8")
+    layers = [m for m in worker.model.modules() if isinstance(m, QuantizedLinear)]
+    # every linear layer (the fused qkv and gate/up, o, down, the lm_head), its float layer
+    # packed inside it
+    assert len(layers) == 4 * worker.model.config.num_hidden_layers + 1
+    assert all(type(m.float_linear) is PackedLinear for m in layers)
+    assert "int8 weights" in worker.info.kernels
+    seen = {"quantized": 0, "float": 0}
+    for m in layers:
+        kernel = m._kernel
+        m._kernel = lambda *a, k=kernel: (seen.__setitem__("quantized", seen["quantized"] + 1),
+                                          k(*a))[1]
+        m.float_linear.register_forward_hook(
+            lambda *_: seen.__setitem__("float", seen["float"] + 1))
+
+    def count(req: StepRequest) -> dict:
+        seen.update(quantized=0, float=0)
+        assert not worker.step(req).errors
+        return dict(seen)
+
+    prompts = make_prompts(8, lengths=[5] * 8, vocab=worker.info.vocab_size)
+    count(StepRequest(prefill=[new_seq("a", prompts[0])]))
+    assert count(StepRequest(decode_seq_ids=["a"])) == {"quantized": len(layers), "float": 0}
+    count(StepRequest(prefill=[new_seq(f"s{i}", p) for i, p in enumerate(prompts[1:])]))
+    many = [f"s{i}" for i in range(7)] + ["a"]
+    assert count(StepRequest(decode_seq_ids=many)) == {"quantized": 0, "float": len(layers)}
+
+
+def test_no_quantization_leaves_the_float_layers(tiny_model_dir):
+    worker = worker_with(tiny_model_dir, "none")
+    assert not any(isinstance(m, QuantizedLinear) for m in worker.model.modules())
+    assert "weights" not in worker.info.kernels
+
+
+@pytest.mark.parametrize("mode, agree", [("int8", 1.0), ("int4", 0.75)])
+def test_greedy_tokens_at_one_row_against_the_float_model(kernels, tiny_model, mode, agree):
+    """One sequence at a time (every decode step takes the quantized weights), 24 tokens each,
+    on the tiny random model: int8 gives the float model's tokens, int4 most of them up to the
+    first divergence (85 % here). (The sharpened model is no judge: its weights scaled 8x make
+    every logit a near-tie, and even int8 kept only half the tokens there.)"""
+    model, info = tiny_model
+    quantized = sharpened(model, scale=1.0)   # (a copy)
+    TransformersBackend(quantized, info, max_num_seqs=1)   # fuses q/k/v and gate/up, as load
+    assert quantize_linears(quantized, mode, kernels) > 0
+    prompts = make_prompts(6, lengths=[3, 17, 40, 9, 25, 60], vocab=info.vocab_size)
+    same = total = 0
+    for i, p in enumerate(prompts):
+        runs = []
+        for m in (model, quantized):
+            w = TransformersBackend(m, info, max_num_seqs=1)
+            tokens = list(w.step(StepRequest(prefill=[new_seq("x", p)])).token_ids.values())
+            for _ in range(23):
+                tokens += w.step(StepRequest(decode_seq_ids=["x"])).token_ids.values()
+            runs.append(tokens)
+        diverge = next((j for j, (a, b) in enumerate(zip(*runs)) if a != b), len(runs[0]))
+        same += diverge
+        total += len(runs[0])
+    assert same / total >= agree
+
+
+def test_auto_is_the_mode_the_guard_passed():
+    assert resolve_quantization("auto") == AUTO
+    assert [resolve_quantization(m) for m in ("none", "int8", "int4")] == ["none", "int8", "int4"]

@@ -1,0 +1,154 @@
+// Weight-only quantized linear layers for the few rows of a small decode step (built by
+// worker/model/transformers/cpu_kernels.py, used by worker/model/transformers/quantized_linear.py).
+//
+// At one row a linear layer is a matrix-vector product: every weight is read once and used
+// once, so its time is the weight's bytes over the memory bandwidth. int8 weights (one scale
+// per output row) read a quarter of float32's bytes, int4 (a scale and a minimum per group of
+// 32 along the input) an eighth plus the groups' 8 bytes. The activations stay float32 (a
+// bfloat16 input is widened first); each weight is widened to float32 and multiplied in with
+// an FMA, so the only error is the weight's rounding.
+//
+// torch's own CPU kernels for these (aten::_weight_int8pack_mm, _weight_int4pack_mm_for_cpu)
+// are vectorised for bfloat16 inputs only, and on the AVX2 build machine took about as long as
+// the float32 matmul at one row (its lm_head: 7.1 ms int8, 4.9 ms int4, 8.5 ms float32, one
+// thread): they convert each weight with more instructions than this loop spends on it.
+//
+// Four output rows are computed together so that four FMA chains are in flight (one chain
+// waits on its FMA's latency); a task is a run of output rows, so threads split the weight.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <optional>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+using llmq::hsum;
+
+constexpr int64_t TILE = 4;      // output rows per tile
+constexpr int64_t GROUP = 32;    // int4: inputs per (scale, minimum) group
+
+// Output rows per task: ~64K weights each, so that a small layer does not pay the threads'
+// fork and join for a few microseconds of work.
+int64_t grain(int64_t k) { return std::max<int64_t>(TILE, (65536 / k) / TILE * TILE); }
+
+// x as contiguous float32 [rows, k] (a copy only when it is not that already).
+torch::Tensor as_float(const torch::Tensor& x) {
+  return x.to(torch::kFloat).contiguous();
+}
+
+inline __m256 widen_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline __m256 widen_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+// out[n0 .. n0+cnt) of one input row: int8 weight rows times x, scaled.
+void int8_tile(const int8_t* w, const float* scales, const float* x, int64_t k, int64_t n0,
+               int64_t cnt, float* out) {
+  __m256 acc[TILE];
+  for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
+  const int8_t* rows[TILE];
+  for (int t = 0; t < TILE; ++t) rows[t] = w + (n0 + std::min<int64_t>(t, cnt - 1)) * k;
+  for (int64_t j = 0; j < k; j += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + j);
+    for (int t = 0; t < TILE; ++t) acc[t] = _mm256_fmadd_ps(widen_i8(rows[t] + j), xv, acc[t]);
+  }
+  for (int64_t t = 0; t < cnt; ++t) out[t] = hsum(acc[t]) * scales[n0 + t];
+}
+
+// The same for int4: per group, the sum of q * x is scaled, and the minimum times the group's
+// sum of x added (w = q * scale + min).
+void int4_tile(const uint8_t* w, const float* scale_min, const float* x, const float* xsum,
+               int64_t k, int64_t n0, int64_t cnt, float* out) {
+  const int64_t groups = k / GROUP;
+  __m256 acc[TILE];
+  float mins[TILE] = {0, 0, 0, 0};
+  for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
+  const __m128i low = _mm_set1_epi8(0x0f);
+  for (int t = 0; t < TILE; ++t) {
+    const int64_t n = n0 + std::min<int64_t>(t, cnt - 1);
+    const uint8_t* row = w + n * (k / 2);
+    const float* sm = scale_min + n * groups * 2;
+    for (int64_t g = 0; g < groups; ++g) {
+      // 16 bytes hold a group: the low nibbles its first 16 weights, the high ones the rest.
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * GROUP / 2));
+      const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+      const float* xg = x + g * GROUP;
+      __m256 s = _mm256_mul_ps(widen_u8(lo), _mm256_loadu_ps(xg));
+      s = _mm256_fmadd_ps(widen_u8(_mm_unpackhi_epi64(lo, lo)), _mm256_loadu_ps(xg + 8), s);
+      s = _mm256_fmadd_ps(widen_u8(hi), _mm256_loadu_ps(xg + 16), s);
+      s = _mm256_fmadd_ps(widen_u8(_mm_unpackhi_epi64(hi, hi)), _mm256_loadu_ps(xg + 24), s);
+      acc[t] = _mm256_fmadd_ps(s, _mm256_set1_ps(sm[2 * g]), acc[t]);
+      mins[t] += sm[2 * g + 1] * xsum[g];
+    }
+  }
+  for (int64_t t = 0; t < cnt; ++t) out[t] = hsum(acc[t]) + mins[t];
+}
+
+// Runs tile(row, n0, cnt, out) over every input row and tile of output rows, then adds the
+// bias and casts to x's dtype.
+template <typename Tile>
+torch::Tensor run(const torch::Tensor& x, int64_t n, int64_t k,
+                  const std::optional<torch::Tensor>& bias, Tile tile) {
+  const int64_t rows = x.size(0);
+  auto out = torch::empty({rows, n}, x.options().dtype(torch::kFloat));
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (n + TILE - 1) / TILE, grain(k) / TILE, [&](int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t n0 = i * TILE;
+        tile(r, n0, std::min(TILE, n - n0), op + r * n + n0);
+      }
+  });
+  if (bias) out.add_(*bias);
+  return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
+}
+
+void check(const torch::Tensor& x, const torch::Tensor& w, int64_t k) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k, "x must be [rows, ", k, "]");
+  TORCH_CHECK(w.is_contiguous(), "the weight must be contiguous");
+}
+
+}  // namespace
+
+// x [rows, k] float32 or bfloat16; weight int8 [n, k] (k a multiple of 8); scales float32 [n].
+// Returns [rows, n] in x's dtype: x @ (weight * scales[:, None]).T + bias.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
+                          std::optional<torch::Tensor> bias) {
+  const int64_t n = weight.size(0), k = weight.size(1);
+  check(x, weight, k);
+  TORCH_CHECK(weight.scalar_type() == at::kChar && k % 8 == 0, "int8 weight, k % 8 == 0");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n);
+  const auto xf = as_float(x);
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  return run(x, n, k, bias, [&](int64_t r, int64_t n0, int64_t cnt, float* out) {
+    int8_tile(wp, sp, xp + r * k, k, n0, cnt, out);
+  });
+}
+
+// x [rows, k] float32 or bfloat16; weight uint8 [n, k / 2] (two int4 a byte, each group of 32
+// as its 16 bytes: low nibbles inputs 0-15, high nibbles 16-31); scale_min float32
+// [n, k / 32, 2] (scale, minimum). Returns [rows, n] in x's dtype.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale_min,
+                          std::optional<torch::Tensor> bias) {
+  const int64_t n = weight.size(0), k = weight.size(1) * 2;
+  check(x, weight, k);
+  TORCH_CHECK(weight.scalar_type() == at::kByte && k % GROUP == 0, "uint8 weight, k % 32 == 0");
+  TORCH_CHECK(scale_min.scalar_type() == at::kFloat && scale_min.is_contiguous() &&
+              scale_min.numel() == n * (k / GROUP) * 2);
+  const auto xf = as_float(x);
+  const auto xsum = xf.view({x.size(0), k / GROUP, GROUP}).sum(-1).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const float* xs = xsum.data_ptr<float>();
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const float* sp = scale_min.data_ptr<float>();
+  return run(x, n, k, bias, [&](int64_t r, int64_t n0, int64_t cnt, float* out) {
+    int4_tile(wp, sp, xp + r * k, xs + r * (k / GROUP), k, n0, cnt, out);
+  });
+}

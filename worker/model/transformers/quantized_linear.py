@@ -1,0 +1,148 @@
+"""QuantizedLinear: a CPU linear layer that reads int8 or int4 weights at a small decode step.
+
+At a step of one or two rows a linear layer reads every weight once per row it computes, so
+the step's time is the weights' bytes (SmolLM2-135M: ~540 MB in float32 per token, the lm_head
+a fifth of it). int8 weights with a scale per output row read a quarter of that, int4 with a
+scale and a minimum per 32 inputs about an eighth (worker/model/transformers/quant_linear.cpp,
+the kernels). At more rows the float matmul reuses each weight it loads across the rows while
+the quantized kernel re-reads it per row: on the 2-core AVX2 build machine (one thread) the
+int8 kernel took 0.3-0.5x the packed float32 matmul's time at one row (the lm_head 0.53x), at
+two rows 0.6x on the layers and 1.1x on the lm_head, at four rows 1.0x and 1.8x. So a step of
+at most `max_rows` rows takes the quantized weights and a larger one the float layer, which is
+kept beside them (the memory of both: float32 + int8 is 1.25x the model's weights).
+
+`LLMQ_QUANTIZATION` (common/settings.py) picks int8, int4 or none; `auto` is AUTO below, the
+mode the bench's quality guard has passed (bench/quality.py: greedy tokens against float32).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("llmq.quantized_linear")
+
+MAX_ROWS = 2          # the largest step (rows) that takes the quantized weights; see above
+GROUP = 32            # int4: inputs per (scale, minimum) group, as the kernel reads them
+# How far the kernel's result may be from the float matmul over the dequantized weights (its
+# sums run in another order), relative to the output's largest magnitude.
+TOLERANCE = 1e-4
+MODES = ("int8", "int4")
+# What `auto` means. int8 alone passed the guard by a thin margin on the default model (95.5 %
+# of positions teacher-forced against a 95 % target, Paris kept, 4 of 16 answers unchanged,
+# every step quantized); the combination a float32 CPU model runs by default, int8 over the
+# float16 KV cache, has not been judged yet. int8 becomes `auto` once that variant passes
+# (`python -m bench.bench --only quality`); until then the default keeps the answers.
+AUTO = "none"
+
+
+def resolve_quantization(name: str) -> str:
+    """LLMQ_QUANTIZATION as none, int8 or int4."""
+    return AUTO if name == "auto" else name
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one float32 scale per output row: (q [n, k] int8, scales [n])."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scales.contiguous()
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of GROUP inputs (w = q * scale + min, q in 0..15): (packed
+    [n, k / 2] uint8, a group's 16 bytes its first 16 weights in the low nibbles and the last
+    16 in the high ones; scale_min [n, k / GROUP, 2] float32)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    g = w.reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    packed = (q[..., :GROUP // 2] | (q[..., GROUP // 2:] << 4)).reshape(n, k // 2)
+    return packed.contiguous(), torch.stack([scale, lo], -1).contiguous()
+
+
+def dequantize(mode: str, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weight a quantized one stands for (tests and the load check compare to it)."""
+    if mode == "int8":
+        return q.float() * scales[:, None]
+    n = q.shape[0]
+    nibbles = torch.cat([q.reshape(n, -1, GROUP // 2) & 15, q.reshape(n, -1, GROUP // 2) >> 4], -1)
+    return (nibbles.float() * scales[..., :1] + scales[..., 1:]).reshape(n, -1)
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer over int8 or int4 weights at steps of at most `max_rows` rows, and over
+    the float layer it was made from at larger ones."""
+
+    def __init__(self, linear: nn.Module, weight: torch.Tensor, mode: str, kernels,
+                 max_rows: int = MAX_ROWS):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.float_linear = linear
+        self.mode, self.max_rows = mode, max_rows
+        self.q, self.scales = (quantize_int8 if mode == "int8" else quantize_int4)(weight)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self._kernel = kernels.int8_linear if mode == "int8" else kernels.int4_linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] > self.max_rows:
+            return self.float_linear(x)
+        return self._kernel(flat, self.q, self.scales, self.bias).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{self.mode} up to {self.max_rows} rows")
+
+
+def quantize_linears(model: nn.Module, mode: str, kernels, max_rows: int = MAX_ROWS) -> int:
+    """Wraps the float32 and bfloat16 nn.Linear layers of a CPU model (the lm_head included)
+    in QuantizedLinears; returns how many. Before packing: pack_linears then packs the float
+    layers inside them. Needs the CPU kernels' module;
+    each layer is checked on a small input against the float matmul over its dequantized
+    weight, and a layer that the kernel cannot take (an input width the kernel's blocks do not
+    divide) stays as it is."""
+    if mode not in MODES or kernels is None:
+        return 0
+    gen = torch.Generator().manual_seed(0)
+    done = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            weight = _float_weight(child)
+            if weight is None or weight.shape[1] % (8 if mode == "int8" else GROUP):
+                continue
+            new = QuantizedLinear(child, weight, mode, kernels, max_rows)
+            x = torch.randn(2, new.in_features, generator=gen)
+            with torch.inference_mode():
+                ref = x @ dequantize(mode, new.q, new.scales).t()
+                if new.bias is not None:
+                    ref += new.bias
+                err = (new._kernel(x, new.q, new.scales, new.bias) - ref).abs().max()
+            if err > TOLERANCE * max(1.0, ref.abs().max().item()):
+                log.warning("%s left unquantized: the %s kernel is %.3g off", name, mode, err)
+                continue
+            setattr(parent, name, new)
+            done += 1
+    return done
+
+
+def set_max_rows(model: nn.Module, rows: int) -> None:
+    """Sets the row limit of every QuantizedLinear of the model (the quality guard takes the
+    quantized weights at every step with a very large one)."""
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.max_rows = rows
+
+
+def _float_weight(module: nn.Module) -> torch.Tensor | None:
+    """A float32 or bfloat16 CPU nn.Linear's weight [out, in], or None for other modules."""
+    if type(module) is not nn.Linear:
+        return None
+    weight = module.weight
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
+        return None
+    return weight
