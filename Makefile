@@ -116,8 +116,8 @@ test-fast: venv
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # The slow tests (faults, several workers) once more with a slow engine: every step lasts at
-# least SLOW_STEP_S (LLMQ_TEST_STEP_DELAY, a test-only setting), so nothing in them may rely on
-# the machine being fast. `make test` is the other end: the tiny model at full speed.
+# least SLOW_STEP_S (LLMQ_TEST_STEP_DELAY, a test hook: common/test_hooks.py), so nothing in
+# them may rely on the machine being fast. `make test` is the other end: the tiny model at full speed.
 SLOW_STEP_S ?= 0.05
 test-slow-engine: venv redis-server model
 	LLMQ_TEST_STEP_DELAY=$(SLOW_STEP_S) LLMQ_TEST_BACKENDS=transformers $(BIN)/python -m pytest -m slow \

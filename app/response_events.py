@@ -16,7 +16,7 @@ How entries map to events:
   with no text (a special token, half a character) gives none;
 - a reset entry (the worker running it was lost; the sequence runs again from its prompt)
   gives nothing. Text sent cannot be taken back, so the re-run's text is held until it passes
-  what was sent (app/openai_api.SentText, as the chat stream does): a re-run that repeats it
+  what was sent (app/sent_text.SentText, as the chat stream does): a re-run that repeats it
   (greedy, or a seed) continues with the next number; one that differs ends the stream with an
   `error` event (code stream_diverged), the same one at the same number on every replay. GET
   without stream still shows the final text;
@@ -35,7 +35,7 @@ from common.protocol import EVENT_DONE, EVENT_RESET, EVENT_TOKEN
 from common.response_objects import TERMINAL_EVENTS, EventShapes, response_object, status_of
 
 from .errors import APIError
-from .openai_api import SentText
+from .sent_text import SentText
 
 
 class ResponseEventLog:

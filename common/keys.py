@@ -1,6 +1,6 @@
 """Every Redis key llmq makes, named here and nowhere else (the stores' schema).
 
-The store modules (`common/store.py` and the batch, file, webhook and owner-index stores beside
+The store modules (`common/store/` and the batch, file, webhook and owner-index stores beside
 it) are the only readers and writers of these keys; `tests/unit/test_keys.py` checks that no
 other module spells a key. Celery's own keys (kombu's queues, `unacked`, `_kombu.binding.*`)
 are kombu's. Ids are checked by shape before they become part of a name

@@ -18,7 +18,7 @@ from celery import Celery
 
 from common.protocol import (EVENT_DONE, GENERATE_TASK, FinishReason, SamplingParams,
                              SequenceRequest, SequenceStatus)
-from common.store import Finish, SequenceStore
+from common.store import Finish, Job, SequenceStore, job_from_record
 from common.stream_hub import StreamHub
 
 from .prompt_counter import LazyPromptCounter
@@ -206,11 +206,10 @@ class LLMEngine:
             return priority
         return min(9, (priority or 0) + FAIR_DEMOTION)
 
-    def get(self, seq_id: str, owner: str = "") -> dict[str, Any] | None:
+    def get(self, seq_id: str, owner: str = "") -> Job | None:
         rec = self.store.get_record(seq_id)
         if not rec or not secrets.compare_digest(rec.get("owner", ""), owner):
             return None   # another key's sequence does not exist for this caller
-        from common.store import job_from_record
 
         return job_from_record(rec)
 

@@ -220,15 +220,6 @@ class Settings:
     shutdown_grace_s: float = setting(30.0, "LLMQ_SHUTDOWN_GRACE", minimum=0)
     # a step longer than this counts as a stuck engine
     max_step_s: float = setting(60.0, "LLMQ_MAX_STEP", positive=True)
-    # TEST ONLY: the engine waits this long in every step, alongside the model's compute (a
-    # floor on the step time), so the suite can run with a slow engine on a fast machine.
-    test_step_delay_s: float = setting(0.0, "LLMQ_TEST_STEP_DELAY", minimum=0)
-    # TEST ONLY: the worker parks at this moment (received | handback) for a test to kill it.
-    test_stall_at: str = setting("", "LLMQ_TEST_STALL_AT", choices=("", "received", "handback"))
-    # TEST ONLY: a sequence with this seed fails in the model process's sampling (no input
-    # does since token ids are checked at admission; the tests of a failure while running
-    # need one). -1: off.
-    test_fail_seed: int = setting(-1, "LLMQ_TEST_FAIL_SEED")
     max_queued: int = setting(1024, "LLMQ_MAX_QUEUED", positive=True)
     # sequences per minute per API key (0 = off)
     rate_limit_rpm: int = setting(0, "LLMQ_RATE_LIMIT_RPM", minimum=0)

@@ -1,6 +1,12 @@
 """Shared fixtures: real redis-server, tiny random model, real Celery worker, real HTTP app."""
 from __future__ import annotations
 
+import os
+
+# The harness installs the test hooks (common/test_hooks.py: LLMQ_TEST_STEP_DELAY, _STALL_AT,
+# _FAIL_SEED) for every process a test starts; a product process never reads them.
+os.environ["LLMQ_TEST_HOOKS"] = "1"
+
 import lupa  # noqa: F401 - fakeredis's Lua (requirements-dev.txt): missing, it fails, not skips
 import pytest
 

@@ -124,20 +124,20 @@ def public_model_name(model: str) -> str:
 
 
 # --- engine speed -----------------------------------------------------------------------------
-# A seed the test workers fail a sequence on in the model process's sampling (the setting
+# A seed the test workers fail a sequence on in the model process's sampling (the test hook
 # LLMQ_TEST_FAIL_SEED): the tests of a failure while running (a 500, an error chunk).
 FAIL_SEED = 990001
 FAIL_ENV = {"LLMQ_TEST_FAIL_SEED": str(FAIL_SEED)}
 
 
 def min_step_env(floor_s: float) -> dict:
-    """Worker env whose engine steps take at least `floor_s` (LLMQ_TEST_STEP_DELAY, a test-only
-    setting), or the suite's own delay where that is longer (a run with a slowed engine: `make
+    """Worker env whose engine steps take at least `floor_s` (LLMQ_TEST_STEP_DELAY, a test
+    hook), or the suite's own delay where that is longer (a run with a slowed engine: `make
     test-slow-engine`). For tests that act while work is running: N tokens then last at least
     N * floor_s on any machine, so the work is still running when the test acts."""
-    from common.settings import Settings
+    from common.test_hooks import HarnessHooks
 
-    return {"LLMQ_TEST_STEP_DELAY": str(max(Settings.from_env().test_step_delay_s, floor_s))}
+    return {"LLMQ_TEST_STEP_DELAY": str(max(HarnessHooks.from_env().step_delay_s, floor_s))}
 
 
 # --- processes --------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from common import logs
 from common.celery_config import celery_config
 from common.protocol import GENERATE_TASK
 from common.settings import Settings
+from common.test_hooks import HarnessHooks
 
 log = logging.getLogger("llmq.worker")
 
@@ -55,7 +56,9 @@ def build_engine(settings: Settings, name: str):
             celery.send_task(GENERATE_TASK, args=[seq_id], task_id=seq_id,
                              queue=queue_of(settings, store, seq_id), priority=priority)
 
-        engine = EngineCore(name, settings, store, executor, tokenizer, requeue=requeue)
+        # The test harness's hooks where it installed them (LLMQ_TEST_HOOKS=1), else none.
+        engine = EngineCore(name, settings, store, executor, tokenizer, requeue=requeue,
+                            hooks=HarnessHooks.from_env())
         engine.start()
     except BaseException:
         executor.stop(timeout_s=2.0)

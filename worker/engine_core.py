@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from common.protocol import FinishReason
 from common.reconcile_store import ReconcileStore
 from common.store import SequenceStore, queue_lists
+from common.test_hooks import NO_HOOKS, HarnessHooks
 
 from .input_processor import InputProcessor, Rejected
 from .liveness import Liveness
@@ -104,9 +105,10 @@ class EngineCore:
 
     def __init__(self, name: str, settings, store: SequenceStore, executor: ModelExecutor,
                  tokenizer, workload_manager: WorkloadManager | None = None,
-                 requeue: Callable[..., None] | None = None):
+                 requeue: Callable[..., None] | None = None, hooks: HarnessHooks = NO_HOOKS):
         self.name = name
         self.settings = settings
+        self.hooks = hooks   # the test harness's (common/test_hooks.py); none in production
         self.store = store
         self.executor = executor
         self.tokenizer = tokenizer
@@ -153,9 +155,9 @@ class EngineCore:
         self.executor.start()   # loads the model in its own process (blocks until ready)
         self.fit_to_model()
         self.liveness.take_back_own()
-        if self.settings.test_step_delay_s:
-            log.warning("LLMQ_TEST_STEP_DELAY=%g: every step waits that long (a test setting)",
-                        self.settings.test_step_delay_s)
+        if self.hooks.step_delay_s:
+            log.warning("LLMQ_TEST_STEP_DELAY=%g: every step waits that long (a test hook)",
+                        self.hooks.step_delay_s)
         self._thread = threading.Thread(target=self._loop, name="llmq-engine", daemon=True)
         self._thread.start()
         self.liveness.progress()
@@ -378,8 +380,8 @@ class EngineCore:
                 self.executor.submit(self._request(out))
                 self._publish()
                 t_published = time.monotonic()
-                if self.settings.test_step_delay_s:   # tests only: a slow engine on any CPU
-                    self._stop.wait(self.settings.test_step_delay_s)
+                if self.hooks.step_delay_s:   # tests only: a slow engine on any CPU
+                    self._stop.wait(self.hooks.step_delay_s)
                 result = self._wait(in_flight)
                 while result.partial:   # newcomers' first tokens, pass by pass, ahead of the rest
                     joined, out = out.split({*result.token_ids, *result.errors})
@@ -543,7 +545,7 @@ class EngineCore:
     def _stall(self, moment: str) -> None:
         """Tests only (LLMQ_TEST_STALL_AT): parks this thread at `moment`, for a fault test to
         kill the worker exactly there."""
-        if self.settings.test_stall_at == moment:
+        if self.hooks.stall_at == moment:
             log.warning("stalling at %s (LLMQ_TEST_STALL_AT)", moment)
             threading.Event().wait()
 

@@ -45,7 +45,7 @@ from .base import (ADMITTING_KEY, CANCELLED_KEY, OWNER_SECRET_KEY, UNSTARTED_KEY
                    rate_key, record_key, running_key, text_key, worker_key)
 from .events import EventStore, TokenDelta, reset_data
 from .ids import is_seq_id, valid_stream_id
-from .jobs import job_from_record
+from .jobs import Job, Usage, job_from_record
 from .metrics_store import MetricsStore
 from .owner_secret import OwnerSecret
 from .records import Finish, RecordStore
@@ -54,11 +54,11 @@ from .workers import WorkerRegistry
 
 __all__ = [
     "ADMITTING_KEY", "ADMITTING_S", "CANCELLED_KEY", "OWNER_SECRET_KEY", "PRIORITY_SEP",
-    "UNSTARTED_KEY", "WORKERS_KEY", "Admission", "EventStore", "Finish", "MetricsStore",
+    "UNSTARTED_KEY", "WORKERS_KEY", "Admission", "EventStore", "Finish", "Job", "MetricsStore",
     "OwnerSecret", "RecordStore", "SequenceStore", "StorePart", "StreamLeases", "TokenDelta",
     "WorkerRegistry", "channel", "events_key", "held_key", "is_seq_id", "job_from_record",
     "owner_seqs_key", "owner_streams_key", "queue_lists", "rate_key", "record_key",
-    "reserved_tokens", "reset_data", "running_key", "text_key", "valid_stream_id",
+    "reserved_tokens", "reset_data", "running_key", "text_key", "Usage", "valid_stream_id",
     "worker_key",
 ]
 

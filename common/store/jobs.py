@@ -2,20 +2,51 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from ..protocol import SequenceStatus
 from ..tool_calls import parse_calls
 from .base import num
 
 
-def job_from_record(rec: dict[str, str]) -> dict[str, Any]:
+class Usage(TypedDict):
+    """A job's token counts, as OpenAI's usage object."""
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int]   # {"cached_tokens": n}
+
+
+class Job(TypedDict):
+    """The job object the API answers (GET /v1/jobs/<id>), typed: the keys and their types a
+    reader may rely on. A dict at run time, so the JSON is exactly what job_from_record builds."""
+    id: str
+    object: str                 # "job"
+    status: str                 # a SequenceStatus value
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    text: str
+    finish_reason: str | None
+    usage: Usage
+    error: dict[str, str] | None          # {"message": ..., "code": ...}
+    model: str | None
+    created_at: float | None
+    started_at: float | None
+    finished_at: float | None
+    # only when there are some
+    prompt_token_ids: NotRequired[list[int]]
+    logprobs: NotRequired[list]
+    prompt_logprobs: NotRequired[list]
+    tool_calls: NotRequired[list[dict[str, Any]]]   # a succeeded job asked for tools
+
+
+def job_from_record(rec: dict[str, str]) -> Job:
     """The public job object, built from a record hash."""
     prompt_tokens = num(rec.get("prompt_tokens"), int) or 0
     completion_tokens = num(rec.get("completion_tokens"), int) or 0
     error = rec.get("error") or None
     error_code = rec.get("error_code") or None
-    job = {
+    job: Job = {
         "id": rec["id"],
         "object": "job",
         "status": rec.get("status"),
@@ -38,7 +69,7 @@ def job_from_record(rec: dict[str, str]) -> dict[str, Any]:
     }
     for name in ("prompt_token_ids", "logprobs", "prompt_logprobs"):   # only when there are some
         if rec.get(name):
-            job[name] = json.loads(rec[name])
+            job[name] = json.loads(rec[name])   # type: ignore[literal-required]
     if rec.get("call_format") and job["status"] == SequenceStatus.SUCCEEDED.value:
         _, calls = parse_calls(job["text"], json.loads(rec["call_format"]), job["id"])
         job["tool_calls"] = calls

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 from ..keys import Keys
 from ..metrics import METRICS_KEY, SUCCESS_COUNTER
@@ -12,7 +12,7 @@ from ..protocol import (EVENT_DONE, FinishReason, SamplingParams, SequenceReques
 from .admission import reserved_tokens
 from .base import (CANCELLED_KEY, UNSTARTED_KEY, StorePart, channel, events_key, now, num,
                    owner_seqs_key, record_key, running_key, text_key)
-from .jobs import job_from_record
+from .jobs import Job, job_from_record
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class RecordStore(StorePart):
     SCRIPTS = {"_finish": "finish"}
 
     def create(self, requests: Iterable[SequenceRequest], model: str = "",
-               charged_to: str = "") -> list[dict[str, Any]]:
+               charged_to: str = "") -> list[Job]:
         """Stores new queued records (one round trip for a whole batch) and returns their jobs.
         `charged_to`: the rate window their tokens were reserved in (settled at the end)."""
         created = str(now())
@@ -102,7 +102,7 @@ class RecordStore(StorePart):
                 rec["text"] = running
         return recs
 
-    def get_job(self, seq_id: str) -> dict[str, Any] | None:
+    def get_job(self, seq_id: str) -> Job | None:
         rec = self.get_record(seq_id)
         return job_from_record(rec) if rec else None
 

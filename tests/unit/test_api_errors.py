@@ -494,7 +494,7 @@ def test_the_openai_sdk_reads_a_stream_through_its_keep_alives(default_model_dir
     import httpx2 as httpx   # the HTTP client the openai SDK (3.x) is built on
     import openai
 
-    from app import openai_api
+    from app import openai_stream
 
     api = Api(model=default_model_dir, sse_keepalive_s=0.05).reset()
     written, kept_alive, passes = [], [], []
@@ -516,7 +516,7 @@ def test_the_openai_sdk_reads_a_stream_through_its_keep_alives(default_model_dir
             api.store.finish(seq_id, FinishReason.STOP, text="Hi", completion_tokens=1)
         return False
 
-    monkeypatch.setattr(openai_api, "client_gone", first_token_after_a_keep_alive)
+    monkeypatch.setattr(openai_stream, "client_gone", first_token_after_a_keep_alive)
     client = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="unused", http_client=(
         httpx.Client(transport=httpx.WSGITransport(app=recording))))
     model = client.models.list().data[0].id
@@ -534,7 +534,7 @@ def test_an_openai_stream_rides_out_a_redis_outage_then_ends_with_an_error_chunk
     """The hub hands its reader's Redis error to every subscriber; the stream was cut off
     (no error chunk, no [DONE]: the SDK raised RemoteProtocolError) at the first one, and a
     reconnect of the hub's reader ended every OpenAI stream of the process."""
-    from app import openai_api
+    from app import openai_stream
     from common.stream_hub import Subscription
 
     reads = []
@@ -562,7 +562,7 @@ def test_an_openai_stream_rides_out_a_redis_outage_then_ends_with_an_error_chunk
                                                                    "stream": True}))
     assert _stream_text(datas, False) == "Hello world!" and datas[-1] == "[DONE]"
 
-    monkeypatch.setattr(openai_api, "REDIS_OUTAGE_S", 0.0)
+    monkeypatch.setattr(openai_stream, "REDIS_OUTAGE_S", 0.0)
     monkeypatch.setattr(store, "get_record", real_get)
     reads.clear()
     api.reset()   # stays queued

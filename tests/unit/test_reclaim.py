@@ -1,7 +1,7 @@
-"""Taking back a dead worker's sequences (`_RECLAIM`, worker/liveness.py) when the new messages
-cannot all be sent: every sequence taken back keeps a trace in Redis until its message is sent,
-so a broker that fails part-way, or a reaper that dies mid-way, loses nothing. fakeredis for the
-store, a stand-in for Celery's send_task that can fail."""
+"""Taking back a dead worker's sequences (common/store/lua/reclaim.lua, worker/liveness.py)
+when the new messages cannot all be sent: every sequence taken back keeps a trace in Redis
+until its message is sent, so a broker that fails part-way, or a reaper that dies mid-way,
+loses nothing. fakeredis for the store, a stand-in for Celery's send_task that can fail."""
 from __future__ import annotations
 
 import threading

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from app.errors import APIError
-from app.openai_api import SentText
+from app.sent_text import SentText
 
 
 class Reference:

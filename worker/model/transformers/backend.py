@@ -9,6 +9,8 @@ from typing import Callable
 
 import torch
 
+from common.test_hooks import HarnessHooks
+
 from ...messages import NewSequence, StepRequest, StepResult
 from ...model_manager import ModelManager
 from ..backend import ModelBackend, StepHooks
@@ -102,10 +104,11 @@ class TransformersBackend(ModelBackend):
                      kv_cache_dtype=settings.kv_cache_dtype,
                      layer_kernels=settings.layer_kernels,
                      prefill_pass_tokens=settings.prefill_pass_tokens, hooks=hooks)
-        if settings.test_fail_seed >= 0:
-            log.warning("LLMQ_TEST_FAIL_SEED=%d: sequences with that seed fail (a test setting)",
-                        settings.test_fail_seed)
-            worker.fail_seed = settings.test_fail_seed
+        fail_seed = HarnessHooks.from_env().fail_seed   # None unless the test harness set it
+        if fail_seed is not None:
+            log.warning("LLMQ_TEST_FAIL_SEED=%d: sequences with that seed fail (a test hook)",
+                        fail_seed)
+            worker.fail_seed = fail_seed
         # After the worker is built: its LlamaForward fuses q/k/v and gate/up first, and the
         # fused linears are quantized and packed as one. Quantized first: packing then packs
         # the float layers the quantized ones keep for large steps.
