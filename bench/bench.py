@@ -134,6 +134,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip the structured-output phase (its cost at the top concurrency)")
     p.add_argument("--skip-tools", action="store_true",
                    help="skip the tool-calling phase (its cost at the top concurrency)")
+    p.add_argument("--tools-rounds", type=int, default=3,
+                   help="rounds of the tools phase, its arms in turn (default 3; medians)")
     p.add_argument("--tools-items", type=int, default=24,
                    help="digits in each tool call's arguments (default 24, ~96 tokens an "
                         "answer; 4 for a smoke run)")
@@ -433,7 +435,7 @@ def _tools(stack: Stack, args) -> dict:
     progress(f"phase 2i: tool calls at concurrency {c}: free text, a named tool_choice, "
              "required with two tools")
     return tools_phase(stack.url, c, requests_for(c, args), 2 * args.level_time_limit,
-                       progress=progress, items=args.tools_items)
+                       progress=progress, items=args.tools_items, rounds=args.tools_rounds)
 
 
 def served_kv_dtype(stack) -> str:

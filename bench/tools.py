@@ -51,8 +51,11 @@ def chat_payload(prompt: str, arm: str, max_tokens: int, items: int = ITEMS) -> 
 
 def tools_phase(url: str, concurrency: int, num_requests: int, time_limit_s: float,
                 progress=print, prompt_offset: int = 3000, ceiling: int = 256,
-                items: int = ITEMS) -> dict:
-    """Runs the three arms; returns their summaries, the answers' lengths and the ratios."""
+                items: int = ITEMS, rounds: int = 3) -> dict:
+    """Runs the three arms `rounds` times, in turn, each round starting with another arm (a
+    shared VM's speed drifts by 10-15 % between minutes: arms run once each in a fixed order
+    compare the minutes more than the arms); each arm is its median round. Returns their
+    summaries, the answers' lengths and the ratios."""
     prompts = short_prompts(num_requests, prompt_offset)
     # Untimed: the worker builds its grammar tokenizer at the first structured request (~1 s),
     # and the named call's length sets the free arm's.
@@ -63,18 +66,38 @@ def tools_phase(url: str, concurrency: int, num_requests: int, time_limit_s: flo
         why = warm[0].describe_failure() if warm else "no answer"
         return {"concurrency": concurrency, "error": f"the warm-up call failed: {why} "
                                                      f"(finish {warm[0].finish_reason if warm else None})"}
-    runs = {}
-    for arm in ARMS:
-        payloads = [chat_payload(p, arm, length if arm == "free" else ceiling, items)
-                    for p in prompts]
-        results, wall, truncated = closed_loop(url, concurrency, payloads, time_limit_s / 2,
-                                               time_limit_s, send=send_chat)
-        runs[arm] = summarize_arm(arm, results, wall, truncated)
-        s = runs[arm]
-        progress(f"tools: concurrency {concurrency}, {arm}: {s['tokens_per_s']} tok/s, "
-                 f"{s['mean_completion_tokens']} tokens/answer, ITL p50 {s['itl_p50_s']}, "
-                 f"{s['failures']} failed{' (cut by the time limit)' if truncated else ''}")
-    return {"concurrency": concurrency, "length": length, **runs, **ratios(runs)}
+    rounds_of: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    for r in range(rounds):
+        prompts = short_prompts(num_requests, prompt_offset + (r + 1) * num_requests)
+        for arm in rotated(ARMS, r):
+            payloads = [chat_payload(p, arm, length if arm == "free" else ceiling, items)
+                        for p in prompts]
+            results, wall, truncated = closed_loop(url, concurrency, payloads, time_limit_s / 2,
+                                                   time_limit_s, send=send_chat)
+            s = summarize_arm(arm, results, wall, truncated)
+            rounds_of[arm].append(s)
+            progress(f"tools: round {r + 1}/{rounds} concurrency {concurrency}, {arm}: "
+                     f"{s['tokens_per_s']} tok/s, {s['mean_completion_tokens']} tokens/answer, "
+                     f"{s['failures']} failed{' (cut by the time limit)' if truncated else ''}")
+    runs = {arm: median_round(rounds_of[arm]) for arm in ARMS}
+    return {"concurrency": concurrency, "length": length, "rounds": rounds, **runs,
+            **ratios(runs)}
+
+
+def rotated(arms: tuple | list, r: int) -> list:
+    """The arms in round r's order: each arm goes first in turn."""
+    k = r % len(arms)
+    return list(arms[k:]) + list(arms[:k])
+
+
+def median_round(summaries: list[dict]) -> dict:
+    """An arm's round of median tokens/s (the lower middle of an even count), with every
+    round's rate and the failures of all."""
+    rated = sorted(summaries, key=lambda s: s.get("tokens_per_s") or 0)
+    out = dict(rated[(len(rated) - 1) // 2])
+    out["rounds_tokens_per_s"] = [s.get("tokens_per_s") for s in summaries]
+    out["failures"] = sum(s.get("failures") or 0 for s in summaries)
+    return out
 
 
 def summarize_arm(arm: str, results: list, wall: float, truncated: bool) -> dict:

@@ -106,3 +106,16 @@ def test_a_held_chat_stream_is_read_and_cancellable_by_its_id():
     assert r.status == "succeeded" and r.finish_reason == "tool_calls"
     assert r.completion_tokens == 9 and len(r.token_times) == 2
     assert seen == [{"seq-1"}] and inflight.ids == set()   # added, then discarded
+
+
+def test_each_arm_leads_a_round_in_turn_and_is_its_median_round():
+    from bench.tools import ARMS, median_round, rotated
+
+    assert [rotated(ARMS, r)[0] for r in range(len(ARMS))] == list(ARMS)
+    assert sorted(rotated(ARMS, 1)) == sorted(ARMS)
+    rounds = [{"tokens_per_s": 250.0, "failures": 0}, {"tokens_per_s": 300.0, "failures": 1},
+              {"tokens_per_s": 200.0, "failures": 0}]
+    med = median_round(rounds)
+    assert med["tokens_per_s"] == 250.0 and med["rounds_tokens_per_s"] == [250.0, 300.0, 200.0]
+    assert med["failures"] == 1   # a failure in any round counts
+    assert median_round(rounds[:2])["tokens_per_s"] == 250.0   # even: the lower middle
