@@ -203,12 +203,13 @@ def test_a_reader_thread_that_died_is_replaced_by_the_next_subscription(hub, red
                                                                         monkeypatch):
     """An exception the reader does not catch (SystemExit from a library, say) ends its thread;
     the next subscription starts another instead of waiting on a reader that is gone."""
-    calls = []
+    calls, found = [], threading.Event()
     real = SequenceStore.read_events_many
 
     def dies_once(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 1:
+            found.wait(WAIT_S)   # alive until the test has found it among the threads
             raise SystemExit("the reader's thread ends here")
         return real(self, *args, **kwargs)
 
@@ -218,6 +219,7 @@ def test_a_reader_thread_that_died_is_replaced_by_the_next_subscription(hub, red
     with hub.subscribe({"first": "0-0"}):
         # (threads other tests left behind may start meanwhile: the hub's has its name)
         [reader] = [t for t in set(threading.enumerate()) - others if t.name == "llmq-stream-hub"]
+        found.set()
         reader.join(WAIT_S)
         assert calls and not reader.is_alive()
         with hub.subscribe({"second": "0-0"}) as second:
