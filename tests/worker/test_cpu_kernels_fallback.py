@@ -53,9 +53,9 @@ def test_the_kernels_load_where_required():
 
 
 def test_a_build_lock_left_by_a_killed_builder_does_not_stall_the_next(monkeypatch, tmp_path):
-    """torch's build lock is a file removed when its build ends: a worker killed while
-    compiling left it behind, and every later start of that checkout waited on it for ever.
-    The next builder (holding the OS lock a dead process cannot hold) finds no lock file."""
+    """torch's build lock is a file removed when its build ends, so a worker killed while
+    compiling leaves it behind; the next builder (holding the OS lock a dead process cannot
+    hold) finds no lock file, rather than waiting on it for ever."""
     import torch.utils.cpp_extension as ext
 
     folder = tmp_path / "build"
