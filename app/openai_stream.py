@@ -145,6 +145,8 @@ def stream_chunks(req, jobs: list[dict], shaper: ChoiceShaper, model: str) -> It
                     elif piece or (entries and shaper.wants_logprobs):
                         yield chunk(i, piece, entries)
                 elif kind == EVENT_DONE:
+                    if shaper.wants_logprobs:   # (the done event leaves them out)
+                        data = eng.done_job(seq_id, data)
                     if err := failure_of(data):
                         c.done = True
                         raise err

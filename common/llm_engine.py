@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterator
 
 from celery import Celery
 
-from common.protocol import (EVENT_DONE, GENERATE_TASK, FinishReason, SamplingParams,
-                             SequenceRequest, SequenceStatus)
+from common.protocol import (EVENT_DONE, EVENT_RESET, EVENT_TOKEN, GENERATE_TASK, FinishReason,
+                             SamplingParams, SequenceRequest, SequenceStatus)
 from common.store import Finish, Job, SequenceStore, job_from_record
 from common.stream_hub import StreamHub
 
@@ -225,6 +225,12 @@ class LLMEngine:
         for keepalive_s (so a server can write a keep-alive). Ends at once when the sequence
         has finished and nothing follows `after` (resumed with the done event's id)."""
         idle_s = keepalive_s or self.settings.sse_keepalive_s
+        # Whether the run's token events carry logprobs: None until its first token event is
+        # seen (a reader resumed past it cannot tell). The done event leaves them out (they
+        # are kept once, see RecordStore.finish_many): the done job of a sequence that may
+        # have some is read back whole from the record.
+        has_logprobs: bool | None = None
+        from_start = after == "0-0"
         with self.streams.subscribe({seq_id: after}) as sub:
             while True:
                 events = sub.read(idle_s)
@@ -237,9 +243,25 @@ class LLMEngine:
                     continue
                 for _seq_id, entry_id, kind, data in events:
                     after = entry_id
+                    if kind == EVENT_RESET:
+                        has_logprobs, from_start = None, True
+                    elif kind == EVENT_TOKEN and (from_start or has_logprobs is None):
+                        carries = "logprobs" in data or "prompt_logprobs" in data
+                        if from_start:
+                            has_logprobs, from_start = carries, False
+                        elif carries:
+                            has_logprobs = True
+                    elif kind == EVENT_DONE and has_logprobs is not False:
+                        data = self.done_job(seq_id, data)
                     yield entry_id, kind, data
                     if kind == EVENT_DONE:
                         return
+
+    def done_job(self, seq_id: str, data: dict[str, Any]) -> dict[str, Any]:
+        """A done event's job with its logprobs, which the event leaves out: read back from
+        the record (the event's own job if the record is gone)."""
+        rec = self.store.get_record(seq_id)
+        return job_from_record(rec) if rec else data
 
     def is_over(self, seq_id: str, after: str) -> bool:
         """True when a reader resumed after `after` has had everything, done event included."""

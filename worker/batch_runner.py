@@ -119,7 +119,8 @@ class BatchDriver:
         flying, sent = self.batches.inflight(self.batch_id)
         flying = sorted(flying)
         # (their status: a line is answered from its finished record, which holds the text)
-        recs = self.seqs.get_records([line_seq_id(self.batch_id, i) for i in flying], text=False)
+        recs = self.seqs.get_records([line_seq_id(self.batch_id, i) for i in flying], text=False,
+                                     logprobs=True)
         for i, rec in zip(flying, recs):
             if not rec:
                 if i in sent:   # its record expired before anyone read it

@@ -58,6 +58,18 @@ class LogprobsRecorder:
         return seq.prompt_logprobs if num_tokens == 1 else None
 
     @staticmethod
+    def in_events(seq: Sequence) -> tuple[str, ...]:
+        """Which of a sequence's logprobs its token events carry whole: every token's entry
+        (one each, in order), the prompt's on its first. The final record leaves those to the
+        events, so that each is stored once."""
+        out = ()
+        if seq.logprobs and len(seq.logprobs) == seq.num_output_tokens:
+            out += ("logprobs",)
+        if seq.prompt_logprobs is not None and seq.prompt_logprobs_in_events:
+            out += ("prompt_logprobs",)
+        return out
+
+    @staticmethod
     def of_token(seq: Sequence, num_tokens: int) -> list[dict] | None:
         """The entry of a sequence's token number `num_tokens` (1-based) for its token event."""
         if seq.logprobs is None or not 0 < num_tokens <= len(seq.logprobs):

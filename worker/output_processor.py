@@ -175,12 +175,14 @@ class OutputProcessor:
         # EOS): only entries without a token (text None) have none. A closed copy (its end
         # written, or dropped for a newer start of its record) writes no delta.
         deltas = [o for o in self.pending if o.text is not None and not o.seq.is_closed]
-        refused, cancelled = self.store.publish_step(
-            (TokenDelta(o.seq.seq_id, o.text, o.num_tokens, o.seq.attempt,
-                        logprobs=self.logprobs.of_token(o.seq, o.num_tokens),
-                        prompt_logprobs=self.logprobs.of_prompt(o.seq, o.num_tokens))
-             for o in deltas),
-            [s.seq_id for s in active or []])
+        tokens = [TokenDelta(o.seq.seq_id, o.text, o.num_tokens, o.seq.attempt,
+                             logprobs=self.logprobs.of_token(o.seq, o.num_tokens),
+                             prompt_logprobs=self.logprobs.of_prompt(o.seq, o.num_tokens))
+                  for o in deltas]
+        refused, cancelled = self.store.publish_step(tokens, [s.seq_id for s in active or []])
+        for o, d in zip(deltas, tokens):
+            if d.prompt_logprobs is not None:
+                o.seq.prompt_logprobs_in_events = True
         for i in refused:   # the record is no longer this start's: stop, write nothing
             self.drop(deltas[i].seq)
         # Deltas are written: from here on only the ends are still owed.
@@ -207,6 +209,7 @@ class OutputProcessor:
             Finish(s.seq_id, s.finish_reason, text=s.text, completion_tokens=s.num_output_tokens,
                    error=s.error, cached_tokens=s.num_cached_tokens,
                    logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
+                   in_events=self.logprobs.in_events(s),
                    only_if=(SequenceStatus.RUNNING,), attempt=s.attempt,
                    metrics_recorded=True)   # _record_metrics below, with the timings
             for s in seqs])

@@ -47,6 +47,7 @@ class Sequence:
     priority: int = 0                 # its Celery priority, 0 (first) .. 9 (batch lines' default)
     logprobs: list[dict] | None = None          # one entry per output token, when asked for
     prompt_logprobs: list[dict] | None = None   # one per prompt token (echo)
+    prompt_logprobs_in_events: bool = False     # its first token event carried them
     # This copy's run of its record: set at admission, the start (attempt) its writes are
     # fenced on, and whether it is closed: its end written, or given up (dropped for a newer
     # start, handed back). A closed copy writes nothing more.

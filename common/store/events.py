@@ -8,7 +8,7 @@ from typing import Any, Iterable
 import redis
 
 from ..keys import Keys
-from ..protocol import EVENT_TOKEN, decode_event, encode_event, encode_pubsub
+from ..protocol import EVENT_RESET, EVENT_TOKEN, decode_event, encode_event, encode_pubsub
 from .base import CANCELLED_KEY, StorePart, channel, events_key, record_key, text_key
 
 
@@ -22,6 +22,29 @@ class TokenDelta:
     attempt: int | None = None   # the start that produced it; set, the write is fenced on it
     logprobs: list | None = None   # the token's logprobs entry, for sequences that asked
     prompt_logprobs: list | None = None   # with the first token: the prompt's (echo)
+
+
+# A finished record's logprobs field whose entries live in its token events only: they are
+# kept once (a 20-alternative entry is ~1.5 KB a token), and the record's readers gather them
+# from the events (gather_logprobs).
+IN_EVENTS = "@events"
+LOGPROBS_FIELDS = ("logprobs", "prompt_logprobs")
+
+
+def gather_logprobs(entries: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, list]:
+    """A sequence's logprobs as its token events carry them, from its stream's (kind, data)
+    entries in order: the last run's (after its last reset) entries, one per token, and the
+    prompt's, carried by the first token event."""
+    out: dict[str, list] = {}
+    for kind, data in entries:
+        if kind == EVENT_RESET:
+            out = {}
+        elif kind == EVENT_TOKEN:
+            if "prompt_logprobs" in data:
+                out["prompt_logprobs"] = data["prompt_logprobs"]
+            if "logprobs" in data:
+                out.setdefault("logprobs", []).extend(data["logprobs"])
+    return out
 
 
 def reset_data(attempt: int, reason: str) -> dict[str, Any]:

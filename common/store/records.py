@@ -8,10 +8,11 @@ from typing import Iterable
 from ..keys import Keys
 from ..metrics import METRICS_KEY, SUCCESS_COUNTER
 from ..protocol import (EVENT_DONE, FinishReason, SamplingParams, SequenceRequest,
-                        SequenceStatus, encode_event, encode_pubsub)
+                        SequenceStatus, decode_event, encode_event, encode_pubsub)
 from .admission import reserved_tokens
 from .base import (CANCELLED_KEY, UNSTARTED_KEY, StorePart, channel, events_key, now, num,
                    owner_seqs_key, record_key, running_key, text_key)
+from .events import IN_EVENTS, LOGPROBS_FIELDS, gather_logprobs
 from .jobs import Job, job_from_record
 
 
@@ -27,6 +28,9 @@ class Finish:
     cached_tokens: int | None = None   # prompt tokens the prefix cache gave
     logprobs: list | None = None          # per output token, for sequences that asked
     prompt_logprobs: list | None = None   # per prompt token (echo)
+    # Which of the two its token events carry whole (every token's entry; the prompt's on the
+    # first): the record then keeps them there only, unless the stream may have been trimmed.
+    in_events: tuple[str, ...] = ()
     only_if: tuple[SequenceStatus, ...] = (SequenceStatus.QUEUED, SequenceStatus.RUNNING)
     attempt: int | None = None   # set: only if the record still runs that start
     # The engine records a run sequence's full figures itself (EngineCore._record_metrics);
@@ -81,11 +85,14 @@ class RecordStore(StorePart):
         """A record (see get_records); None when it does not exist."""
         return self.get_records([seq_id], text)[0] or None
 
-    def get_records(self, seq_ids: list[str], text: bool = True) -> list[dict[str, str]]:
+    def get_records(self, seq_ids: list[str], text: bool = True,
+                    logprobs: bool | None = None) -> list[dict[str, str]]:
         """Many records in one round trip, in order ({} for one that does not exist). A
         running one's text is its running text (the record holds it only once it ended),
         read with the record in one transaction; `text` False leaves it out, for readers of
-        the status alone (its reading grows with the length)."""
+        the status alone (its reading grows with the length). Logprobs kept in the token
+        events are gathered from them (a second round trip, for those records only) unless
+        `logprobs` is False (by default, as `text`)."""
         if not seq_ids:
             return []
         pipe = self.r.pipeline(transaction=text)
@@ -94,13 +101,28 @@ class RecordStore(StorePart):
             if text:
                 pipe.get(text_key(seq_id))
         replies = pipe.execute()
-        if not text:
-            return replies
-        recs = replies[::2]
-        for rec, running in zip(recs, replies[1::2]):
-            if running is not None and rec.get("status") == SequenceStatus.RUNNING.value:
-                rec["text"] = running
+        recs = replies[::2] if text else replies
+        if text:
+            for rec, running in zip(recs, replies[1::2]):
+                if running is not None and rec.get("status") == SequenceStatus.RUNNING.value:
+                    rec["text"] = running
+        if text if logprobs is None else logprobs:
+            self._gather_logprobs(recs)
         return recs
+
+    def _gather_logprobs(self, recs: list[dict[str, str]]) -> None:
+        """Fills the logprobs fields that say IN_EVENTS from the records' token events."""
+        todo = [rec for rec in recs if any(rec.get(n) == IN_EVENTS for n in LOGPROBS_FIELDS)]
+        if not todo:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for rec in todo:
+            pipe.xrange(events_key(rec["id"]))
+        for rec, entries in zip(todo, pipe.execute()):
+            found = gather_logprobs(decode_event(fields) for _id, fields in entries)
+            for name in LOGPROBS_FIELDS:
+                if rec.get(name) == IN_EVENTS:
+                    rec[name] = json.dumps(found.get(name, []), separators=(",", ":"))
 
     def get_job(self, seq_id: str) -> Job | None:
         rec = self.get_record(seq_id)
@@ -192,10 +214,13 @@ class RecordStore(StorePart):
                 fields["error_code"] = it.error_code
             if it.cached_tokens is not None:
                 fields["cached_tokens"] = str(it.cached_tokens)
-            for name in ("logprobs", "prompt_logprobs"):
+            for name in LOGPROBS_FIELDS:
                 if getattr(it, name) is not None:
                     fields[name] = json.dumps(getattr(it, name), separators=(",", ":"))
-            job = job_from_record({**rec, **fields})
+            # The done event leaves the logprobs out (its readers read the record, see
+            # LLMEngine.events): each is kept once, in the token events or the record.
+            job = job_from_record({**rec, **{k: v for k, v in fields.items()
+                                             if k not in LOGPROBS_FIELDS}})
             self._finish(
                 keys=[record_key(it.seq_id), events_key(it.seq_id), channel(it.seq_id),
                       CANCELLED_KEY, METRICS_KEY, owner_seqs_key(rec.get("owner", "")),
@@ -204,7 +229,8 @@ class RecordStore(StorePart):
                       encode_event(EVENT_DONE, job)["data"], encode_pubsub(EVENT_DONE, job),
                       self.stream_maxlen, self.result_ttl_s, it.seq_id, running_pre,
                       "" if it.attempt is None else str(int(it.attempt)), running_post,
-                      "" if it.metrics_recorded else f"c:{SUCCESS_COUNTER}:{it.reason.value}"],
+                      "" if it.metrics_recorded else f"c:{SUCCESS_COUNTER}:{it.reason.value}",
+                      ",".join(it.in_events), IN_EVENTS],
                 client=pipe)
             queued.append(i)
         written = [False] * len(items)

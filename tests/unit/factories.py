@@ -170,6 +170,30 @@ class ScriptedBackend(ModelBackend):
                                                and last in seq.stop_token_ids)
 
 
+class LogprobsBackend(ScriptedBackend):
+    """A ScriptedBackend that also gives logprobs, as a model process does: each sampled
+    token's (with the `logprobs` alternatives its request asked for), and at prefill each
+    prompt token's after the first (`prompt_logprobs`). Made-up numbers, fixed per token."""
+
+    def step(self, req, early=None):
+        from worker.messages import TokenLogprobs
+
+        def entry(token_id: int, k: int) -> TokenLogprobs:
+            return TokenLogprobs(-0.5 - token_id / 100, 2, [(token_id + j) % WORDS for j in
+                                                            range(k)], [-0.1 * j for j in range(k)])
+
+        res = super().step(req, None)   # (newcomers' tokens with the rest: they need their logprobs)
+        for new in req.prefill:
+            if new.params.prompt_logprobs is not None:
+                res.prompt_logprobs[new.seq_id] = [entry(t, new.params.prompt_logprobs)
+                                                   for t in new.token_ids[1:]]
+        for seq_id, token_id in res.token_ids.items():
+            k = self._seqs[seq_id].params.logprobs
+            if k is not None:
+                res.logprobs[seq_id] = entry(token_id, k)
+        return res
+
+
 def make_engine(store, backend=None, requeue=None, **settings):
     """An EngineCore over an in-process executor running `backend` (a ScriptedBackend by
     default), with the WordTokenizer; started (its model loaded), its loop not running."""

@@ -23,12 +23,19 @@ local running_pre = ARGV[8]
 local attempt = ARGV[9]         -- '' or the attempt it must still be running
 local running_post = ARGV[10]
 local counter = ARGV[11]        -- the metrics counter to count it in, '' when none
+-- The logprobs fields its token events carry whole, comma separated: while the stream holds
+-- every event (never trimmed to maxlen), the record keeps only a mark (ARGV[13]) for them.
+local in_events = ARGV[12]
+local in_events_mark = ARGV[13]
 
 local st = redis.call('HGET', record, 'status')
 if not st then return 0 end
 if not string.find(',' .. statuses .. ',', ',' .. st .. ',', 1, true) then return 0 end
 if attempt ~= '' and redis.call('HGET', record, 'attempts') ~= attempt then return 0 end
 local fields = cjson.decode(fields_json)
+if in_events ~= '' and redis.call('XLEN', events) + 1 < tonumber(maxlen) then
+  for name in string.gmatch(in_events, '[^,]+') do fields[name] = in_events_mark end
+end
 for k, v in pairs(fields) do redis.call('HSET', record, k, v) end
 if fields['text'] == nil then
   local running = redis.call('GET', running_text)
