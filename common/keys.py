@@ -109,6 +109,17 @@ class Keys:
         return f"{Keys.owner(owner)}:waiting"
 
     @staticmethod
+    def owner_stored(owner: str) -> str:
+        """zset: what an owner's ended sequences keep in Redis, "<seq id> <bytes>" -> when
+        their records expire (its storage quota); their sum is owner_stored_bytes."""
+        return f"{Keys.owner(owner or 'anonymous')}:stored"
+
+    @staticmethod
+    def owner_stored_bytes(owner: str) -> str:
+        """string: the bytes of an owner's owner_stored entries."""
+        return f"{Keys.owner(owner or 'anonymous')}:stored-bytes"
+
+    @staticmethod
     def owner_index(owner: str, kind: str) -> str:
         """zset: an owner's jobs, files or batches, newest first."""
         return f"{Keys.owner(owner or 'anonymous')}:{kind}"

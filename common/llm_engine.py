@@ -152,7 +152,14 @@ class LLMEngine:
         # One atomic step: checked, then written, concurrent requests all passed the check.
         full, count = self.store.admit(queue, [r.seq_id for r in reqs], owner if keyed else "",
                                        s.max_queued, cap if keyed else 0,
-                                       s.key_queue_floor if keyed else 0)
+                                       s.key_queue_floor if keyed else 0,
+                                       storage_quota=s.key_storage_bytes, stored_by=owner)
+        if full == "storage":
+            raise Overloaded(f"this key's finished jobs keep {count} bytes in Redis, its "
+                             f"quota is {s.key_storage_bytes} (LLMQ_KEY_STORAGE_BYTES); "
+                             "retry when older results expire (LLMQ_RESULT_TTL)",
+                             self.store.storage_frees_in(owner),
+                             "storage_quota_exceeded")
         if full == "queue":
             raise Overloaded(f"the queue is full ({count} sequences waiting); retry later", 2,
                              "queue_full")

@@ -239,6 +239,9 @@ class Settings:
     # requests per key waiting on an API thread for their result (a waiting /v1/generate, a
     # non-streamed OpenAI request or response; 0 = no cap): each holds a thread until it ends
     key_max_waiting: int = setting(64, "LLMQ_KEY_MAX_WAITING", minimum=0)
+    # bytes a key's ended jobs may keep in Redis (records, events) before its submissions
+    # are refused, until some expire (LLMQ_RESULT_TTL); keyless, all jobs share it; 0 = off
+    key_storage_bytes: int = setting(256 * 1024 * 1024, "LLMQ_KEY_STORAGE_BYTES", minimum=0)
     # HMAC secret naming owners in records and logs
     owner_secret: str = setting("", "LLMQ_OWNER_SECRET")
     # let different keys reuse each other's cached prefixes

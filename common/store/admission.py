@@ -5,7 +5,8 @@ import math
 import time
 
 from ..protocol import SequenceRequest
-from .base import ADMITTING_KEY, UNSTARTED_KEY, StorePart, owner_seqs_key, rate_key
+from .base import (ADMITTING_KEY, UNSTARTED_KEY, StorePart, owner_seqs_key,
+                   owner_stored_bytes_key, owner_stored_key, rate_key)
 
 PRIORITY_SEP = "\x06\x16"   # kombu's Redis priority-queue separator
 ADMITTING_S = 60.0   # an admission whose messages were never sent (a dead API) counts this long
@@ -51,19 +52,31 @@ class Admission(StorePart):
         return ("" if hit == "ok" else hit), max(1, int((window + 1) * 60 - t) + 1), key
 
     def admit(self, queue: str, seq_ids: list[str], owner: str, max_queued: int,
-              owner_cap: int, owner_floor: int = 0) -> tuple[str, int]:
+              owner_cap: int, owner_floor: int = 0, storage_quota: int = 0,
+              stored_by: str | None = None) -> tuple[str, int]:
         """Admits the sequences in one atomic step unless the queue (LLMQ_MAX_QUEUED) or the
         owner's share (owner_cap; 0: none) is full; an owner with a cap whose unfinished
         sequences, these included, stay within owner_floor gets in even past a full queue
-        (other keys' backlog cannot lock it out). Returns ("ok", the owner's unfinished
-        sequences before them) or the cap that refused them ("queue" or "key") and its count.
+        (other keys' backlog cannot lock it out). With a `storage_quota` (0: none), the bytes
+        that `stored_by`'s (by default the owner's) ended sequences keep must be under it.
+        Returns ("ok", the owner's unfinished sequences before them) or the cap that refused
+        them ("queue", "key" or "storage") and its count (for "storage", the bytes kept).
         Admitted ids count towards the queue until `sent` (or unadmit) takes them out."""
         t = time.time()
+        stored_by = owner if stored_by is None else stored_by
         kind, count = self._admit(
-            keys=[ADMITTING_KEY, owner_seqs_key(owner), UNSTARTED_KEY, *queue_lists(queue)],
+            keys=[ADMITTING_KEY, owner_seqs_key(owner), UNSTARTED_KEY,
+                  owner_stored_key(stored_by), owner_stored_bytes_key(stored_by),
+                  *queue_lists(queue)],
             args=[t, t - ADMITTING_S, t - self.pending_ttl_s, max_queued, owner_cap,
-                  int(self.pending_ttl_s), owner_floor, *seq_ids])
+                  int(self.pending_ttl_s), owner_floor, storage_quota, *seq_ids])
         return (kind.decode() if isinstance(kind, bytes) else kind), int(count)
+
+    def storage_frees_in(self, owner: str) -> int:
+        """Seconds until the oldest of an owner's stored sequences expires (and frees its
+        room); at least 1."""
+        oldest = self.r.zrange(owner_stored_key(owner), 0, 0, withscores=True)
+        return max(1, int((oldest[0][1] if oldest else 0) - time.time()) + 1)
 
     def sent(self, seq_ids: list[str]) -> None:
         """Their messages are in the broker's lists (or never will be): the queue counts them

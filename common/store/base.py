@@ -19,6 +19,7 @@ record_key, events_key, channel = Keys.record, Keys.events, Keys.channel
 text_key = Keys.running_text
 worker_key, running_key, held_key = Keys.worker, Keys.running, Keys.held
 owner_seqs_key, owner_streams_key, rate_key = Keys.owner_seqs, Keys.owner_streams, Keys.rate
+owner_stored_key, owner_stored_bytes_key = Keys.owner_stored, Keys.owner_stored_bytes
 
 
 class StorePart:

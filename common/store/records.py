@@ -11,7 +11,8 @@ from ..protocol import (EVENT_DONE, FinishReason, SamplingParams, SequenceReques
                         SequenceStatus, decode_event, encode_event, encode_pubsub)
 from .admission import reserved_tokens
 from .base import (CANCELLED_KEY, UNSTARTED_KEY, StorePart, channel, events_key, now, num,
-                   owner_seqs_key, record_key, running_key, text_key)
+                   owner_seqs_key, owner_stored_bytes_key, owner_stored_key, record_key,
+                   running_key, text_key)
 from .events import IN_EVENTS, LOGPROBS_FIELDS, gather_logprobs
 from .jobs import Job, job_from_record
 
@@ -37,6 +38,20 @@ class Finish:
     # any other end (cancelled while queued, rejected at admission, not queued) is counted in
     # request_success_total by the finish script, in the same call that ends it: once.
     metrics_recorded: bool = False
+
+
+# What a token event costs in Redis besides its data: its entry id and field names.
+EVENT_OVERHEAD = 48
+
+
+def stored_size(rec: dict[str, str]) -> int:
+    """About the bytes an ended sequence keeps in Redis (its storage quota's count): its
+    record's fields; its logprobs once, wherever they are kept; its events: the text again
+    (a piece a token) and the done event's job (the record without logprobs, again)."""
+    logprobs = sum(len(rec.get(name) or "") for name in LOGPROBS_FIELDS)
+    fields = sum(len(k) + len(v) for k, v in rec.items()) - logprobs
+    tokens = num(rec.get("completion_tokens"), int) or 0
+    return 2 * fields + logprobs + len(rec.get("text") or "") + EVENT_OVERHEAD * tokens
 
 
 class RecordStore(StorePart):
@@ -221,16 +236,19 @@ class RecordStore(StorePart):
             # LLMEngine.events): each is kept once, in the token events or the record.
             job = job_from_record({**rec, **{k: v for k, v in fields.items()
                                              if k not in LOGPROBS_FIELDS}})
+            owner = rec.get("owner", "")
             self._finish(
                 keys=[record_key(it.seq_id), events_key(it.seq_id), channel(it.seq_id),
-                      CANCELLED_KEY, METRICS_KEY, owner_seqs_key(rec.get("owner", "")),
-                      UNSTARTED_KEY, text_key(it.seq_id)],
+                      CANCELLED_KEY, METRICS_KEY, owner_seqs_key(owner),
+                      UNSTARTED_KEY, text_key(it.seq_id), owner_stored_key(owner),
+                      owner_stored_bytes_key(owner)],
                 args=[",".join(s.value for s in it.only_if), json.dumps(fields),
                       encode_event(EVENT_DONE, job)["data"], encode_pubsub(EVENT_DONE, job),
                       self.stream_maxlen, self.result_ttl_s, it.seq_id, running_pre,
                       "" if it.attempt is None else str(int(it.attempt)), running_post,
                       "" if it.metrics_recorded else f"c:{SUCCESS_COUNTER}:{it.reason.value}",
-                      ",".join(it.in_events), IN_EVENTS],
+                      ",".join(it.in_events), IN_EVENTS, stored_size({**rec, **fields}),
+                      now() + self.result_ttl_s],
                 client=pipe)
             queued.append(i)
         written = [False] * len(items)

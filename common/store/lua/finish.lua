@@ -10,6 +10,8 @@ local metrics = KEYS[5]         -- the metrics hash
 local owner_seqs = KEYS[6]      -- its owner's unfinished sequences
 local unstarted = KEYS[7]       -- llmq:unstarted
 local running_text = KEYS[8]    -- llmq:text:<id>
+local stored = KEYS[9]          -- its owner's stored sequences, "<id> <bytes>" -> expiry
+local stored_bytes = KEYS[10]   -- their sum (the owner's storage quota)
 local statuses = ARGV[1]        -- the statuses it may end from, comma separated
 local fields_json = ARGV[2]     -- the fields to write, a JSON object
 local done_data = ARGV[3]       -- the done event's data
@@ -27,6 +29,8 @@ local counter = ARGV[11]        -- the metrics counter to count it in, '' when n
 -- every event (never trimmed to maxlen), the record keeps only a mark (ARGV[13]) for them.
 local in_events = ARGV[12]
 local in_events_mark = ARGV[13]
+local size = tonumber(ARGV[14]) -- what its record and events keep, about, in bytes
+local expires_at = ARGV[15]     -- when they expire (now + the result TTL)
 
 local st = redis.call('HGET', record, 'status')
 if not st then return 0 end
@@ -53,6 +57,12 @@ if w and w ~= '' then redis.call('SREM', running_pre .. w .. running_post, seq_i
 local owner = redis.call('HGET', record, 'owner')
 if owner and owner ~= '' then redis.call('ZREM', owner_seqs, seq_id) end
 if counter ~= '' then redis.call('HINCRBY', metrics, counter, 1) end
+if size > 0 then
+  redis.call('ZADD', stored, expires_at, seq_id .. ' ' .. size)
+  redis.call('INCRBY', stored_bytes, size)
+  redis.call('EXPIRE', stored, ttl)
+  redis.call('EXPIRE', stored_bytes, ttl)
+end
 -- Settle the tokens-per-minute charge: the reservation made at submit becomes the real prompt
 -- plus completion count, in the window it was charged to (if that window is still open).
 local rk = redis.call('HGET', record, 'rate_key')

@@ -1,0 +1,64 @@
+"""A key's ended jobs may keep at most LLMQ_KEY_STORAGE_BYTES in Redis (issue 48): past it,
+its submissions are 429 `storage_quota_exceeded` before any job exists, until some of its
+results expire; other keys are not affected. Without keys every job shares one quota."""
+from __future__ import annotations
+
+import pytest
+
+from common.keys import Keys
+from common.protocol import FinishReason
+from common.store import record_key
+
+from .test_api_unit import Api, assert_error, auth
+
+RESULT_TTL = 3600
+
+
+def post_job(api: Api, key: str | None):
+    return api.client.post("/v1/jobs", json={"prompt": "x", "max_tokens": 1},
+                           headers=auth(key) if key else {})
+
+
+def end_with(api: Api, key: str | None, text: str) -> str:
+    """A job of `key` that ended with `text` (written as the worker writes its end); its
+    owner."""
+    resp = post_job(api, key)
+    assert resp.status_code == 202, resp.get_data(as_text=True)
+    seq_id = resp.get_json()["id"]
+    api.store.finish(seq_id, FinishReason.STOP, text=text, completion_tokens=len(text) // 100)
+    return api.r.hget(record_key(seq_id), "owner")
+
+
+def expire_all(api: Api, owner: str) -> None:
+    """As if the result TTL had passed for every stored job of the owner."""
+    key = Keys.owner_stored(owner)
+    api.r.zadd(key, {m: 1 for m in api.r.zrange(key, 0, -1)})
+
+
+@pytest.mark.parametrize("keys", [("k1", "k2"), ()])
+def test_a_key_past_its_storage_quota_is_refused_until_its_results_expire(keys):
+    api = Api(api_keys=keys, key_storage_bytes=20_000, result_ttl_s=RESULT_TTL)
+    k1 = keys[0] if keys else None
+    owner = end_with(api, k1, "x" * 4_000)           # under the quota: another is welcome
+    used = int(api.r.get(Keys.owner_stored_bytes(owner)))
+    assert 8_000 < used < 20_000   # the record, and its text again in the events
+    end_with(api, k1, "y" * 12_000)                   # past it now
+    before = api.r.keys("llmq:seq:*")
+    resp = post_job(api, k1)
+    err = assert_error(resp, 429, "rate_limit_error")
+    assert err["code"] == "storage_quota_exceeded" and "LLMQ_KEY_STORAGE_BYTES" in err["message"]
+    # Retry-After: when the oldest of its results expires
+    assert RESULT_TTL - 60 <= int(resp.headers["Retry-After"]) <= RESULT_TTL + 1
+    assert api.r.keys("llmq:seq:*") == before        # refused before any job exists
+    if keys:   # another key's jobs are its own business
+        assert post_job(api, "k2").status_code == 202
+    expire_all(api, owner)   # its results expired: their room is free again
+    assert post_job(api, k1).status_code == 202
+    assert int(api.r.get(Keys.owner_stored_bytes(owner))) == 0
+    assert api.r.zcard(Keys.owner_stored(owner)) == 0
+
+
+def test_no_quota_when_it_is_0():
+    api = Api(api_keys=("k1",), key_storage_bytes=0)
+    end_with(api, "k1", "x" * 100_000)
+    assert post_job(api, "k1").status_code == 202
