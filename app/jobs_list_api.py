@@ -17,6 +17,8 @@ from .listing import list_params, page_json
 
 bp = Blueprint("jobs_list", __name__)
 
+UNFINISHED_JOB_BYTES = 4096   # what job_size counts for a job that has not ended
+
 
 def jobs_index() -> OwnerIndex:
     return current_app.extensions["llmq"]["jobs_index"]
@@ -39,13 +41,23 @@ def list_jobs():
                 for rec in current_app.extensions["llmq"]["store"].get_records(ids)]
 
     def peek(ids):
-        # A filter reads each record's owner and status first, and whole records (the text of
-        # every job passed over) only for the jobs it keeps.
-        return [h if mine(h) else None for h in index.fields(record_key, ids, "owner", "status")]
+        # Each record's owner, status and size first, and whole records (the text of every
+        # job passed over, logprobs gathered from events) only for the jobs the page keeps.
+        return [h if mine(h) else None
+                for h in index.fields(record_key, ids, "owner", "status", "stored_bytes")]
 
     return page_json(index.page, owner, load, after, limit,
                      keep=lambda job: status is None or job["status"] == status,
-                     peek=peek if status is not None else None, scan=PAGE_SCAN)
+                     peek=peek, scan=PAGE_SCAN,
+                     max_bytes=current_app.extensions["llmq"]["settings"].list_page_bytes,
+                     size=job_size)
+
+
+def job_size(rec: dict) -> int:
+    """About a job's bytes in a list: an ended one's as its end counted it (what it keeps in
+    Redis, a bound on its JSON); an unfinished one has no logprobs yet and at most a body's
+    prompt, counted as a small one."""
+    return int(rec.get("stored_bytes") or UNFINISHED_JOB_BYTES)
 
 
 def init_app(app: Flask) -> None:

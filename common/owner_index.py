@@ -81,12 +81,15 @@ class OwnerIndex:
              after: str | None = None, limit: int = 20,
              keep: Callable[[dict], bool] = lambda _obj: True, chunk: int = 200,
              peek: Callable[[list[str]], list[dict | None]] | None = None,
-             scan: int | None = None) -> Page:
+             scan: int | None = None, max_bytes: int | None = None,
+             size: Callable[[dict], int] = lambda _obj: 0) -> Page:
         """The objects after `after` (newest first). `load` reads a chunk of ids (None for an
         expired one, dropped from the index here); `keep` filters (a status filter). With
         `peek` (a cheaper read of what `keep` needs), `keep` judges what `peek` read and only
         the ids kept are loaded. With `scan`, at most that many entries are passed over (see
-        PAGE_SCAN)."""
+        PAGE_SCAN). With `max_bytes`, the page stops before the object that would take it past
+        that many bytes by `size` (of what `peek` read, so that what is not returned is not
+        loaded either), with has_more; its first object goes in whatever its size."""
         key = index_key(owner, self.kind)
         start = 0
         if after:
@@ -96,6 +99,7 @@ class OwnerIndex:
             start = rank + 1
         out: list[dict] = []
         passed, cursor = 0, after
+        used, full = 0, False   # the kept objects' bytes by `size`; whether the next is over
         while len(out) <= limit:
             # Never read more entries than the page can still return or pass over.
             room = chunk if scan is None else min(chunk, limit + 1 - len(out) + scan - passed)
@@ -109,12 +113,21 @@ class OwnerIndex:
                 self.r.zrem(key, *gone)
                 start -= len(gone)
             kept = [(i, o) for i, o in zip(ids, seen) if o is not None and keep(o)]
+            kept = kept[:limit + 1 - len(out)]   # (one past the limit says has_more)
+            if max_bytes is not None:
+                for n, (_i, o) in enumerate(kept):
+                    used += size(o)
+                    if used > max_bytes and (out or n):
+                        kept, full = kept[:n], True
+                        break
             if peek is not None and kept:
                 # Judged again as loaded: one that changed (or went) between the reads is
                 # skipped (a gone one is dropped from the index by the next list).
                 kept = [(i, o) for (i, _), o in zip(kept, load([i for i, _ in kept]))
                         if o is not None and keep(o)]
             out += [o for _i, o in kept]
+            if full:   # the next page starts after its last object
+                return Page(out[:limit], True)
             passed += len(ids) - len(kept)
             cursor = next((i for i, o in zip(reversed(ids), reversed(seen)) if o is not None),
                           cursor)

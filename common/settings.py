@@ -242,6 +242,8 @@ class Settings:
     # bytes a key's ended jobs may keep in Redis (records, events) before its submissions
     # are refused, until some expire (LLMQ_RESULT_TTL); keyless, all jobs share it; 0 = off
     key_storage_bytes: int = setting(256 * 1024 * 1024, "LLMQ_KEY_STORAGE_BYTES", minimum=0)
+    # a page of GET /v1/jobs stops adding jobs past this many bytes (about), has_more set
+    list_page_bytes: int = setting(8 * 1024 * 1024, "LLMQ_LIST_PAGE_BYTES", positive=True)
     # HMAC secret naming owners in records and logs
     owner_secret: str = setting("", "LLMQ_OWNER_SECRET")
     # let different keys reuse each other's cached prefixes

@@ -58,6 +58,7 @@ local owner = redis.call('HGET', record, 'owner')
 if owner and owner ~= '' then redis.call('ZREM', owner_seqs, seq_id) end
 if counter ~= '' then redis.call('HINCRBY', metrics, counter, 1) end
 if size > 0 then
+  redis.call('HSET', record, 'stored_bytes', size)
   redis.call('ZADD', stored, expires_at, seq_id .. ' ' .. size)
   redis.call('INCRBY', stored_bytes, size)
   redis.call('EXPIRE', stored, ttl)
