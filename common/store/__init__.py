@@ -27,6 +27,8 @@ Keys (all names are built in common/keys.py, and read and written only by the st
   llmq:rate:<owner>:<min>  hash    a key's sequences and tokens in one minute (rate limits)
   llmq:owner:<owner>:seqs  zset    a key's unfinished sequences -> created (its queue share)
   llmq:owner:<owner>:streams zset  a key's open SSE streams -> lease end (its stream cap)
+  llmq:owner:<owner>:stored  zset  a key's ended sequences "<id> <bytes>" -> their expiry, and
+  llmq:owner:<owner>:stored-bytes  their sum (its storage quota, LLMQ_KEY_STORAGE_BYTES)
   llmq:owner-secret        string the HMAC secret naming owners, when no setting gives one
   llmq:held:<name>         set     ids whose message that worker received, task not yet ended
   llmq:admitting           zset    ids admitted to the queue, message not sent yet -> when

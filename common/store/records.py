@@ -210,7 +210,7 @@ class RecordStore(StorePart):
             return []
         # (the running texts only for ends that bring no text: the engine's bring the whole)
         recs = self.get_records([it.seq_id for it in items],
-                                text=any(it.text is None for it in items))
+                                text=any(it.text is None for it in items), logprobs=False)
         pipe = self.r.pipeline(transaction=False)
         queued = []
         running_pre, running_post = Keys.around(running_key)
