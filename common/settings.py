@@ -278,6 +278,9 @@ class Settings:
     batch_priority: int = setting(9, "LLMQ_BATCH_PRIORITY", minimum=0, maximum=9)
     # batch lines queued or running at once, all batches together
     batch_max_inflight: int = setting(32, "LLMQ_BATCH_MAX_INFLIGHT", positive=True)
+    # While a key with no batch driver slot on a worker waits for one, a driver that has run
+    # this long there gives its slot up (keys outnumbering slots take turns).
+    batch_driver_slice_s: float = setting(60.0, "LLMQ_BATCH_DRIVER_SLICE", positive=True)
     # Webhooks (Standard Webhooks signatures).
     # whsec_<base64>; webhooks are refused while unset
     webhook_secret: str = setting("", "LLMQ_WEBHOOK_SECRET")
