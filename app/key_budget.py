@@ -16,6 +16,7 @@ lock out every other.
 from __future__ import annotations
 
 import logging
+
 import redis
 from flask import Flask, Response, g, has_request_context, request
 
