@@ -239,6 +239,11 @@ class Settings:
     # requests per key waiting on an API thread for their result (a waiting /v1/generate, a
     # non-streamed OpenAI request or response; 0 = no cap): each holds a thread until it ends
     key_max_waiting: int = setting(64, "LLMQ_KEY_MAX_WAITING", minimum=0)
+    # What a key's requests cost the API itself, per minute (0 = no budget): past this many
+    # refused bodies (400, 413, 415, 422), its requests with a body are 429 before the body is
+    # read, and past this many seconds of grammar compiles it gets 429 before another compile.
+    key_max_refusals: int = setting(30, "LLMQ_KEY_MAX_REFUSALS", minimum=0)
+    key_grammar_s: float = setting(10.0, "LLMQ_KEY_GRAMMAR_SECONDS", minimum=0)
     # HMAC secret naming owners in records and logs
     owner_secret: str = setting("", "LLMQ_OWNER_SECRET")
     # let different keys reuse each other's cached prefixes
