@@ -276,11 +276,26 @@ SCORE_ROWS = 256
 
 
 def scored_positions(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
-    """token_logprobs of targets[i] in row i of logits [len(targets), vocab]. Each position
-    costs passes over the vocabulary (~0.5 ms at 49,152 on one CPU thread; whole-block topk and
-    rank measured no faster), which is why a scored prompt is chunked like any other."""
+    """token_logprobs of targets[i] in row i of logits [len(targets), vocab], a block of rows
+    at a time (as vLLM scores its prompt logprobs: one log_softmax, gather and topk per block,
+    no device sync per position). Each position still costs passes over the vocabulary (~0.5
+    ms at 49,152 on one CPU thread), which is why a scored prompt is chunked like any other."""
     out: list[TokenLogprobs] = []
     for a in range(0, len(targets), SCORE_ROWS):
         lps = torch.log_softmax(logits[a:a + SCORE_ROWS].float(), dim=-1)
-        out += [token_logprobs(row, t, k) for row, t in zip(lps, targets[a:a + SCORE_ROWS])]
+        tgt = torch.tensor(targets[a:a + SCORE_ROWS], device=lps.device)
+        lp = lps.gather(1, tgt[:, None])[:, 0]
+        if lps.device.type == "cpu":
+            # (a row against its own scalar measured ~2.5x faster here than one broadcast
+            # comparison of the block)
+            ranks = [int((row > x).sum()) + 1 for row, x in zip(lps, lp)]
+        else:
+            ranks = ((lps > lp[:, None]).sum(-1) + 1).tolist()
+        top_ids: list[list[int]] = [[] for _ in ranks]
+        top_lps: list[list[float]] = [[] for _ in ranks]
+        if k:
+            top = torch.topk(lps, min(k, lps.shape[-1]), dim=-1)
+            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+        out += [TokenLogprobs(x, r, i, v)
+                for x, r, i, v in zip(lp.tolist(), ranks, top_ids, top_lps)]
     return out
