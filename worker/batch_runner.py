@@ -7,9 +7,10 @@ whose sequences ended, submits more lines while fewer than LLMQ_BATCH_MAX_INFLIG
 queued or running, at Celery priority LLMQ_BATCH_PRIORITY (below interactive requests), and
 ends the batch when every line is answered, when it is cancelled or when its completion window
 has passed. A driver holds one of its worker's few driver slots, which keys share
-(worker/batch_shares.py): asked to give way, it hands its batch back to be driven later. Everything it writes is idempotent by line
-(common/batch_store.py), so a driver killed anywhere is replaced, after its lease runs out, by
-one that continues: no line is lost and none is answered twice.
+(worker/batch_shares.py): asked to give way, it hands its batch back to be driven later.
+Everything it writes is idempotent by line (common/batch_store.py), so a driver killed
+anywhere is replaced, after its lease runs out, by one that continues: no line is lost and
+none is answered twice.
 """
 from __future__ import annotations
 
