@@ -42,6 +42,9 @@ class Finish:
 
 # What a token event costs in Redis besides its data: its entry id and field names.
 EVENT_OVERHEAD = 48
+# Redis's own overhead on what is stored (allocations, encodings): with it, stored_size came
+# within 10 % of MEMORY USAGE for 64-token sequences with and without 20 logprobs a token.
+REDIS_OVERHEAD = 1.3
 
 
 def stored_size(rec: dict[str, str]) -> int:
@@ -51,7 +54,8 @@ def stored_size(rec: dict[str, str]) -> int:
     logprobs = sum(len(rec.get(name) or "") for name in LOGPROBS_FIELDS)
     fields = sum(len(k) + len(v) for k, v in rec.items()) - logprobs
     tokens = num(rec.get("completion_tokens"), int) or 0
-    return 2 * fields + logprobs + len(rec.get("text") or "") + EVENT_OVERHEAD * tokens
+    return int(REDIS_OVERHEAD * (2 * fields + logprobs + len(rec.get("text") or "")
+                                 + EVENT_OVERHEAD * tokens))
 
 
 class RecordStore(StorePart):

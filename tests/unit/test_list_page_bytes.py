@@ -8,7 +8,7 @@ from common.protocol import FinishReason
 
 from .test_api_unit import Api, auth
 
-TEXT = 100_000   # each job's text: ~300 kB as its end counts it (record, events, done event)
+TEXT = 100_000   # each job's text: ~400 kB as its end counts it (record, events, done event)
 
 
 def jobs_of(api: Api, n: int, texts: list[int] | None = None) -> list[str]:
@@ -44,7 +44,7 @@ def all_pages(api: Api, monkeypatch) -> list[tuple[dict, list[str]]]:
 
 
 def test_a_page_stops_at_its_bytes_and_the_next_goes_on_from_its_last_job(monkeypatch):
-    api = Api(api_keys=("k1",), list_page_bytes=700_000)
+    api = Api(api_keys=("k1",), list_page_bytes=900_000)
     ids = jobs_of(api, 7)
     pages = all_pages(api, monkeypatch)
     listed = [j["id"] for page, _ in pages for j in page["data"]]
