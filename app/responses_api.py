@@ -338,8 +338,10 @@ def delete_response(resp_id: str):
     job, _doc = find_response(resp_id)
     seq_id = job["id"]
     _cancelled(job)
-    if store().delete(seq_id):
+    freed = store().delete(seq_id)
+    if freed is not None:
         current_app.extensions["llmq"]["jobs_index"].remove(g.owner, seq_id)
+        engine().store.unstore(g.owner, seq_id, freed)
     return jsonify({"id": resp_id, "object": "response.deleted", "deleted": True})
 
 

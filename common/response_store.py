@@ -35,16 +35,18 @@ return doc
 """
 
 # Deletes a response: its document always, its record and events only once finished (a
-# running sequence's engine would write a headless record back). Returns 1 when the record
-# went too. KEYS: document, record, events. ARGV: the finished statuses.
+# running sequence's engine would write a headless record back). Returns false when the
+# record stays, else the bytes its end counted for the owner's storage quota ('' for none).
+# KEYS: document, record, events. ARGV: the finished statuses.
 _DELETE = """
 redis.call('DEL', KEYS[1])
 local st = redis.call('HGET', KEYS[2], 'status')
 if st and string.find(',' .. ARGV[1] .. ',', ',' .. st .. ',', 1, true) then
+  local size = redis.call('HGET', KEYS[2], 'stored_bytes') or ''
   redis.call('DEL', KEYS[2], KEYS[3])
-  return 1
+  return size
 end
-return 0
+return false
 """
 
 _FINISHED = ",".join(s.value for s in SequenceStatus if s.is_finished)
@@ -66,8 +68,10 @@ class ResponseStore:
         raw = self._load(keys=[Keys.response(seq_id), Keys.record(seq_id)])
         return json.loads(raw) if raw else None
 
-    def delete(self, seq_id: str) -> bool:
+    def delete(self, seq_id: str) -> int | None:
         """Deletes the document, and the record with its events when the sequence has
-        finished; True when the record went too."""
-        return bool(self._delete(keys=[Keys.response(seq_id), Keys.record(seq_id),
-                                       Keys.events(seq_id)], args=[_FINISHED]))
+        finished. Returns None when the record stays, else the bytes it counted toward its
+        owner's storage quota (Admission.unstore gives them back)."""
+        size = self._delete(keys=[Keys.response(seq_id), Keys.record(seq_id),
+                                  Keys.events(seq_id)], args=[_FINISHED])
+        return None if size is None else int(size or 0)

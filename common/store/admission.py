@@ -29,7 +29,7 @@ def reserved_tokens(req: SequenceRequest) -> int:
 class Admission(StorePart):
     """Admits sequences to the queue against its caps, and charges keys' rate windows."""
 
-    SCRIPTS = {"_admit": "admit", "_reserve": "reserve"}
+    SCRIPTS = {"_admit": "admit", "_reserve": "reserve", "_unstore": "unstore"}
 
     def queue_depth(self, queue: str) -> int:
         """Messages in the broker queue. Celery's Redis transport keeps one list per queue and
@@ -77,6 +77,13 @@ class Admission(StorePart):
         room); at least 1."""
         oldest = self.r.zrange(owner_stored_key(owner), 0, 0, withscores=True)
         return max(1, int((oldest[0][1] if oldest else 0) - time.time()) + 1)
+
+    def unstore(self, owner: str, seq_id: str, size: int) -> None:
+        """An ended sequence's record was deleted before it expired: its `size` bytes no
+        longer count toward its owner's storage quota."""
+        if size:
+            self._unstore(keys=[owner_stored_key(owner), owner_stored_bytes_key(owner)],
+                          args=[seq_id, size])
 
     def sent(self, seq_ids: list[str]) -> None:
         """Their messages are in the broker's lists (or never will be): the queue counts them

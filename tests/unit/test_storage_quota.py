@@ -62,3 +62,20 @@ def test_no_quota_when_it_is_0():
     api = Api(api_keys=("k1",), key_storage_bytes=0)
     end_with(api, "k1", "x" * 100_000)
     assert post_job(api, "k1").status_code == 202
+
+
+def test_a_deleted_response_gives_its_room_back():
+    api = Api(api_keys=("k1",), key_storage_bytes=30_000, result_ttl_s=RESULT_TTL)
+    model = api.client.get("/v1/models", headers=auth("k1")).get_json()["data"][0]["id"]
+    resp = api.client.post("/v1/responses", headers=auth("k1"), json={
+        "model": model, "input": "x", "background": True})
+    assert resp.status_code == 200, resp.get_data(as_text=True)
+    resp_id = resp.get_json()["id"]
+    seq_id = "seq-" + resp_id.removeprefix("resp_")
+    api.store.finish(seq_id, FinishReason.STOP, text="z" * 40_000, completion_tokens=100)
+    owner = api.r.hget(record_key(seq_id), "owner")
+    assert post_job(api, "k1").status_code == 429   # past its quota
+    assert api.client.delete(f"/v1/responses/{resp_id}", headers=auth("k1")).status_code == 200
+    assert int(api.r.get(Keys.owner_stored_bytes(owner))) == 0
+    assert api.r.zcard(Keys.owner_stored(owner)) == 0
+    assert post_job(api, "k1").status_code == 202
