@@ -75,7 +75,7 @@ def _position(seq_id: str, model: str | None) -> tuple[int, float | None]:
 
 def _metrics(job: dict[str, Any]) -> dict[str, Any]:
     store = current_app.extensions["llmq"]["store"]
-    rec = store.get_record(job["id"]) or {}
+    rec = store.get_record(job["id"], text=False) or {}   # (its attempts only)
     attempts = int(rec.get("attempts") or 0)
     created, started, finished = job.get("created_at"), job.get("started_at"), \
         job.get("finished_at")
