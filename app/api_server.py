@@ -23,9 +23,11 @@ def create_app(settings: Settings | None = None, *, redis_client=None, celery=No
     from . import (auth, batches_api, errors, files_api, health_api, idempotency, jobs_api,
                    jobs_list_api, metrics, openapi, responses_api, streaming, tokenize_api)
     from .openai_api import bp as openai_bp
+    from .write_timeout import WriteTimeout
 
     settings = settings or Settings.from_env()
     app = Flask(__name__)
+    app.wsgi_app = WriteTimeout(app.wsgi_app, settings.write_timeout_s)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.ensure_ascii = False
     app.json.sort_keys = False

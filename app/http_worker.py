@@ -1,10 +1,12 @@
 """The gunicorn worker the API runs under (`--worker-class app.http_worker.ThreadWorker`):
-gunicorn's gthread worker, plus deadlines on reading a request's headers and its body, and JSON
-bodies for the errors gunicorn answers before the app sees a request."""
+gunicorn's gthread worker, plus deadlines on reading a request's headers and its body, a client
+that stops reading its response dropped quietly, and JSON bodies for the errors gunicorn answers
+before the app sees a request."""
 from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 import time
 
@@ -51,6 +53,14 @@ class _WatchedBody:
         if not line:
             raise StopIteration
         return line
+
+
+def _reset(sock) -> None:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass   # closed already
 
 
 # Errors gunicorn's parser raises, answered in the API's one error shape.
@@ -107,6 +117,15 @@ class ThreadWorker(GThreadWorker):
             done()
         try:
             return super().handle_request(req, conn)
+        except BlockingIOError:
+            # A write moved no byte for LLMQ_WRITE_TIMEOUT (the socket's SO_SNDTIMEO, set by
+            # app/write_timeout.py): the client stopped reading. The response is closed already
+            # (a stream's clean-up ran); the connection is reset rather than closed, so the
+            # kernel does not keep what the client never read.
+            self.log.warning("dropped a client that stopped reading its response: %s %s",
+                             req.method, req.path)
+            _reset(conn.sock)
+            return False
         finally:
             done()
 

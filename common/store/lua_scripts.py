@@ -10,7 +10,7 @@ from redis.commands.core import Script
 # Every script the sequence store runs (one .lua file each); tests load them all, so a file
 # missing from a package fails a fast test, not a worker.
 SCRIPT_NAMES = ("start", "reclaim", "resent", "finish", "admit", "reserve", "open_stream",
-                "publish")
+                "renew_slots", "publish")
 
 
 @functools.cache
