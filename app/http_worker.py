@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -79,7 +80,7 @@ class ThreadWorker(GThreadWorker):
     """gthread, where a client gets LLMQ_HEADER_TIMEOUT seconds to send its request line and
     headers, and then its body at MIN_BODY_BYTES_PER_S: one that trickles either (a slowloris)
     loses its connection instead of holding one of the process's threads for as long as it
-    likes."""
+    likes. One that stops reading its response is dropped with a warning, not a traceback."""
 
     def init_process(self):
         s = Settings.from_env()
@@ -117,9 +118,9 @@ class ThreadWorker(GThreadWorker):
             done()
         try:
             return super().handle_request(req, conn)
-        except BlockingIOError:
+        except (BlockingIOError, ssl.SSLWantWriteError):
             # A write moved no byte for LLMQ_WRITE_TIMEOUT (the socket's SO_SNDTIMEO, set by
-            # app/write_timeout.py): the client stopped reading. The response is closed already
+            # app/write_timeout.py; over TLS, OpenSSL's want-write): the client stopped reading. The response is closed already
             # (a stream's clean-up ran); the connection is reset rather than closed, so the
             # kernel does not keep what the client never read.
             self.log.warning("dropped a client that stopped reading its response: %s %s",

@@ -298,7 +298,7 @@ def test_a_body_must_arrive_in_time_too(gunicorn_api):
     assert ok.startswith(b"HTTP/1.1 202"), ok[:200]
 
 
-def test_clients_that_stop_reading_free_their_threads_and_slots(world, gunicorn_api):
+def test_clients_that_stop_reading_free_their_threads_and_slots(world, gunicorn_api, tmp_path):
     """Clients that never read their streams: the writes fill the sockets and block. Past
     LLMQ_WRITE_TIMEOUT (1 s here) each is dropped, its slot given back and its thread freed:
     without the deadline all 4 of gunicorn's threads stayed stuck in their writes for good, and
@@ -318,18 +318,12 @@ def test_clients_that_stop_reading_free_their_threads_and_slots(world, gunicorn_
     readers = []
     try:
         for _ in range(4):                                 # one per gunicorn thread
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # a small window
-            s.connect(("127.0.0.1", port))
-            s.sendall(request)
-            readers.append(s)
+            readers.append(_non_reader(port, request))
         wait_until(lambda: r.zcard(slots) == 4, 30, "the 4 streams to open")
-        # 32 MB of events: far more than the sockets take, so every stream's writes block.
-        pipe = r.pipeline()
-        for _ in range(32):
-            append_event(pipe, jid, EVENT_TOKEN, {"text": "x" * 2**20}, 20_000, 3600)
-        pipe.execute()
+        _flood(r, jid)
+        sent = time.monotonic()
         wait_until(lambda: r.zcard(slots) == 0, 30, "the stuck streams' slots to come back")
+        print(f"4 stuck streams dropped {time.monotonic() - sent:.1f} s after their events")
         assert requests.get(f"{url}/healthz", timeout=10).ok   # a thread answers again
         assert r.hget(f"llmq:seq:{jid}", "status") == "queued"   # a job's stream: no cancel
     finally:
@@ -345,3 +339,46 @@ def test_clients_that_stop_reading_free_their_threads_and_slots(world, gunicorn_
                "the dead process's slot to lapse", interval=0.2)
     print(f"the dead process's slot lapsed {time.monotonic() - killed:.1f} s after the kill")
     stream.close()
+    log = (tmp_path / "gunicorn.log").read_text()
+    assert "stopped reading" in log and "Socket error" not in log, log   # a warning each
+
+
+def test_an_openai_stream_whose_client_stops_reading_is_cancelled(world):
+    """As a client that hangs up: the write deadline drops the connection (under werkzeug, as
+    the tests serve the app, here) and the OpenAI stream's request is cancelled."""
+    from urllib.parse import urlparse
+
+    base = world.api(api_keys=KEYS, write_timeout_s=1.0)
+    a, r = base.with_key("key-a"), world.client()
+    model = a.request("GET", "/v1/models").json()["data"][0]["id"]
+    body = json.dumps({"model": model, "stream": True, "max_tokens": 16,
+                       "messages": [{"role": "user", "content": "Hi"}]}).encode()
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+               f"Authorization: Bearer {KEYS[0]}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    with _non_reader(urlparse(base.url).port, request):
+        (seq_id,) = wait_until(lambda: [k.removeprefix("llmq:seq:") for k in records(world)],
+                               30, "the stream's sequence")
+        slots = owner_streams_key(record(r, seq_id)["owner"])
+        _flood(r, seq_id)
+        wait_until(lambda: r.hget(f"llmq:seq:{seq_id}", "status") == "cancelled", 30,
+                   "the stream's request to be cancelled")
+        wait_until(lambda: r.zcard(slots) == 0, 15, "its slot to come back")
+
+
+def _non_reader(port: int, request: bytes) -> socket.socket:
+    """A client that sends `request` and never reads the answer (with a small window)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.sendall(request)
+    return s
+
+
+def _flood(r, seq_id: str) -> None:
+    """32 MB of token events on the sequence's stream: far more than a socket takes, so the
+    writes of a stream whose client does not read block."""
+    pipe = r.pipeline()
+    for _ in range(32):
+        append_event(pipe, seq_id, EVENT_TOKEN, {"text": "x" * 2**20}, 20_000, 3600)
+    pipe.execute()
