@@ -120,9 +120,10 @@ class ThreadWorker(GThreadWorker):
             return super().handle_request(req, conn)
         except (BlockingIOError, ssl.SSLWantWriteError):
             # A write moved no byte for LLMQ_WRITE_TIMEOUT (the socket's SO_SNDTIMEO, set by
-            # app/write_timeout.py; over TLS, OpenSSL's want-write): the client stopped reading. The response is closed already
-            # (a stream's clean-up ran); the connection is reset rather than closed, so the
-            # kernel does not keep what the client never read.
+            # app/write_timeout.py; over TLS, OpenSSL's want-write): the client stopped
+            # reading. The response is closed already (a stream's clean-up ran); the
+            # connection is reset rather than closed, so the kernel does not keep what the
+            # client never read.
             self.log.warning("dropped a client that stopped reading its response: %s %s",
                              req.method, req.path)
             _reset(conn.sock)

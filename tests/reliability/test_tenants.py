@@ -98,7 +98,7 @@ def test_a_key_holds_at_most_its_streams_and_gets_them_back_on_close(world):
 
 def test_a_streams_slot_lasts_as_long_as_its_stream(world):
     """A slot's lease is renewed for as long as its stream lives, past its first lease and the
-    slot set's first expiry: a lapsed slot let the key open more streams than its cap."""
+    slot set's first expiry: a lapsed slot would let the key open more streams than its cap."""
     base = world.api(api_keys=KEYS, key_max_streams=1)
     a = base.with_key("key-a")
     r = world.client()
@@ -301,8 +301,8 @@ def test_a_body_must_arrive_in_time_too(gunicorn_api):
 def test_clients_that_stop_reading_free_their_threads_and_slots(world, gunicorn_api, tmp_path):
     """Clients that never read their streams: the writes fill the sockets and block. Past
     LLMQ_WRITE_TIMEOUT (1 s here) each is dropped, its slot given back and its thread freed:
-    without the deadline all 4 of gunicorn's threads stayed stuck in their writes for good, and
-    the API answered nobody. Then a slot outlives no process: a killed API process's streams
+    without the deadline all 4 of gunicorn's threads would stay stuck in their writes for good,
+    and the API would answer nobody. Then a slot outlives no process: a killed API process's streams
     free themselves within a lease (15 s)."""
     import requests
 
