@@ -1,9 +1,11 @@
 """The API server: create_app builds the Flask app from its parts, each in its own module.
 
-auth (API keys, owners, the local-names guard) and streaming (the per-key stream cap) act on
-every request; the routes come in blueprints: jobs_api (llmq's jobs), openai_api (OpenAI's
-completions, chat and models), responses_api, batches_api and files_api (OpenAI's Batch API),
-jobs_list_api, tokenize_api, health_api and metrics; errors renders every failure in one shape.
+auth (API keys, owners, the local-names guard), key_budget (what a key's refused requests and
+grammar compiles cost it), streaming (the per-key caps on streams and waiting requests) and
+write_timeout (a deadline on each response write) act on every request; the routes come in
+blueprints: jobs_api (llmq's jobs), openai_api (OpenAI's completions, chat and models),
+responses_api, batches_api and files_api (OpenAI's Batch API), jobs_list_api, tokenize_api,
+health_api and metrics; errors renders every failure in one shape.
 Every submitting route queues through submit.py.
 """
 from __future__ import annotations
@@ -21,7 +23,8 @@ def create_app(settings: Settings | None = None, *, redis_client=None, celery=No
     from common.store import SequenceStore
 
     from . import (auth, batches_api, errors, files_api, health_api, idempotency, jobs_api,
-                   jobs_list_api, metrics, openapi, responses_api, streaming, tokenize_api)
+                   jobs_list_api, key_budget, metrics, openapi, responses_api, streaming,
+                   tokenize_api)
     from .openai_api import bp as openai_bp
     from .write_timeout import WriteTimeout
 
@@ -41,6 +44,7 @@ def create_app(settings: Settings | None = None, *, redis_client=None, celery=No
                               "engine": LLMEngine(settings, store, celery),
                               "health_store": health_api.health_store(settings, redis_client)}
     auth.init_app(app)
+    key_budget.init_app(app)   # after auth (the owner), before anything reads the body
     streaming.init_app(app)
     idempotency.init_app(app)   # after auth: authentication names the owner first
     app.register_blueprint(jobs_api.bp)

@@ -1,5 +1,5 @@
 """The API's check that a request's structured output can compile, before anything is queued,
-bounded three ways so that no request makes an API thread (or another key) wait on it:
+bounded so that no request makes an API thread (or another key) wait on it:
 
 - a JSON schema's counts (minItems, maxLength, ...) above LLMQ_MAX_SCHEMA_COUNT are refused
   before any compile: llguidance unrolls them (an 87-byte schema with maxItems 200,000 takes
@@ -8,7 +8,9 @@ bounded three ways so that no request makes an API thread (or another key) wait 
   grammar whose compile takes longer than LLMQ_GRAMMAR_TIMEOUT is refused, now and whenever it
   is sent again (one that never got a thread in that time is a 503: the pool was busy);
 - each verdict is kept by the spec's hash: batch lines and retries repeat one schema, and a
-  spec being compiled is waited on, not compiled twice.
+  spec being compiled is waited on, not compiled twice;
+- a compile's seconds are charged to the key that started it (app/key_budget.py): past
+  LLMQ_KEY_GRAMMAR_SECONDS in a minute, the key's new grammars are a 429 until it ends.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from flask import has_app_context
 from common import structured
 
 from .errors import APIError
+from .key_budget import GrammarBudget, grammar_budget
 
 COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
           "minContains", "maxContains")
@@ -47,10 +50,18 @@ def count_over(schema: Any, cap: int, depth: int = 0) -> str | None:
                  if (e := count_over(sub, cap, depth + 1))), None)
 
 
-def _timed_validate(spec: dict[str, Any]) -> tuple[str | None, float]:
+def _timed_validate(spec: dict[str, Any], budget: GrammarBudget | None
+                    ) -> tuple[str | None, float]:
+    """The compile's verdict and seconds, charged to the budget before anyone sees them (a
+    compile past the time limit runs on, and is charged, to its end)."""
     t = time.perf_counter()
-    error = structured.validate(spec)
-    return error, time.perf_counter() - t
+    try:
+        error = structured.validate(spec)
+    finally:
+        seconds = time.perf_counter() - t
+        if budget is not None:
+            budget.charge(seconds)
+    return error, seconds
 
 
 class GrammarCheck:
@@ -63,20 +74,29 @@ class GrammarCheck:
         self.lock = threading.Lock()
 
     def error(self, spec: dict[str, Any], max_count: int = DEFAULT_MAX_COUNT,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> str | None:
-        """Why the spec cannot be served, or None when its grammar compiles in time."""
+              timeout_s: float = DEFAULT_TIMEOUT_S,
+              budget: GrammarBudget | None = None) -> str | None:
+        """Why the spec cannot be served, or None when its grammar compiles in time. A compile
+        this spec starts is charged to `budget` (and refused, 429, when it is spent); a kept
+        verdict costs nothing."""
         if spec.get("type") == "json_schema" and (over := count_over(spec.get("value"),
                                                                      max_count)):
             return over
         key = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
         with self.lock:
             verdict = self.verdicts.get(key)
-            if verdict is None:
-                verdict = self.verdicts[key] = self.pool.submit(_timed_validate, spec)
-                while len(self.verdicts) > self.cache_size:
-                    self.verdicts.popitem(last=False)
-            else:
+            if verdict is not None:
                 self.verdicts.move_to_end(key)
+        if verdict is None:
+            if budget is not None:
+                budget.check()   # a Redis round trip: not under the lock
+            with self.lock:
+                verdict = self.verdicts.get(key)
+                if verdict is None:
+                    verdict = self.verdicts[key] = self.pool.submit(_timed_validate, spec,
+                                                                    budget)
+                    while len(self.verdicts) > self.cache_size:
+                        self.verdicts.popitem(last=False)
         slow = (f"the grammar takes longer than {timeout_s:g} s to compile "
                 "(LLMQ_GRAMMAR_TIMEOUT)")
         try:
@@ -102,5 +122,5 @@ def grammar_error(spec: dict[str, Any]) -> str | None:
         from .context import settings
 
         s = settings()
-        return CHECK.error(spec, s.max_schema_count, s.grammar_timeout_s)
+        return CHECK.error(spec, s.max_schema_count, s.grammar_timeout_s, grammar_budget())
     return CHECK.error(spec)

@@ -1,7 +1,7 @@
 """The gunicorn worker the API runs under (`--worker-class app.http_worker.ThreadWorker`):
-gunicorn's gthread worker, plus deadlines on reading a request's headers and its body, a client
-that stops reading its response dropped quietly, and JSON bodies for the errors gunicorn answers
-before the app sees a request."""
+gunicorn's gthread worker, plus deadlines on reading a request's headers and its body, the app's
+`Connection: close` honoured, a client that stops reading its response dropped quietly, and JSON
+bodies for the errors gunicorn answers before the app sees a request."""
 from __future__ import annotations
 
 import json
@@ -76,11 +76,33 @@ _PARSE_ERRORS = {
 }
 
 
+def _closing_when_told(app):
+    """The WSGI app, whose `Connection: close` closes the connection after its answer: gunicorn
+    drops the header as hop-by-hop and would keep the connection, reading an unread body to
+    its end (or 64 kB of it) to find the next request. A request refused before its body was
+    read (app/key_budget.py) need not be read at all."""
+    def wsgi(environ, start_response):
+        def start(status, headers, exc_info=None):
+            if any(n.lower() == "connection" and v.strip().lower() == "close"
+                   for n, v in headers):
+                answer = getattr(start_response, "__self__", None)   # gunicorn's Response
+                if hasattr(answer, "force_close"):
+                    answer.force_close()
+            return start_response(status, headers, exc_info)
+        return app(environ, start)
+    return wsgi
+
+
 class ThreadWorker(GThreadWorker):
     """gthread, where a client gets LLMQ_HEADER_TIMEOUT seconds to send its request line and
     headers, and then its body at MIN_BODY_BYTES_PER_S: one that trickles either (a slowloris)
     loses its connection instead of holding one of the process's threads for as long as it
-    likes. One that stops reading its response is dropped with a warning, not a traceback."""
+    likes; where the app's `Connection: close` closes the connection; and where one that stops
+    reading its response is dropped with a warning, not a traceback."""
+
+    def load_wsgi(self):
+        super().load_wsgi()
+        self.wsgi = _closing_when_told(self.wsgi)
 
     def init_process(self):
         s = Settings.from_env()

@@ -39,11 +39,6 @@ def check_limits(settings, req: SamplingFields, inputs: list[dict[str, Any]], *,
     # that work, whatever route they came through.
     if any(len(x) > s.max_stop_chars for x in req.stop):
         raise _refuse(f"stop strings are at most {s.max_stop_chars} characters", "stop")
-    # Stop ids are looked up at every token, and blocked at every token while min_tokens
-    # applies, inside the step every tenant's sequences share.
-    if len(req.stop_token_ids or ()) > s.max_stop_token_ids:
-        raise _refuse(f"at most {s.max_stop_token_ids} stop_token_ids "
-                      "(LLMQ_MAX_STOP_TOKEN_IDS)", "stop_token_ids")
     for inp in inputs:
         if _num_chars(inp) > s.max_prompt_chars:
             raise _refuse(f"prompt too long (at most {s.max_prompt_chars} characters each)",

@@ -5,17 +5,28 @@ import json
 
 from typing import Annotated, Any, ClassVar, Literal
 
+from flask import has_app_context
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from common.protocol import SamplingParams
+from common.settings import Settings
 from common.tool_calls import ToolRequest, choice_name, detect_format
 
+from .context import settings
 from .grammar_check import grammar_error
 
 MAX_LOGPROBS = 20   # vLLM's default --max-logprobs
 # logit_bias entries (OpenAI's cap): each is an edit of the logits at every token of the
 # sequence, inside the step the whole batch shares.
 MAX_LOGIT_BIAS = 300
+
+
+def max_stop_token_ids() -> int:
+    """LLMQ_MAX_STOP_TOKEN_IDS of the serving app (the default outside a request, as in a unit
+    test of the schemas)."""
+    if has_app_context():
+        return settings().max_stop_token_ids
+    return Settings().max_stop_token_ids
 
 
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
@@ -266,11 +277,29 @@ class SamplingFields(BaseModel):
             return {k: v for k, v in data.items() if v is not None or k not in cls.NULL_IS_DEFAULT}
         return data
 
+    # The counts are checked on the raw input, before pydantic validates each item: a refused
+    # whole-vocabulary logit_bias or 200,000 stop ids would otherwise cost ~10 ms of checking
+    # every entry (issue 48: four clients sending them back to back kept an API core busy).
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _few_stop_ids(cls, v):
+        cap = max_stop_token_ids()
+        if isinstance(v, list) and len(v) > cap:
+            # Looked up at every token, and blocked at every token while min_tokens applies,
+            # inside the step every tenant's sequences share.
+            raise ValueError(f"at most {cap} stop_token_ids (LLMQ_MAX_STOP_TOKEN_IDS)")
+        return v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _few_biases(cls, v):
+        if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries (as OpenAI)")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, v):
-        if v and len(v) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries (as OpenAI)")
         if v and any(not k.isdigit() or int(k) >= 2**31 for k in v):
             raise ValueError("keys must be token ids")
         return v

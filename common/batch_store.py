@@ -225,13 +225,29 @@ class BatchStore:
         return bool(self._renew(keys=[ACTIVE_KEY, batch_key(batch_id)],
                                 args=[batch_id, token, expiry]))
 
-    def total_inflight(self) -> int:
-        """Lines of every running batch that are queued or running now."""
+    def owner(self, batch_id: str) -> str:
+        return self.r.hget(batch_key(batch_id), "owner") or ""
+
+    def inflight_by_owner(self) -> tuple[dict[str, int], set[str]]:
+        """Lines of every running batch that are queued or running now, summed by key, and the
+        keys with a running batch that has lines left to send."""
         ids = self.r.zrange(ACTIVE_KEY, 0, -1)
+        if not ids:
+            return {}, set()
         pipe = self.r.pipeline(transaction=False)
         for i in ids:
             pipe.scard(batch_key(i, "inflight"))
-        return sum(pipe.execute()) if ids else 0
+            pipe.hmget(batch_key(i), "owner", "status", "next_line", "total")
+        res = pipe.execute()
+        inflight: dict[str, int] = {}
+        wanting: set[str] = set()
+        for n, (owner, status, next_line, total) in zip(res[::2], res[1::2]):
+            if owner is None:   # (ended and gone between the two reads)
+                continue
+            inflight[owner] = inflight.get(owner, 0) + n
+            if status in ("validating", "in_progress") and int(next_line or 0) < int(total or 0):
+                wanting.add(owner)
+        return inflight, wanting
 
     def line(self, batch_id: str, index: int) -> dict[str, Any]:
         return json.loads(self.r.lindex(batch_key(batch_id, "lines"), index))

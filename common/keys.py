@@ -121,7 +121,8 @@ class Keys:
 
     @staticmethod
     def rate(owner: str, window: int) -> str:
-        """hash: an owner's sequences and tokens in one minute (rate limits)."""
+        """hash: an owner's sequences and tokens in one minute (rate limits), and its refused
+        requests and grammar compile milliseconds (the API's per-key budgets)."""
         return f"{PREFIX}:rate:{owner}:{window}"
 
     # --- files, batches, webhooks ----------------------------------------------------------

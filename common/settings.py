@@ -239,6 +239,11 @@ class Settings:
     # requests per key waiting on an API thread for their result (a waiting /v1/generate, a
     # non-streamed OpenAI request or response; 0 = no cap): each holds a thread until it ends
     key_max_waiting: int = setting(64, "LLMQ_KEY_MAX_WAITING", minimum=0)
+    # What a key's requests cost the API itself, per minute (0 = no budget): past this many
+    # refused bodies (400, 413, 415, 422), its requests with a body are 429 before the body is
+    # read, and past this many seconds of grammar compiles it gets 429 before another compile.
+    key_max_refusals: int = setting(30, "LLMQ_KEY_MAX_REFUSALS", minimum=0)
+    key_grammar_s: float = setting(10.0, "LLMQ_KEY_GRAMMAR_SECONDS", minimum=0)
     # HMAC secret naming owners in records and logs
     owner_secret: str = setting("", "LLMQ_OWNER_SECRET")
     # let different keys reuse each other's cached prefixes
@@ -281,6 +286,9 @@ class Settings:
     batch_priority: int = setting(9, "LLMQ_BATCH_PRIORITY", minimum=0, maximum=9)
     # batch lines queued or running at once, all batches together
     batch_max_inflight: int = setting(32, "LLMQ_BATCH_MAX_INFLIGHT", positive=True)
+    # While a key with no batch driver slot on a worker waits for one, a driver that has run
+    # this long there gives its slot up (keys outnumbering slots take turns).
+    batch_driver_slice_s: float = setting(60.0, "LLMQ_BATCH_DRIVER_SLICE", positive=True)
     # Webhooks (Standard Webhooks signatures).
     # whsec_<base64>; webhooks are refused while unset
     webhook_secret: str = setting("", "LLMQ_WEBHOOK_SECRET")

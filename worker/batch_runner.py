@@ -3,15 +3,19 @@ supervisor loop in every worker that restarts drivers whose worker died.
 
 A driver holds a lease on its batch (renewed every step) and, step by step: answers the lines
 whose sequences ended, submits more lines while fewer than LLMQ_BATCH_MAX_INFLIGHT batch lines
-(all batches together) are queued or running, at Celery priority LLMQ_BATCH_PRIORITY (below
-interactive requests), and ends the batch when every line is answered, when it is cancelled or
-when its completion window has passed. Everything it writes is idempotent by line
-(common/batch_store.py), so a driver killed anywhere is replaced, after its lease runs out, by
-one that continues: no line is lost and none is answered twice.
+(all batches together; a key's share of them while other keys' batches have lines to send) are
+queued or running, at Celery priority LLMQ_BATCH_PRIORITY (below interactive requests), and
+ends the batch when every line is answered, when it is cancelled or when its completion window
+has passed. A driver holds one of its worker's few driver slots, which keys share
+(worker/batch_shares.py): asked to give way, it hands its batch back to be driven later.
+Everything it writes is idempotent by line (common/batch_store.py), so a driver killed
+anywhere is replaced, after its lease runs out, by one that continues: no line is lost and
+none is answered twice.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from typing import Any
@@ -26,6 +30,7 @@ from common.protocol import GENERATE_TASK, INPUT_ERROR_CODES, SamplingParams, Se
 from common.store import job_from_record
 from common.webhook_store import event_body, event_id
 
+from .batch_shares import line_room
 from .services import BatchLineSender, Services, services, start_loop
 
 log = logging.getLogger("llmq.batch")
@@ -44,22 +49,27 @@ class LeaseLost(Exception):
 def run_batch(self, batch_id: str, token: str) -> dict:
     """Drives one batch until it ends, the worker stops, or another driver takes over."""
     svc = services(self.app)
-    if not svc.driver_slots.acquire(blocking=False):
-        # This worker drives enough batches: this one is due again shortly (here or on
-        # another worker) instead of holding a task thread its lines may need.
+    slot = svc.driver_slots.acquire(svc.batches.owner(batch_id))
+    if slot is None:
+        # This worker drives enough batches (of keys holding their share of its slots): this
+        # one is due again shortly (here or on another worker) instead of holding a task
+        # thread its lines may need.
         svc.batches.renew(batch_id, token, BUSY_RETRY_S)
         return {"batch_id": batch_id, "outcome": "worker busy with other batches; later"}
     try:
-        return BatchDriver(svc, batch_id, token).run()
+        return BatchDriver(svc, batch_id, token, slot.give_way).run()
     finally:
-        svc.driver_slots.release()
+        svc.driver_slots.release(slot)
 
 
 class BatchDriver:
     """Runs one batch under a lease: submit lines, answer them, end the batch."""
 
-    def __init__(self, svc: Services, batch_id: str, token: str):
+    def __init__(self, svc: Services, batch_id: str, token: str,
+                 give_way: threading.Event | None = None):
         self.svc, self.batch_id, self.token = svc, batch_id, token
+        # Set when another key's batch needs this driver's slot (worker/batch_shares.py).
+        self.give_way = give_way or threading.Event()
         self.batches, self.seqs = svc.batches, svc.sequences
         self.lease_s = svc.settings.worker_stale_s
         # A line still queued this long may have had its message taken by a worker that died
@@ -109,6 +119,10 @@ class BatchDriver:
                 return {**result, "outcome": self.end("expired", "batch_expired")}
             if self.submit_more() and not self.batches.inflight(self.batch_id)[0]:
                 return {**result, "outcome": self.finalize("completed")}
+            if self.give_way.is_set():
+                # Due again shortly, here or elsewhere; its lines in flight go on meanwhile.
+                self.batches.renew(self.batch_id, self.token, BUSY_RETRY_S)
+                return {**result, "outcome": "handed back (another key's batch needed the slot)"}
             self.svc.stopping.wait(STEP_S)
         self.batches.renew(self.batch_id, self.token, 0)   # hand the batch back at once
         return {**result, "outcome": "handed back (worker stopping)"}
@@ -147,7 +161,8 @@ class BatchDriver:
     def submit_more(self) -> bool:
         """Queues lines while there is room; True once every line has been queued."""
         total, i = int(self.h["total"]), int(self.h["next_line"])
-        room = self.svc.settings.batch_max_inflight - self.batches.total_inflight()
+        room = line_room(self.svc.settings.batch_max_inflight, self.h["owner"],
+                         *self.batches.inflight_by_owner())
         submitter = None
         while i < total and room > 0:
             self.keep_lease()

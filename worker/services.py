@@ -17,12 +17,15 @@ from common.reconcile_store import ReconcileStore
 from common.store import SequenceStore, queue_lists
 from common.webhook_store import WEBHOOK_TASK, WebhookStore
 
+from .batch_shares import DriverSlots
+
 log = logging.getLogger("llmq.worker")
 _lock = threading.Lock()
 
 # Batch drivers run in the worker's task threads, the ones its sequences need: at most this
 # many at once per worker, so that batches can never hold every thread while their lines wait
 # for one (more drivers would add nothing: LLMQ_BATCH_MAX_INFLIGHT bounds all batches' lines).
+# Keys share them (worker/batch_shares.py).
 MAX_DRIVERS = 2
 
 
@@ -38,8 +41,11 @@ class Services:
     webhooks: WebhookStore
     reconcile: ReconcileStore
     stopping: threading.Event = field(default_factory=threading.Event)
-    driver_slots: threading.BoundedSemaphore = field(
-        default_factory=lambda: threading.BoundedSemaphore(MAX_DRIVERS))
+    driver_slots: DriverSlots | None = None
+
+    def __post_init__(self):
+        if self.driver_slots is None:
+            self.driver_slots = DriverSlots(MAX_DRIVERS, self.settings.batch_driver_slice_s)
 
     def submitter(self):
         """The API's engine (admission control, records, send_task), for batch lines."""

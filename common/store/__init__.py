@@ -5,6 +5,7 @@ of the worker registry and admission state around them, one concern per module:
   events.py         EventStore      write an engine step's tokens, read event streams
   workers.py        WorkerRegistry  heartbeats, start/hold/release, reclaim a dead worker's
   admission.py      Admission       the queue's caps and a key's per-minute charges
+  api_charges.py    ApiCharges      a key's refused requests and grammar compile time a minute
   stream_leases.py  StreamLeases    a key's open SSE streams
   owner_secret.py   OwnerSecret     the HMAC secret that names owners
   metrics_store.py  MetricsStore    run sequences' figures
@@ -24,7 +25,8 @@ Keys (all names are built in common/keys.py, and read and written only by the st
   llmq:worker:<name>       hash    what that worker reports (model, device, counters)
   llmq:running:<name>      set     ids a worker started and has not finished, and ids it took
                                    back (from a dead worker) and has not yet sent again
-  llmq:rate:<owner>:<min>  hash    a key's sequences and tokens in one minute (rate limits)
+  llmq:rate:<owner>:<min>  hash    a key's sequences and tokens in one minute (rate limits),
+                                   its refused requests and grammar compile ms (API budgets)
   llmq:owner:<owner>:seqs  zset    a key's unfinished sequences -> created (its queue share)
   llmq:owner:<owner>:streams zset  a key's open SSE streams -> lease end (its stream cap)
   llmq:owner-secret        string the HMAC secret naming owners, when no setting gives one
@@ -40,6 +42,7 @@ from typing import Any
 import redis
 
 from .admission import ADMITTING_S, PRIORITY_SEP, Admission, queue_lists, reserved_tokens
+from .api_charges import ApiCharges
 from .base import (ADMITTING_KEY, CANCELLED_KEY, OWNER_SECRET_KEY, UNSTARTED_KEY, WORKERS_KEY,
                    StorePart, channel, events_key, held_key, owner_seqs_key, owner_streams_key,
                    rate_key, record_key, running_key, text_key, worker_key)
@@ -54,17 +57,17 @@ from .workers import WorkerRegistry
 
 __all__ = [
     "ADMITTING_KEY", "ADMITTING_S", "CANCELLED_KEY", "OWNER_SECRET_KEY", "PRIORITY_SEP",
-    "UNSTARTED_KEY", "WORKERS_KEY", "Admission", "EventStore", "Finish", "Job", "MetricsStore",
-    "OwnerSecret", "RecordStore", "SequenceStore", "StorePart", "StreamLeases", "TokenDelta",
-    "WorkerRegistry", "channel", "events_key", "held_key", "is_seq_id", "job_from_record",
-    "owner_seqs_key", "owner_streams_key", "queue_lists", "rate_key", "record_key",
-    "reserved_tokens", "reset_data", "running_key", "text_key", "Usage", "valid_stream_id",
-    "worker_key",
+    "UNSTARTED_KEY", "WORKERS_KEY", "Admission", "ApiCharges", "EventStore", "Finish", "Job",
+    "MetricsStore", "OwnerSecret", "RecordStore", "SequenceStore", "StorePart", "StreamLeases",
+    "TokenDelta", "WorkerRegistry", "channel", "events_key", "held_key", "is_seq_id",
+    "job_from_record", "owner_seqs_key", "owner_streams_key", "queue_lists", "rate_key",
+    "record_key", "reserved_tokens", "reset_data", "running_key", "text_key", "Usage",
+    "valid_stream_id", "worker_key"
 ]
 
 
-class SequenceStore(RecordStore, EventStore, WorkerRegistry, Admission, StreamLeases,
-                    OwnerSecret, MetricsStore):
+class SequenceStore(RecordStore, EventStore, WorkerRegistry, Admission, ApiCharges,
+                    StreamLeases, OwnerSecret, MetricsStore):
     """All the store's parts on one Redis client; both the API and the worker go through it."""
 
     def __init__(self, client: redis.Redis, *, result_ttl_s: int = 86400,

@@ -328,6 +328,26 @@ def test_completion_window_expires_the_batch_keeping_what_finished(api, model):
     assert all(x["response"]["status_code"] == 200 for x in out)
 
 
+def test_another_keys_batch_runs_beside_one_keys_two_long_batches(api, model):
+    """Key one's two long batches hold both of the worker's batch driver slots and every line
+    in flight; key two's small batch still gets a driver (one of key one's gives way) and its
+    share of the lines, and ends while key one's batches run on."""
+    client, other = sdk(api), sdk(api, KEYS[1])
+    hogs = [long_batch(client, model, f"hog{i}")[0] for i in range(2)]
+    wait_until(lambda: all(client.batches.retrieve(b.id).status == "in_progress" for b in hogs),
+               60, "both long batches to be driven")
+    f = other.files.create(file=("small.jsonl", jsonl([chat_line("s", "Hi", model, 2)])),
+                           purpose="batch")
+    small = other.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    done = wait_batch(other, small.id, 120)
+    assert done.status == "completed" and done.request_counts.completed == 1
+    assert [client.batches.retrieve(b.id).status for b in hogs] == ["in_progress"] * 2
+    for b in hogs:
+        client.batches.cancel(b.id)
+    for b in hogs:
+        assert wait_batch(client, b.id).status == "cancelled"
+
+
 def test_another_key_gets_404_for_batches(api, model):
     client, other = sdk(api), sdk(api, KEYS[1])
     f = client.files.create(file=("o.jsonl", jsonl([chat_line("o", "hi", model)])),

@@ -282,6 +282,32 @@ def test_headers_must_arrive_in_time_and_parse_errors_are_json(gunicorn_api):
     assert b"200 OK" in _raw(port, b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
 
 
+def test_a_key_past_its_refusals_is_answered_unread_and_its_connection_closed(gunicorn_api):
+    """Past LLMQ_KEY_MAX_REFUSALS (30) bad bodies in a minute, a 1.4 MB body of that key is
+    answered 429 from its headers: the server closes the connection without waiting for the
+    rest of the body (which it would otherwise wait ~20 s for, at 64 kB/s, past _raw's 15 s)."""
+    import requests
+
+    port = gunicorn_api.port
+    with requests.Session() as s:
+        s.headers["Authorization"] = f"Bearer {KEYS[0]}"
+        for _ in range(30):
+            r = s.post(f"http://127.0.0.1:{port}/v1/jobs",
+                       json={"prompt": "x", "stop_token_ids": list(range(65))})
+            assert r.status_code == 400, r.text
+    head = (b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEYS[0].encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 1400000\r\n\r\n")
+    answer = _raw(port, head + b'{"prompt": "x", "stop_token_ids": [' + b"1, " * 300)
+    head_out, _, body = answer.partition(b"\r\n\r\n")
+    assert head_out.startswith(b"HTTP/1.1 429"), answer[:300]
+    assert b"Connection: close" in head_out and b"Retry-After: " in head_out
+    assert json.loads(body)["error"]["code"] == "too_many_invalid_requests"
+    # The other key's bodies are still read and served.
+    r = requests.post(f"http://127.0.0.1:{port}/v1/jobs", json={"prompt": "x", "max_tokens": 1},
+                      headers={"Authorization": f"Bearer {KEYS[1]}"})
+    assert r.status_code == 202, r.text
+
+
 def test_a_body_must_arrive_in_time_too(gunicorn_api):
     """The deadline ended with the headers: a key holder announcing a body and never sending it
     held one of the API's threads for as long as it liked (all of them, with enough

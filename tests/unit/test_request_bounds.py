@@ -68,6 +68,20 @@ def test_logit_bias_is_bounded_at_300_entries_as_openai(api):
         assert resp.status_code in (200, 202, 504), (path, resp.get_data(as_text=True))
 
 
+def test_the_counts_are_refused_before_any_entry_is_validated(api):
+    """Issue 48's bodies (200,000 stop ids, a whole-vocabulary bias) are refused on their
+    count, before pydantic checks each entry: a bad entry deep inside is never reached."""
+    ids = list(range(200_000))
+    ids[150_000] = -1
+    bias = {str(t): 1 for t in range(49_152)}
+    bias["40000"] = 1000
+    for path, body in routes(api):
+        msg = refused(api.reset(), path, {**body, "stop_token_ids": ids}, "stop_token_ids")
+        assert "LLMQ_MAX_STOP_TOKEN_IDS" in msg and "150000" not in msg
+        msg = refused(api.reset(), path, {**body, "logit_bias": bias}, "logit_bias")
+        assert "300" in msg and "40000" not in msg
+
+
 @pytest.mark.parametrize("path,field,value", [
     ("/v1/jobs", "logprobs", 21), ("/v1/jobs", "prompt_logprobs", 21),
     ("/v1/completions", "logprobs", 21), ("/v1/chat/completions", "top_logprobs", 21)])

@@ -198,6 +198,25 @@ def test_a_long_prompt_gets_the_capped_chunk_per_step_while_the_batch_decodes():
     assert sizes == [4, 4, 2, None]                  # 14 = 4 + 4 + 4 + 2, then it decodes
 
 
+def test_a_prompt_with_prompt_logprobs_is_chunked_like_any_other():
+    """Prompt logprobs exempt a prompt from nothing: its 2,000 tokens go in capped chunks
+    beside the decoding batch (the model process scores each chunk's positions as it goes)."""
+    wm = make_manager(max_num_batched_tokens=2048, long_prefill_tokens=256)
+    running = make_seq(2, max_tokens=100)
+    wm.add(running)
+    step(wm)
+    scored = make_seq(2000)
+    scored.params.prompt_logprobs = 5
+    wm.add(scored)
+    out, sizes = wm.schedule(), []
+    while not scored.output_token_ids:
+        sizes.append(out.prompt_chunks.get(scored.seq_id, 0))
+        assert out.num_batched_tokens <= 1 + 256
+        end_what_stops(wm, wm.update(out, model_tokens(wm, out)))
+        out = wm.schedule()
+    assert sum(sizes) == 2000 and max(sizes) == 256 and len(sizes) == 8
+
+
 def test_a_long_prompt_alone_gets_the_whole_budget_and_the_cap_lifts_when_decodes_end():
     wm = make_manager(max_num_batched_tokens=16, long_prefill_tokens=4)
     big = make_seq(40)

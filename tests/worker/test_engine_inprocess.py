@@ -79,11 +79,12 @@ def test_sequences_that_come_and_go_leave_nothing_behind_in_the_model(tiny_model
     worker, cache = executor.backend, executor.backend.cache
     rng = random.Random(0)
 
-    def admit(sid: str, prompt_len: int, max_tokens: int):
+    def admit(sid: str, prompt_len: int, max_tokens: int, prompt_logprobs: int | None = None):
         store.create([SequenceRequest(
             seq_id=sid, prompt_token_ids=[rng.randint(3, 900) for _ in range(prompt_len)],
             params=SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                  temperature=rng.choice([0.0, 0.8])))])
+                                  temperature=rng.choice([0.0, 0.8]),
+                                  prompt_logprobs=prompt_logprobs))])
         return engine.admit(sid)
 
     def steps(n: int) -> None:
@@ -92,9 +93,9 @@ def test_sequences_that_come_and_go_leave_nothing_behind_in_the_model(tiny_model
 
     seqs = [admit("short", 5, 12)]
     steps(2)
-    seqs.append(admit("chunked", 300, 10))   # beside a decode: computed 32 tokens a step
+    seqs.append(admit("chunked", 300, 10, 1))   # beside a decode: 32 tokens a step, scored
     steps(3)
-    assert "chunked" in worker.prefilling
+    assert "chunked" in worker.prefilling and worker.scored["chunked"]
     store.request_cancel("chunked")
     seqs.append(admit("decoding", 5, 200))
     steps(3)
@@ -110,7 +111,7 @@ def test_sequences_that_come_and_go_leave_nothing_behind_in_the_model(tiny_model
     assert [k for k, v in statuses.items() if v == "cancelled"] == ["chunked", "decoding",
                                                                     "long7"]
     assert engine.workload_manager.stats.num_preemptions > 0
-    assert (worker.states, worker.prefilling) == ({}, {})
+    assert (worker.states, worker.prefilling, worker.scored) == ({}, {}, {})
     assert (cache.tables, cache.lengths, cache._slots) == ({}, {}, {})
     assert len(cache.pool.free) + cache.prefix.num_parked == cache.num_blocks
     assert not any(cache.pool.refs)
@@ -154,3 +155,41 @@ def test_newcomers_answered_pass_by_pass_each_get_their_tokens(tiny_model_dir):
     texts = {store.get_job(i)["text"] for i in ids}
     assert len(texts) == 1 and all(len(s.output_token_ids) == 5 for s in [run_seq, *wave])
     executor.stop()
+
+
+def test_a_scored_prompt_beside_a_decode_goes_in_chunks_and_keeps_every_logprob(engine):
+    """Through the engine: a 300-token prompt with prompt_logprobs beside a decoding sequence
+    is computed in chunks (LLMQ_LONG_PREFILL_CHUNK tokens a step), and its job keeps a logprob
+    for every prompt token, those of the same prompt scored alone (in one step)."""
+    import random
+
+    rng = random.Random(3)
+    prompt = [rng.randint(3, 900) for _ in range(300)]
+    scored = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    engine.store.create([
+        SequenceRequest(seq_id="dec", prompt="Hello", params=SamplingParams(
+            max_tokens=30, temperature=0.0, ignore_eos=True)),
+        SequenceRequest(seq_id="lp", prompt_token_ids=prompt, params=scored),
+        SequenceRequest(seq_id="alone", prompt_token_ids=prompt, params=scored)])
+    backend = engine.executor.backend
+    chunks, step = [], backend.step
+    backend.step = lambda req, early=None: (chunks.append(req.chunks.get("lp")),
+                                            step(req, early))[1]
+    try:
+        dec = engine.admit("dec")
+        engine.step()
+        lp = engine.admit("lp")
+        run(engine, [lp])
+        cap = engine.settings.long_prefill_chunk
+        sizes = [c for c in chunks if c]
+        assert len(sizes) > 1 and max(sizes) <= cap and sum(sizes) == len(prompt)
+        alone = engine.admit("alone")
+        run(engine, [alone, dec])
+    finally:
+        backend.step = step
+    got, ref = (engine.store.get_job(s)["prompt_logprobs"] for s in ("lp", "alone"))
+    assert len(got) == len(ref) == len(prompt) and got[0]["logprob"] is None
+    for a, b in zip(got[1:], ref[1:]):
+        assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-4
+        assert [t["token_id"] for t in a["top_logprobs"]] == [t["token_id"]
+                                                             for t in b["top_logprobs"]]

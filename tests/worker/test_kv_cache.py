@@ -518,10 +518,10 @@ def test_each_newcomer_is_answered_once_across_the_passes(sharp_model):
     assert list(lp.prompt_logprobs) == ["lp"] and len(lp.prompt_logprobs["lp"]) == 9
 
 
-def test_a_prompt_scored_whole_is_sized_whole_in_the_passes(sharp_model):
-    """A prompt with prompt logprobs is computed in one pass whatever its chunk: the passes
-    are cut by that size, not the chunk's (here 10 + 10 tokens over a cap of 15: two passes,
-    where its 4-token chunk would have made it one)."""
+def test_a_scored_prompt_is_sized_by_its_chunk_in_the_passes(sharp_model):
+    """A prompt with prompt logprobs is computed chunk by chunk like any other: the passes
+    are cut by its chunk's size (here 10 + 4 tokens under a cap of 15: one pass, which
+    answers the short prompt; the scored one waits for its last chunk)."""
     model, info = sharp_model
     a, b = make_prompts(2, lengths=[10, 10], vocab=info.vocab_size, seed=11)
     scored = SamplingParams(temperature=0.0, prompt_logprobs=1)
@@ -529,4 +529,4 @@ def test_a_prompt_scored_whole_is_sized_whole_in_the_passes(sharp_model):
     ahead = []
     res = worker.step(StepRequest(prefill=[new_seq("a", a), new_seq("lp", b, scored)],
                                   chunks={"lp": 4}), early=ahead.append)
-    assert [list(p.token_ids) for p in ahead] == [["a"]] and list(res.token_ids) == ["lp"]
+    assert not ahead and list(res.token_ids) == ["a"] and not res.prompt_logprobs

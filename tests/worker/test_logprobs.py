@@ -82,3 +82,37 @@ def test_a_scored_prompt_keeps_every_position_and_the_others_only_their_last(tin
         new_seq("s", prompts[2], SamplingParams(temperature=0.0, prompt_logprobs=0))]))
     assert kept == [3 + 12]
     assert len(res.prompt_logprobs["s"]) == 11 and set(res.token_ids) == {"a", "b", "s"}
+
+
+def test_a_scored_prompt_is_chunked_like_any_other(tiny_model):
+    """A prompt with prompt logprobs is computed in chunks of at most the step's chunk size,
+    beside a decoding sequence (its chunks ride in the decode's pass), and answered at its
+    last chunk with logprobs at every position equal to a run that computes it whole."""
+    model, info = tiny_model
+    long, short = make_prompts(2, lengths=[500, 9], seed=8)
+    params = SamplingParams(temperature=0.0, prompt_logprobs=3)
+    whole = TransformersBackend(model, info, 4, prefill_chunk=2048)
+    ref = whole.step(StepRequest(prefill=[new_seq("s", long, params)])).prompt_logprobs["s"]
+
+    worker = TransformersBackend(model, info, 4, prefill_chunk=128)
+    passes = []
+    forward = worker.llama
+    worker.llama = lambda ids, pos, plan, keep: passes.append(len(ids)) or forward(ids, pos,
+                                                                                  plan, keep)
+    worker.step(StepRequest(prefill=[new_seq("d", short)]))
+    res = worker.step(StepRequest(prefill=[new_seq("s", long, params)], decode_seq_ids=["d"]))
+    steps = 1
+    while "s" not in res.token_ids:
+        assert not res.prompt_logprobs and not res.errors
+        res = worker.step(StepRequest(decode_seq_ids=["d", "s"]))
+        steps += 1
+    assert steps == 4   # 500 tokens in chunks of 128
+    assert max(passes) <= 128 + 1   # a chunk and the decoding sequence's token
+    got = res.prompt_logprobs["s"]
+    assert len(got) == len(ref) == len(long) - 1
+    for a, b in zip(got, ref):
+        # (chunks change the sums' order: logits that near-tie the target's may swap with it)
+        assert abs(a.logprob - b.logprob) < 1e-4 and abs(a.rank - b.rank) <= 5
+        assert a.top_ids == b.top_ids
+        assert all(abs(x - y) < 1e-4 for x, y in zip(a.top_logprobs, b.top_logprobs))
+    assert not worker.scored   # nothing kept once answered

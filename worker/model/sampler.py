@@ -267,5 +267,35 @@ def prompt_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[
     """Each prompt token's logprobs given the tokens before it: logits [len(token_ids), vocab]
     are the model's outputs at the prompt's positions (the last one predicts past the prompt
     and is not used). The first token has none."""
-    lps = torch.log_softmax(logits[:-1].float(), dim=-1)
-    return [token_logprobs(lps[i], t, k) for i, t in enumerate(token_ids[1:])]
+    return scored_positions(logits[:-1], token_ids[1:], k)
+
+
+# Rows of log-probabilities made at once: a 256 x 49,152 float32 block is 48 MiB, however
+# long the chunk.
+SCORE_ROWS = 256
+
+
+def scored_positions(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """token_logprobs of targets[i] in row i of logits [len(targets), vocab], a block of rows
+    at a time (as vLLM scores its prompt logprobs: one log_softmax, gather and topk per block,
+    no device sync per position). Each position still costs passes over the vocabulary (~0.5
+    ms at 49,152 on one CPU thread), which is why a scored prompt is chunked like any other."""
+    out: list[TokenLogprobs] = []
+    for a in range(0, len(targets), SCORE_ROWS):
+        lps = torch.log_softmax(logits[a:a + SCORE_ROWS].float(), dim=-1)
+        tgt = torch.tensor(targets[a:a + SCORE_ROWS], device=lps.device)
+        lp = lps.gather(1, tgt[:, None])[:, 0]
+        if lps.device.type == "cpu":
+            # (a row against its own scalar measured ~2.5x faster here than one broadcast
+            # comparison of the block)
+            ranks = [int((row > x).sum()) + 1 for row, x in zip(lps, lp)]
+        else:
+            ranks = ((lps > lp[:, None]).sum(-1) + 1).tolist()
+        top_ids: list[list[int]] = [[] for _ in ranks]
+        top_lps: list[list[float]] = [[] for _ in ranks]
+        if k:
+            top = torch.topk(lps, min(k, lps.shape[-1]), dim=-1)
+            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+        out += [TokenLogprobs(x, r, i, v)
+                for x, r, i, v in zip(lp.tolist(), ranks, top_ids, top_lps)]
+    return out

@@ -14,7 +14,7 @@ from common.test_hooks import HarnessHooks
 from ...messages import NewSequence, StepRequest, StepResult
 from ...model_manager import ModelManager
 from ..backend import ModelBackend, StepHooks
-from ..sampler import Sampler, SamplingState, prompt_logprobs
+from ..sampler import Sampler, SamplingState, scored_positions
 from ..structured_output import Grammars
 from . import cpu_kernels
 from .kv_cache import PagedKVCache
@@ -61,6 +61,9 @@ class TransformersBackend(ModelBackend):
         self.prefill_chunk = max(1, prefill_chunk)
         self.prefill_pass_tokens = prefill_pass_tokens   # 0: a step's newcomers in one pass
         self.prefilling: dict[str, NewSequence] = {}   # joined, prompt not all computed yet
+        # The prompt logprobs of the chunks computed so far, of each scored prompt still being
+        # computed: a scored prompt is chunked like any other, and answered at its last chunk.
+        self.scored: dict[str, list] = {}
         self.states: dict[str, SamplingState] = {}
         self.sampler = Sampler(Grammars(lambda: ModelManager(info.path).load_tokenizer(),
                                         info.eos_token_ids))
@@ -149,6 +152,7 @@ class TransformersBackend(ModelBackend):
             for sid in req.free_seq_ids:
                 self.states.pop(sid, None)
                 self.prefilling.pop(sid, None)
+                self.scored.pop(sid, None)
         missing = [s for s in req.decode_seq_ids if s not in self.cache.tables]
         if missing:
             raise RuntimeError(f"asked to decode {len(missing)} sequences the cache does not hold")
@@ -168,12 +172,10 @@ class TransformersBackend(ModelBackend):
         # big as a 32-row decode's, so one pass instead of two keeps the decodes' step short
         # while a long prompt is computed beside them (docs/architecture.md, "Long prompts beside
         # a decoding batch").
-        riding = [s for s in todo if s.seq_id not in newcomers
-                  and s.params.prompt_logprobs is None] if decode_ids else []
+        riding = [s for s in todo if s.seq_id not in newcomers] if decode_ids else []
         first = [s for s in todo if s not in riding]
         # (An interjection answers in one piece: its partials would read as the step's.)
-        groups = _passes(first, {**chunks, **self._whole(first)},
-                         0 if req.interject else self.prefill_pass_tokens)
+        groups = _passes(first, chunks, 0 if req.interject else self.prefill_pass_tokens)
         for i, group in enumerate(groups):
             self._prefill(group, res, chunks)
             # Each pass's first tokens go out as it ends, while anything is left to run: a
@@ -189,12 +191,6 @@ class TransformersBackend(ModelBackend):
         res.decode_s = time.perf_counter() - t1 - (self._interjected_s - lent1)
         res.interjected = req.interject
         return res
-
-    def _whole(self, seqs: list[NewSequence]) -> dict[str, int]:
-        """The prompts computed whole whatever their chunk (prompt logprobs: every position's
-        logits from one pass), with the tokens they have left."""
-        return {s.seq_id: len(s.token_ids) - self.cache.lengths[s.seq_id]
-                for s in seqs if s.params.prompt_logprobs is not None}
 
     def _before_layer(self, _module, _args) -> None:
         """A decoder layer's forward pre-hook: the place a step in flight lets an
@@ -225,6 +221,8 @@ class TransformersBackend(ModelBackend):
             log.warning("prefill failed: %s", exc, extra={"seq_id": seq.seq_id})
             return
         self.prefilling[seq.seq_id] = seq
+        if seq.params.prompt_logprobs is not None:
+            self.scored[seq.seq_id] = []
         if blocks:
             res.cached_tokens[seq.seq_id] = len(blocks) * self.cache.block_size
 
@@ -247,10 +245,7 @@ class TransformersBackend(ModelBackend):
                       sizes: dict[str, int], decode_ids: list[str] = ()) -> None:
         """The prompts' chunks (and one token of each of `decode_ids`) in one forward pass."""
         by_id = {s.seq_id: s for s in seqs}
-        # A prompt scored with prompt logprobs is computed in one chunk (its logits at every
-        # position come from one pass).
-        whole = self._whole(seqs)
-        chunks = [(s.seq_id, whole.get(s.seq_id, sizes[s.seq_id])) for s in seqs]
+        chunks = [(s.seq_id, sizes[s.seq_id]) for s in seqs]
         done = {sid for sid, n in chunks if self.cache.lengths[sid] + n == len(by_id[sid].token_ids)}
         states = {sid: SamplingState.create(by_id[sid].params, by_id[sid].token_ids,
                                             by_id[sid].num_output_tokens,
@@ -258,16 +253,25 @@ class TransformersBackend(ModelBackend):
                   for sid in done}
         # A failed pass leaves the blocks it got in the tables: a retry reuses them.
         plan = self.cache.plan(chunks + [(sid, 1) for sid in decode_ids])
-        scoring = {sid for sid in done if by_id[sid].params.prompt_logprobs is not None}
+        # A scored prompt's chunk keeps the logits of each of its positions: position i's
+        # scores token i + 1 (the chunk's last scores the next chunk's first).
+        scoring = {sid for sid in by_id if sid in self.scored}
         logits, order, full = self._forward(
             plan, lambda r: (by_id[r.seq_id].token_ids[r.num_past:r.length] if r.seq_id in by_id
                              else [self.states[r.seq_id].last_token_id]),
             done | set(decode_ids), scoring)
-        self.cache.commit(plan)
+        past = {r.seq_id: r.num_past for r in plan.rows}
+        scored = {}
         for sid, row_logits in full.items():
             seq = by_id[sid]
-            res.prompt_logprobs[sid] = prompt_logprobs(row_logits, seq.token_ids,
-                                                       seq.params.prompt_logprobs)
+            targets = seq.token_ids[past[sid] + 1:past[sid] + 1 + len(row_logits)]
+            scored[sid] = scored_positions(row_logits[:len(targets)], targets,
+                                           seq.params.prompt_logprobs)
+        self.cache.commit(plan)
+        for sid, entries in scored.items():
+            self.scored[sid] += entries
+            if sid in done:
+                res.prompt_logprobs[sid] = self.scored.pop(sid)
         if not order:
             return
         finished = [by_id[sid] for sid in order if sid in by_id]
@@ -342,6 +346,7 @@ class TransformersBackend(ModelBackend):
     def _drop(self, seq_id: str) -> None:
         self.cache.remove([seq_id])
         self.prefilling.pop(seq_id, None)
+        self.scored.pop(seq_id, None)
         self.states.pop(seq_id, None)
 
     fail_seed: int | None = None   # tests only (LLMQ_TEST_FAIL_SEED)
