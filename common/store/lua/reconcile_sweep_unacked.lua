@@ -11,7 +11,8 @@ local pattern = ARGV[3]         -- a sequence's id in its message
 local record_prefix, record_suffix = ARGV[4], ARGV[5]
 local finished = ARGV[6]        -- the finished statuses, comma separated
 local n = 0
-local tags = redis.call('ZRANGEBYSCORE', unacked_index, '-inf', delivered_before, 'LIMIT', 0, limit)
+local tags = redis.call('ZRANGEBYSCORE', unacked_index, '-inf', delivered_before,
+                        'LIMIT', 0, limit)
 for _, tag in ipairs(tags) do
   local message = redis.call('HGET', unacked, tag)
   local id = message and string.match(message, pattern)

@@ -20,7 +20,8 @@ for _, id in ipairs(redis.call('SMEMBERS', watch)) do
     for ev in string.gmatch(events, '[^,]+') do
       local st = redis.call('HGET', hook, ev) or ''
       local due = (ev == 'started' and started) or (ev == 'completed' and ended)
-      local stale = string.sub(st, 1, 2) == 'd:' and tonumber(string.sub(st, 3)) < redispatch_before
+      local stale = string.sub(st, 1, 2) == 'd:'
+                    and tonumber(string.sub(st, 3)) < redispatch_before
       if due and (st == '' or stale) then
         redis.call('HSET', hook, ev, 'd:' .. now)
         table.insert(out, id)
