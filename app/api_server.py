@@ -1,10 +1,11 @@
 """The API server: create_app builds the Flask app from its parts, each in its own module.
 
 auth (API keys, owners, the local-names guard), key_budget (what a key's refused requests and
-grammar compiles cost it) and streaming (the per-key stream cap) act on every request; the
-routes come in blueprints: jobs_api (llmq's jobs), openai_api (OpenAI's completions, chat and
-models), responses_api, batches_api and files_api (OpenAI's Batch API), jobs_list_api,
-tokenize_api, health_api and metrics; errors renders every failure in one shape.
+grammar compiles cost it), streaming (the per-key caps on streams and waiting requests) and
+write_timeout (a deadline on each response write) act on every request; the routes come in
+blueprints: jobs_api (llmq's jobs), openai_api (OpenAI's completions, chat and models),
+responses_api, batches_api and files_api (OpenAI's Batch API), jobs_list_api, tokenize_api,
+health_api and metrics; errors renders every failure in one shape.
 Every submitting route queues through submit.py.
 """
 from __future__ import annotations
@@ -25,9 +26,11 @@ def create_app(settings: Settings | None = None, *, redis_client=None, celery=No
                    jobs_list_api, key_budget, metrics, openapi, responses_api, streaming,
                    tokenize_api)
     from .openai_api import bp as openai_bp
+    from .write_timeout import WriteTimeout
 
     settings = settings or Settings.from_env()
     app = Flask(__name__)
+    app.wsgi_app = WriteTimeout(app.wsgi_app, settings.write_timeout_s)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.ensure_ascii = False
     app.json.sort_keys = False

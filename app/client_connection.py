@@ -7,10 +7,15 @@ import socket
 from flask import request
 
 
+def connection_socket(environ: dict) -> socket.socket | None:
+    """The request's client socket: gunicorn and werkzeug expose it in the WSGI environ."""
+    return environ.get("gunicorn.socket") or environ.get("werkzeug.socket")
+
+
 def client_gone() -> bool:
-    """True once the client closed its connection. gunicorn and werkzeug expose the socket in
-    the WSGI environ; a readable socket that reads zero bytes (peeking) has been closed."""
-    sock = request.environ.get("gunicorn.socket") or request.environ.get("werkzeug.socket")
+    """True once the client closed its connection: a readable socket that reads zero bytes
+    (peeking) has been closed."""
+    sock = connection_socket(request.environ)
     if sock is None:
         return False
     try:

@@ -1,11 +1,13 @@
 """The gunicorn worker the API runs under (`--worker-class app.http_worker.ThreadWorker`):
 gunicorn's gthread worker, plus deadlines on reading a request's headers and its body, the app's
-`Connection: close` honoured, and JSON bodies for the errors gunicorn answers before the app
-sees a request."""
+`Connection: close` honoured, a client that stops reading its response dropped quietly, and JSON
+bodies for the errors gunicorn answers before the app sees a request."""
 from __future__ import annotations
 
 import json
 import socket
+import ssl
+import struct
 import threading
 import time
 
@@ -54,6 +56,14 @@ class _WatchedBody:
         return line
 
 
+def _reset(sock) -> None:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass   # closed already
+
+
 # Errors gunicorn's parser raises, answered in the API's one error shape.
 _PARSE_ERRORS = {
     errors.LimitRequestLine: (414, "URI Too Long"),
@@ -87,7 +97,8 @@ class ThreadWorker(GThreadWorker):
     """gthread, where a client gets LLMQ_HEADER_TIMEOUT seconds to send its request line and
     headers, and then its body at MIN_BODY_BYTES_PER_S: one that trickles either (a slowloris)
     loses its connection instead of holding one of the process's threads for as long as it
-    likes; and where the app's `Connection: close` closes the connection."""
+    likes; where the app's `Connection: close` closes the connection; and where one that stops
+    reading its response is dropped with a warning, not a traceback."""
 
     def load_wsgi(self):
         super().load_wsgi()
@@ -129,6 +140,16 @@ class ThreadWorker(GThreadWorker):
             done()
         try:
             return super().handle_request(req, conn)
+        except (BlockingIOError, ssl.SSLWantWriteError):
+            # A write moved no byte for LLMQ_WRITE_TIMEOUT (the socket's SO_SNDTIMEO, set by
+            # app/write_timeout.py; over TLS, OpenSSL's want-write): the client stopped
+            # reading. The response is closed already (a stream's clean-up ran); the
+            # connection is reset rather than closed, so the kernel does not keep what the
+            # client never read.
+            self.log.warning("dropped a client that stopped reading its response: %s %s",
+                             req.method, req.path)
+            _reset(conn.sock)
+            return False
         finally:
             done()
 

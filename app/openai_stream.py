@@ -111,8 +111,7 @@ def stream_chunks(req, jobs: list[dict], shaper: ChoiceShaper, model: str) -> It
             if not events:
                 if time.monotonic() - wrote >= keepalive_s:
                     # A comment line (clients skip it): a queued stream, or a completion
-                    # before its first token, still writes, so its slot lease is renewed and
-                    # proxies keep the connection.
+                    # before its first token, still writes, so proxies keep the connection.
                     wrote = time.monotonic()
                     yield ": keep-alive\n\n"
                 if client_gone():

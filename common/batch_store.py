@@ -29,6 +29,7 @@ import redis
 
 from .keys import Keys
 from .owner_index import OwnerIndex
+from .store.lua_scripts import register
 
 ACTIVE_KEY = Keys.batches_active
 BATCH_TASK = "llmq.batch"   # the Celery task that drives one batch (sent by name)
@@ -63,53 +64,10 @@ def output_file_id(batch_id: str, kind: str) -> str:
     return f"file-{uuid.uuid5(uuid.NAMESPACE_URL, f'{batch_id}.{kind}').hex}"
 
 
-# Dispatch: take a batch whose lease has run out (or that nobody drove yet) for a new driver.
-# KEYS: active, batch. ARGV: id, now, new expiry, token.
-_CLAIM = """
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not score or tonumber(score) > tonumber(ARGV[2]) then return 0 end
-if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('ZREM', KEYS[1], ARGV[1]) return 0 end
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
-redis.call('HSET', KEYS[2], 'driver', ARGV[4])
-return 1
-"""
-
-# The driver keeps its lease while its token is the batch's; expiry 0 hands it back at once.
-# KEYS: active, batch. ARGV: id, token, new expiry.
-_RENEW = """
-if redis.call('HGET', KEYS[2], 'driver') ~= ARGV[2] then return 0 end
-if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
-return 1
-"""
-
-# A line's answer, once: the first of output or error wins, and only it adds its tokens to the
-# batch's usage. KEYS: out, err, inflight, target, batch. ARGV: index, line, then per usage
-# field (USAGE_FIELDS) its tokens.
-_ANSWER = """
-redis.call('SREM', KEYS[3], ARGV[1])
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
-  return 0
-end
-redis.call('HSET', KEYS[4], ARGV[1], ARGV[2])
-for i = 3, #ARGV, 2 do
-  if tonumber(ARGV[i + 1]) ~= 0 then redis.call('HINCRBY', KEYS[5], ARGV[i], ARGV[i + 1]) end
-end
-return 1
-"""
 # The batch's usage, summed over its answered lines: (batch field, the job's usage key).
 USAGE_FIELDS = (("input_tokens", "prompt_tokens"), ("output_tokens", "completion_tokens"),
                 ("cached_tokens", "cached_tokens"))
 MAX_ERRORS = 100   # validation errors listed in the batch's `errors` (the error file has all)
-
-# Cancel: only a batch that has not ended. KEYS: batch. ARGV: now.
-_CANCEL = """
-local st = redis.call('HGET', KEYS[1], 'status')
-if st == 'validating' or st == 'in_progress' then
-  redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[1])
-end
-return 1
-"""
 
 
 def batch_object(h: dict[str, str], counts: tuple[int, int] | None = None) -> dict[str, Any]:
@@ -151,10 +109,10 @@ class BatchStore:
     def __init__(self, client: redis.Redis, ttl_s: int):
         self.r, self.ttl_s = client, ttl_s
         self.index = OwnerIndex(client, "batches", ttl_s)
-        self._claim = client.register_script(_CLAIM)
-        self._renew = client.register_script(_RENEW)
-        self._answer = client.register_script(_ANSWER)
-        self._cancel = client.register_script(_CANCEL)
+        self._claim = register(client, "batch_claim")
+        self._renew = register(client, "batch_renew")
+        self._answer = register(client, "batch_answer")
+        self._cancel = register(client, "batch_cancel")
 
     # --- API side ----------------------------------------------------------------------------
     def create(self, fields: dict[str, Any], lines: list[str], errors: dict[int, str]) -> dict:

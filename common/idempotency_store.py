@@ -20,33 +20,7 @@ from typing import Any
 import redis
 
 from .keys import Keys
-
-# ('new', token) after claiming, ('pending', '') while another holds the claim,
-# ('mismatch', '') for another request's fingerprint, ('done', answer) once answered.
-# KEYS: the key's hash. ARGV: fingerprint, token, claim TTL.
-_CLAIM = """
-local cur = redis.call('HMGET', KEYS[1], 'fp', 'answer')
-if not cur[1] then
-  redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'token', ARGV[2])
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-  return {'new', ARGV[2]}
-end
-if cur[1] ~= ARGV[1] then return {'mismatch', ''} end
-if not cur[2] then return {'pending', ''} end
-return {'done', cur[2]}
-"""
-
-# The claim's holder answers (ARGV[2] set: keep it for ARGV[3] seconds) or lets go (ARGV[2]
-# empty). A claim that lapsed and was taken again is not its any more. KEYS: the key's hash.
-# ARGV: token, answer, TTL.
-_SETTLE = """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
-if ARGV[2] == '' then return redis.call('DEL', KEYS[1]) end
-redis.call('HSET', KEYS[1], 'answer', ARGV[2])
-redis.call('HDEL', KEYS[1], 'token')
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
+from .store.lua_scripts import register
 
 
 def digest(text: str | bytes) -> str:
@@ -59,8 +33,8 @@ class IdempotencyStore:
 
     def __init__(self, client: redis.Redis):
         self.r = client
-        self._claim = client.register_script(_CLAIM)
-        self._settle = client.register_script(_SETTLE)
+        self._claim = register(client, "idempotency_claim")
+        self._settle = register(client, "idempotency_settle")
 
     def claim(self, owner: str, key: str, fingerprint: str, claim_ttl_s: int
               ) -> tuple[str, Any]:

@@ -12,32 +12,7 @@ from __future__ import annotations
 import redis
 
 from .store import PRIORITY_SEP
-
-# {ahead, found}. KEYS: the queue's lists, priority 0 first. ARGV: id, its priority, scan.
-# Its own list is read from both ends at once, a chunk at a time: a sequence just queued is
-# near the left (the back of the line), one about to start near the right, so a poll finds
-# either in its first chunks, and one in the middle of a long list after half of it.
-_POSITION = """
-local p = tonumber(ARGV[2])
-local ahead = 0
-for i = 1, p do ahead = ahead + redis.call('LLEN', KEYS[i]) end
-local list = KEYS[p + 1]
-local len = redis.call('LLEN', list)
-local half = math.ceil(math.min(len, tonumber(ARGV[3])) / 2)
-local chunk = 32
-for start = 0, half - 1, chunk do
-  local size = math.min(chunk, half - start)
-  local right = redis.call('LRANGE', list, -(start + size), -(start + 1))
-  for j = #right, 1, -1 do
-    if string.find(right[j], ARGV[1], 1, true) then return {ahead + start + #right - j, 1} end
-  end
-  local left = redis.call('LRANGE', list, start, start + size - 1)
-  for j = 1, #left do
-    if string.find(left[j], ARGV[1], 1, true) then return {ahead + len - start - j, 1} end
-  end
-end
-return {ahead, 0}
-"""
+from .store.lua_scripts import register
 
 
 def queue_lists(queue: str) -> list[str]:
@@ -50,7 +25,7 @@ class QueueStore:
 
     def __init__(self, client: redis.Redis):
         self.r = client
-        self._position = client.register_script(_POSITION)
+        self._position = register(client, "queue_position")
 
     def position(self, queue: str, seq_id: str, priority: int | None, scan: int = 4096
                  ) -> int | None:

@@ -19,35 +19,7 @@ import redis
 
 from .keys import Keys
 from .protocol import SequenceStatus
-
-# The document, with its TTL cut to the record's; nil (and the document gone) once the record
-# is. KEYS: document, record.
-_LOAD = """
-local doc = redis.call('GET', KEYS[1])
-if not doc then return false end
-local left = redis.call('PTTL', KEYS[2])
-if left == -2 then
-  redis.call('DEL', KEYS[1])
-  return false
-end
-if left > 0 and redis.call('PTTL', KEYS[1]) > left then redis.call('PEXPIRE', KEYS[1], left) end
-return doc
-"""
-
-# Deletes a response: its document always, its record and events only once finished (a
-# running sequence's engine would write a headless record back). Returns false when the
-# record stays, else the bytes its end counted for the owner's storage quota ('' for none).
-# KEYS: document, record, events. ARGV: the finished statuses.
-_DELETE = """
-redis.call('DEL', KEYS[1])
-local st = redis.call('HGET', KEYS[2], 'status')
-if st and string.find(',' .. ARGV[1] .. ',', ',' .. st .. ',', 1, true) then
-  local size = redis.call('HGET', KEYS[2], 'stored_bytes') or ''
-  redis.call('DEL', KEYS[2], KEYS[3])
-  return size
-end
-return false
-"""
+from .store.lua_scripts import register
 
 _FINISHED = ",".join(s.value for s in SequenceStatus if s.is_finished)
 
@@ -57,8 +29,8 @@ class ResponseStore:
 
     def __init__(self, client: redis.Redis, ttl_s: int):
         self.r, self.ttl_s = client, ttl_s
-        self._load = client.register_script(_LOAD)
-        self._delete = client.register_script(_DELETE)
+        self._load = register(client, "response_load")
+        self._delete = register(client, "response_delete")
 
     def save(self, seq_id: str, doc: dict[str, Any]) -> None:
         self.r.set(Keys.response(seq_id), json.dumps(doc, ensure_ascii=False,

@@ -257,6 +257,9 @@ class Settings:
     health_timeout_s: float = setting(2.0, "LLMQ_HEALTH_TIMEOUT", positive=True)
     # gunicorn (app/http_worker.py): time to send the headers
     header_timeout_s: float = setting(10.0, "LLMQ_HEADER_TIMEOUT", positive=True)
+    # a response write that moves no byte for this long (a client that stopped reading) drops
+    # the connection, freeing its API thread (app/write_timeout.py)
+    write_timeout_s: float = setting(30.0, "LLMQ_WRITE_TIMEOUT", positive=True)
     # longest stop string
     max_stop_chars: int = setting(256, "LLMQ_MAX_STOP_CHARS", positive=True)
     # API.

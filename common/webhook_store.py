@@ -37,6 +37,7 @@ from typing import Any
 import redis
 
 from .keys import Keys
+from .store.lua_scripts import register
 
 WATCH_KEY = Keys.webhooks_watch
 PENDING_KEY = Keys.webhooks_pending
@@ -81,119 +82,15 @@ def event_body(event_type: str, data: dict[str, Any], event_id_: str) -> str:
                       ensure_ascii=False, separators=(",", ":"))
 
 
-# Finds due job events and marks them dispatching. A registration with nothing left that can
-# become due goes: a job that ended (for good: an ended record never runs again) without
-# starting never makes `started` due, and a `started`-only registration would otherwise stay in
-# the watch set, scanned here every 0.5 s by every worker, until it expired.
-# KEYS: watch. ARGV: registration prefix, record prefix, now, redispatch-before (a "d:" mark
-# older than this is retried).
-_DUE = """
-local out = {}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local hook = ARGV[1] .. id
-  local events = redis.call('HGET', hook, 'events')
-  local rec = redis.call('HMGET', ARGV[2] .. id, 'status', 'started_at')
-  local open = false
-  if events and rec[1] then
-    local ended = rec[1] == 'succeeded' or rec[1] == 'failed' or rec[1] == 'cancelled'
-    local started = rec[2] and rec[2] ~= ''
-    for ev in string.gmatch(events, '[^,]+') do
-      local st = redis.call('HGET', hook, ev) or ''
-      local due = (ev == 'started' and started) or (ev == 'completed' and ended)
-      local stale = string.sub(st, 1, 2) == 'd:' and tonumber(string.sub(st, 3)) < tonumber(ARGV[4])
-      if due and (st == '' or stale) then
-        redis.call('HSET', hook, ev, 'd:' .. ARGV[3])
-        table.insert(out, id)
-        table.insert(out, ev)
-      end
-      -- Still to send: due (or being dispatched), or not yet due while the job can get there.
-      if st ~= 'sent' and (due or not ended) then open = true end
-    end
-  end
-  if not open then
-    redis.call('SREM', KEYS[1], id)
-    redis.call('DEL', hook)
-  end
-end
-return out
-"""
-
-# An event was queued: mark it. The registration goes once nothing more can be due: every
-# event sent, or never due by the time `completed` was sent (a job cancelled before it
-# started). KEYS: watch, registration. ARGV: id, event.
-_SENT = """
-redis.call('HSET', KEYS[2], ARGV[2], 'sent')
-local completed_sent = redis.call('HGET', KEYS[2], 'completed') == 'sent'
-for ev in string.gmatch(redis.call('HGET', KEYS[2], 'events') or '', '[^,]+') do
-  local st = redis.call('HGET', KEYS[2], ev) or ''
-  if st ~= 'sent' and not (st == '' and completed_sent) then return 0 end
-end
-redis.call('SREM', KEYS[1], ARGV[1])
-redis.call('DEL', KEYS[2])
-return 1
-"""
-
-
-# A delivery may start: not while its host's breaker is open (then a single attempt probes the
-# host once the breaker's time is up, the others wait for its outcome), nor past its host's or
-# its owner's cap of deliveries in flight. Leases (not counters) hold the slots, so a worker
-# that dies mid-delivery frees its slots when they run out.
-# KEYS: host deliveries, owner deliveries, breaker. ARGV: event id, now, lease end, cap per
-# host, cap per owner (0: none), breaker time. Returns {reason, seconds to wait} or {"ok", 0}.
-_ACQUIRE = """
-local now = tonumber(ARGV[2])
-local open_until = tonumber(redis.call('HGET', KEYS[3], 'open_until') or '0')
-if open_until > now then return {'breaker', tostring(open_until - now)} end
-local caps = {tonumber(ARGV[4]), tonumber(ARGV[5])}
-local names = {'host', 'key'}
-for i = 1, 2 do
-  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
-  if caps[i] > 0 and not redis.call('ZSCORE', KEYS[i], ARGV[1])
-     and redis.call('ZCARD', KEYS[i]) >= caps[i] then
-    local first = redis.call('ZRANGE', KEYS[i], 0, 0, 'WITHSCORES')
-    return {names[i], tostring(tonumber(first[2]) - now)}
-  end
-end
-if open_until > 0 then
-  redis.call('HSET', KEYS[3], 'open_until', now + tonumber(ARGV[6]))
-end
-for i = 1, 2 do
-  redis.call('ZADD', KEYS[i], ARGV[3], ARGV[1])
-  redis.call('EXPIREAT', KEYS[i], math.ceil(tonumber(ARGV[3])))
-end
-return {'ok', '0'}
-"""
-
-# A delivery ended: its slots are freed; an answer closes the host's breaker, no answer counts
-# a failure, and `threshold` failures in a row open it for `breaker time` seconds.
-# KEYS: host deliveries, owner deliveries, breaker. ARGV: event id, answered (1/0), now,
-# threshold (0: no breaker), breaker time. Returns the failures in a row.
-_RELEASE = """
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-if ARGV[2] == '1' then
-  redis.call('DEL', KEYS[3])
-  return 0
-end
-if tonumber(ARGV[4]) <= 0 then return 0 end
-local n = redis.call('HINCRBY', KEYS[3], 'failures', 1)
-if n >= tonumber(ARGV[4]) then
-  redis.call('HSET', KEYS[3], 'open_until', tonumber(ARGV[3]) + tonumber(ARGV[5]))
-end
-redis.call('EXPIRE', KEYS[3], math.ceil(10 * tonumber(ARGV[5])) + 3600)
-return n
-"""
-
-
 class WebhookStore:
     """Registrations of job webhooks, and the events waiting for (or after) delivery."""
 
     def __init__(self, client: redis.Redis, ttl_s: int):
         self.r, self.ttl_s = client, ttl_s
-        self._due = client.register_script(_DUE)
-        self._sent = client.register_script(_SENT)
-        self._acquire = client.register_script(_ACQUIRE)
-        self._release = client.register_script(_RELEASE)
+        self._due = register(client, "webhook_due")
+        self._sent = register(client, "webhook_sent")
+        self._acquire = register(client, "webhook_acquire")
+        self._release = register(client, "webhook_release")
 
     def register_jobs(self, seq_ids: list[str], url: str, events: list[str]) -> None:
         wanted = ",".join(e for e in EVENTS if e in events)

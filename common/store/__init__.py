@@ -10,7 +10,8 @@ of the worker registry and admission state around them, one concern per module:
   owner_secret.py   OwnerSecret     the HMAC secret that names owners
   metrics_store.py  MetricsStore    run sequences' figures
   jobs.py           job_from_record the public job object; ids.py the id shapes
-  lua/*.lua         the atomic scripts, each naming its KEYS and ARGV at the top
+  lua/*.lua         the atomic scripts, each naming its KEYS and ARGV at the top (the
+                    other stores' too, as <store>_<role>.lua: batch_claim.lua, ...)
 
 Each part stands alone over a Redis client (`RecordStore(client)`); SequenceStore is all of
 them on one client, and owns the connection (dedicated blocking readers, CLIENT UNBLOCK).

@@ -1,4 +1,4 @@
-"""The store's Lua scripts: each read once from common/store/lua/<name>.lua."""
+"""The stores' Lua scripts: each read once from common/store/lua/<name>.lua."""
 from __future__ import annotations
 
 import functools
@@ -9,8 +9,15 @@ from redis.commands.core import Script
 
 # Every script the sequence store runs (one .lua file each); tests load them all, so a file
 # missing from a package fails a fast test, not a worker.
-SCRIPT_NAMES = ("start", "reclaim", "resent", "finish", "admit", "reserve", "open_stream",
-                "publish", "unstore")
+SEQUENCE_SCRIPTS = ("start", "reclaim", "resent", "finish", "admit", "reserve", "open_stream",
+                    "renew_slots", "publish", "unstore")
+# The other stores' scripts (common/<store>_store.py), named <store>_<role>.
+STORE_SCRIPTS = ("batch_claim", "batch_renew", "batch_answer", "batch_cancel",
+                 "idempotency_claim", "idempotency_settle", "queue_position",
+                 "reconcile_claim", "reconcile_sweep_unacked", "response_load",
+                 "response_delete", "webhook_due", "webhook_sent", "webhook_acquire",
+                 "webhook_release")
+SCRIPT_NAMES = SEQUENCE_SCRIPTS + STORE_SCRIPTS
 
 
 @functools.cache

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
+import subprocess
 import time
+from dataclasses import dataclass
 
+import psutil
 import pytest
 
+from common.protocol import EVENT_TOKEN
 from common.store import owner_streams_key
+from common.store.events import append_event
 from support import wait_until
 
 from .factories import FINISHED, record
@@ -88,6 +94,26 @@ def test_a_key_holds_at_most_its_streams_and_gets_them_back_on_close(world):
     with a.request("GET", f"/v1/jobs/{jid}/stream", stream=True) as resp:
         assert resp.status_code == 200
     held[1].close()
+
+
+def test_a_streams_slot_lasts_as_long_as_its_stream(world):
+    """A slot's lease is renewed for as long as its stream lives, past its first lease and the
+    slot set's first expiry: a lapsed slot would let the key open more streams than its cap."""
+    base = world.api(api_keys=KEYS, key_max_streams=1)
+    a = base.with_key("key-a")
+    r = world.client()
+    jid = a.submit(prompt="Hello", max_tokens=4)["id"]     # no worker: it stays queued
+    slots = owner_streams_key(record(r, jid)["owner"])
+    with a.request("GET", f"/v1/jobs/{jid}/stream", stream=True) as held:
+        assert held.status_code == 200
+        first_end = r.zrange(slots, 0, -1, withscores=True)[0][1]
+        # The lease as first taken has run out, and the set's first expiry has passed.
+        wait_until(lambda: time.time() > first_end + 2, first_end - time.time() + 10,
+                   "the slot's first lease to end", interval=0.2)
+        assert r.zcount(slots, time.time(), "+inf") == 1, r.zrange(slots, 0, -1, withscores=True)
+        refused = a.request("GET", f"/v1/jobs/{jid}/stream")
+        assert refused.status_code == 429, refused.text
+    wait_until(lambda: r.zcard(slots) == 0, 15, "the closed stream's slot to come back")
 
 
 def records(world) -> list[str]:
@@ -173,11 +199,16 @@ def engine_stats(r, hostname: str) -> tuple[int, int]:
 
 
 # --- the HTTP server: header deadline, JSON for what gunicorn answers itself --------------------
+@dataclass
+class GunicornApi:
+    port: int
+    master: subprocess.Popen
+
+
 @pytest.fixture
 def gunicorn_api(world, tmp_path):
     """The API as `make api` runs it: gunicorn with app.http_worker.ThreadWorker."""
     import os
-    import subprocess
     import sys
 
     import requests
@@ -186,7 +217,7 @@ def gunicorn_api(world, tmp_path):
 
     port = free_port()
     env = dict(os.environ, LLMQ_REDIS_URL=world.url, LLMQ_HEADER_TIMEOUT="1",
-               LLMQ_API_KEYS=",".join(KEYS))
+               LLMQ_WRITE_TIMEOUT="1", LLMQ_API_KEYS=",".join(KEYS))
     log = open(tmp_path / "gunicorn.log", "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "--bind", f"127.0.0.1:{port}", "--worker-class",
@@ -202,7 +233,7 @@ def gunicorn_api(world, tmp_path):
 
     try:
         wait_until(up, 60, "gunicorn to answer")
-        yield port
+        yield GunicornApi(port, proc)
     finally:
         proc.terminate()
         proc.wait(15)
@@ -211,8 +242,6 @@ def gunicorn_api(world, tmp_path):
 def _raw(port: int, data: bytes, *, trickle_s: float = 0.0, sent: list | None = None) -> bytes:
     """Sends `data` (a byte at a time every trickle_s, if set) and reads until the server closes;
     `sent` gets how many bytes went out before the server hung up."""
-    import socket
-
     n = 0
     with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
         try:
@@ -235,7 +264,7 @@ def _raw(port: int, data: bytes, *, trickle_s: float = 0.0, sent: list | None = 
 
 
 def test_headers_must_arrive_in_time_and_parse_errors_are_json(gunicorn_api):
-    port = gunicorn_api
+    port = gunicorn_api.port
     # Headers that never end: the connection is closed (recv sees the end) well before 15 s.
     assert _raw(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: 1\r\n") == b""
     # A slowloris trickling a long header a byte at a time is cut off too.
@@ -259,7 +288,7 @@ def test_a_key_past_its_refusals_is_answered_unread_and_its_connection_closed(gu
     rest of the body (which it would otherwise wait ~20 s for, at 64 kB/s, past _raw's 15 s)."""
     import requests
 
-    port = gunicorn_api
+    port = gunicorn_api.port
     with requests.Session() as s:
         s.headers["Authorization"] = f"Bearer {KEYS[0]}"
         for _ in range(30):
@@ -283,7 +312,7 @@ def test_a_body_must_arrive_in_time_too(gunicorn_api):
     """The deadline ended with the headers: a key holder announcing a body and never sending it
     held one of the API's threads for as long as it liked (all of them, with enough
     connections). 1 s + 20 kB at 64 kB/s: the server hangs up long before _raw's 15 s."""
-    port = gunicorn_api
+    port = gunicorn_api.port
     head = (b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEYS[0].encode()
             + b"\r\nContent-Type: application/json\r\nContent-Length: 20000\r\n\r\n")
     cut = _raw(port, head + b'{"prompt": "')
@@ -293,3 +322,89 @@ def test_a_body_must_arrive_in_time_too(gunicorn_api):
     ok = _raw(port, head.replace(b"20000", str(len(body)).encode()).replace(
         b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n", 1) + body)
     assert ok.startswith(b"HTTP/1.1 202"), ok[:200]
+
+
+def test_clients_that_stop_reading_free_their_threads_and_slots(world, gunicorn_api, tmp_path):
+    """Clients that never read their streams: the writes fill the sockets and block. Past
+    LLMQ_WRITE_TIMEOUT (1 s here) each is dropped, its slot given back and its thread freed:
+    without the deadline all 4 of gunicorn's threads would stay stuck in their writes for good,
+    and the API would answer nobody. Then a slot outlives no process: a killed API process's streams
+    free themselves within a lease (15 s)."""
+    import requests
+
+    port, r = gunicorn_api.port, world.client()
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+    resp = requests.post(f"{url}/v1/jobs", json={"prompt": "Hello", "max_tokens": 4},
+                         headers=auth, timeout=15)
+    jid = resp.json()["id"]                                # no worker: it stays queued
+    slots = owner_streams_key(record(r, jid)["owner"])
+    request = (f"GET /v1/jobs/{jid}/stream HTTP/1.1\r\nHost: x\r\n"
+               f"Authorization: Bearer {KEYS[0]}\r\n\r\n").encode()
+    readers = []
+    try:
+        for _ in range(4):                                 # one per gunicorn thread
+            readers.append(_non_reader(port, request))
+        wait_until(lambda: r.zcard(slots) == 4, 30, "the 4 streams to open")
+        _flood(r, jid)
+        sent = time.monotonic()
+        wait_until(lambda: r.zcard(slots) == 0, 30, "the stuck streams' slots to come back")
+        print(f"4 stuck streams dropped {time.monotonic() - sent:.1f} s after their events")
+        assert requests.get(f"{url}/healthz", timeout=10).ok   # a thread answers again
+        assert r.hget(f"llmq:seq:{jid}", "status") == "queued"   # a job's stream: no cancel
+    finally:
+        for s in readers:
+            s.close()
+    # A stream open when its API process is killed: its slot frees itself within a lease.
+    stream = requests.get(f"{url}/v1/jobs/{jid}/stream", headers=auth, stream=True, timeout=15)
+    assert stream.status_code == 200
+    (worker,) = psutil.Process(gunicorn_api.master.pid).children()
+    worker.kill()
+    killed = time.monotonic()
+    wait_until(lambda: r.zcount(slots, time.time(), "+inf") == 0, 25,
+               "the dead process's slot to lapse", interval=0.2)
+    print(f"the dead process's slot lapsed {time.monotonic() - killed:.1f} s after the kill")
+    stream.close()
+    log = (tmp_path / "gunicorn.log").read_text()
+    assert "stopped reading" in log and "Socket error" not in log, log   # a warning each
+
+
+def test_an_openai_stream_whose_client_stops_reading_is_cancelled(world):
+    """As a client that hangs up: the write deadline drops the connection (under werkzeug, as
+    the tests serve the app, here) and the OpenAI stream's request is cancelled."""
+    from urllib.parse import urlparse
+
+    base = world.api(api_keys=KEYS, write_timeout_s=1.0)
+    a, r = base.with_key("key-a"), world.client()
+    model = a.request("GET", "/v1/models").json()["data"][0]["id"]
+    body = json.dumps({"model": model, "stream": True, "max_tokens": 16,
+                       "messages": [{"role": "user", "content": "Hi"}]}).encode()
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+               f"Authorization: Bearer {KEYS[0]}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    with _non_reader(urlparse(base.url).port, request):
+        (seq_id,) = wait_until(lambda: [k.removeprefix("llmq:seq:") for k in records(world)],
+                               30, "the stream's sequence")
+        slots = owner_streams_key(record(r, seq_id)["owner"])
+        _flood(r, seq_id)
+        wait_until(lambda: r.hget(f"llmq:seq:{seq_id}", "status") == "cancelled", 30,
+                   "the stream's request to be cancelled")
+        wait_until(lambda: r.zcard(slots) == 0, 15, "its slot to come back")
+
+
+def _non_reader(port: int, request: bytes) -> socket.socket:
+    """A client that sends `request` and never reads the answer (with a small window)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.sendall(request)
+    return s
+
+
+def _flood(r, seq_id: str) -> None:
+    """32 MB of token events on the sequence's stream: far more than a socket takes, so the
+    writes of a stream whose client does not read block."""
+    pipe = r.pipeline()
+    for _ in range(32):
+        append_event(pipe, seq_id, EVENT_TOKEN, {"text": "x" * 2**20}, 20_000, 3600)
+    pipe.execute()

@@ -595,8 +595,11 @@ def test_a_key_holds_at_most_its_streams(tenants):
     assert_error(tenants.client.post("/v1/generate", json={"prompt": "x", "stream": True},
                                      headers=auth("k1")), 429)
     model = tenants.client.get("/v1/models", headers=auth("k1")).get_json()["data"][0]["id"]
-    assert_error(tenants.client.post("/v1/completions", headers=auth("k1"), json={
-        "model": model, "prompt": "x", "stream": True}), 429)
+    for path, body in [("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                       ("/v1/responses", {"input": "x"})]:
+        assert_error(tenants.client.post(path, headers=auth("k1"), json={
+            "model": model, "stream": True, **body}), 429)
     assert tenants.r.keys("llmq:seq:*") == before
     # Another key has its own streams; closing one gives the slot back.
     jid2 = _job_of(tenants, "k2")

@@ -59,13 +59,14 @@ def test_a_keys_waiting_requests_are_capped_and_the_cap_is_its_own():
     assert api.client.post("/v1/responses", headers=auth("k1"), json={
         "model": model, "input": "x", "background": True}).status_code == 200
     # The other key waits as usual (its wait times out here: no worker), and gives its slot
-    # back when its request ends.
+    # back when its response is closed (the server's last write done).
     for path, body in waiting:
-        resp = api.client.post(path, json=body, headers=auth("k2"))
-        assert resp.status_code != 429, resp.get_data(as_text=True)
+        with api.client.post(path, json=body, headers=auth("k2")) as resp:
+            assert resp.status_code != 429, resp.get_data(as_text=True)
+            assert api.r.zcard(Keys.owner_waiting(o2)) == 1   # still held while it writes
     assert api.r.zcard(Keys.owner_waiting(o2)) == 0
     # One of k1's ends: k1 waits again.
     store.close_stream(o1, held[0], waiting=True)
-    resp = api.client.post("/v1/generate", json=waiting[0][1], headers=auth("k1"))
-    assert resp.status_code != 429, resp.get_data(as_text=True)
+    with api.client.post("/v1/generate", json=waiting[0][1], headers=auth("k1")) as resp:
+        assert resp.status_code != 429, resp.get_data(as_text=True)
     assert api.r.zcard(Keys.owner_waiting(o1)) == 1

@@ -5,19 +5,28 @@ from __future__ import annotations
 import re
 import tomllib
 from fnmatch import fnmatch
+import ast
 from pathlib import Path
 
 import fakeredis
 import lupa
 import pytest
+from redis.commands.core import Script
 
 from common.protocol import FinishReason, SequenceRequest, SequenceStatus
 from common.store import (Admission, EventStore, MetricsStore, OwnerSecret, RecordStore,
                           SequenceStore, StorePart, StreamLeases, TokenDelta, WorkerRegistry,
                           events_key, running_key)
-from common.store.lua_scripts import SCRIPT_NAMES, lua_source
+from common.batch_store import BatchStore
+from common.idempotency_store import IdempotencyStore
+from common.queue_store import QueueStore
+from common.reconcile_store import ReconcileStore
+from common.response_store import ResponseStore
+from common.store.lua_scripts import SCRIPT_NAMES, SEQUENCE_SCRIPTS, STORE_SCRIPTS, lua_source
+from common.webhook_store import WebhookStore
 
 ROOT = Path(__file__).resolve().parents[2]
+COMMON = ROOT / "common"
 LUA_DIR = ROOT / "common" / "store" / "lua"
 PARTS = (RecordStore, EventStore, WorkerRegistry, Admission, StreamLeases, OwnerSecret,
          MetricsStore)
@@ -75,9 +84,42 @@ def test_each_part_registers_its_scripts_and_the_store_all_of_them(r):
         assert all(hasattr(p, attr) for attr in part.SCRIPTS)
     store = SequenceStore(r)
     registered = {name for part in PARTS for name in part.SCRIPTS.values()}
-    assert registered == set(SCRIPT_NAMES)
+    assert registered == set(SEQUENCE_SCRIPTS)
     assert all(hasattr(store, attr) for part in PARTS for attr in part.SCRIPTS)
     assert all(issubclass(part, StorePart) for part in PARTS)
+
+
+def _calls(name: str):
+    """Every call in common/ of a function or method called `name`: (file, the call)."""
+    for path in sorted(COMMON.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and name in (getattr(node.func, "attr", None),
+                                                       getattr(node.func, "id", None)):
+                yield path.relative_to(ROOT), node
+
+
+def test_no_script_is_a_python_string():
+    """register_script takes only a .lua file's text (lua_source), never a literal or a
+    constant, so a new script cannot be written as a Python string."""
+    calls = list(_calls("register_script"))
+    assert calls
+    for path, call in calls:
+        arg = call.args[0] if call.args else call.keywords[0].value
+        assert (isinstance(arg, ast.Call) and getattr(arg.func, "id", None) == "lua_source"), \
+            f"{path}:{call.lineno} registers a script that is not a .lua file"
+
+
+def test_the_other_stores_register_each_of_their_scripts_by_its_file_name():
+    named = [call.args[1].value for _, call in _calls("register")
+             if len(call.args) == 2 and isinstance(call.args[1], ast.Constant)]
+    assert sorted(named) == sorted(STORE_SCRIPTS)
+
+
+def test_each_store_loads_its_scripts(r):
+    stores = (BatchStore(r, ttl_s=60), IdempotencyStore(r), QueueStore(r),
+              ReconcileStore(r, ["q"]), ResponseStore(r, ttl_s=60), WebhookStore(r, ttl_s=60))
+    scripts = [v for store in stores for v in vars(store).values() if isinstance(v, Script)]
+    assert sorted(s.script for s in scripts) == sorted(lua_source(n) for n in STORE_SCRIPTS)
 
 
 # --- each part alone -------------------------------------------------------------------------
