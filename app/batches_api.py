@@ -222,9 +222,35 @@ def create_batch():
         "errors": validation_errors([{k: e[k] for k in ("code", "message", "param", "line")}
                                      for _, e in sorted(errors.items())]),
     }
-    batch = batch_store().create(fields, specs, error_lines(batch_id, errors))
+    err_lines = error_lines(batch_id, errors)
+    size = charged_storage(fields, specs, err_lines)
+    batch = batch_store().create(fields, specs, err_lines, stored_bytes=size)
     dispatch(batch_id)
     return jsonify(batch)
+
+
+def charged_storage(fields: dict, specs: list[str], err_lines: dict[int, str]) -> int:
+    """The bytes the batch will keep, checked against its key's storage quota
+    (LLMQ_KEY_STORAGE_BYTES, which its jobs' results share): 0 with no quota. A batch keeps
+    its parsed lines (several times its file) until it expires, and a file may be batched
+    again and again, so each creation is charged."""
+    quota = settings().key_storage_bytes
+    if not quota:
+        return 0
+    size = batch_store().stored_size(fields, specs, err_lines)
+    if size > quota:   # no wait could make room: a 400, not an endless 429
+        raise APIError(400, f"this batch would keep about {size} bytes in Redis, more than a "
+                            f"key's storage quota, {quota} (LLMQ_KEY_STORAGE_BYTES); split "
+                            "its file", param="input_file_id", code="storage_quota_exceeded")
+    store = engine().store
+    used = store.storage_used(g.owner)
+    if used + size > quota:
+        raise APIError(429, f"this key's results and batches keep {used} bytes in Redis and "
+                            f"this batch needs about {size} more; its quota is {quota} "
+                            "(LLMQ_KEY_STORAGE_BYTES). Retry when older results expire.",
+                       "rate_limit_error", {"Retry-After": str(store.storage_frees_in(g.owner))},
+                       code="storage_quota_exceeded")
+    return size
 
 
 def dispatch(batch_id: str) -> None:

@@ -30,6 +30,7 @@ import redis
 from .keys import Keys
 from .owner_index import OwnerIndex
 from .store.lua_scripts import register
+from .store.records import REDIS_OVERHEAD
 
 ACTIVE_KEY = Keys.batches_active
 BATCH_TASK = "llmq.batch"   # the Celery task that drives one batch (sent by name)
@@ -115,12 +116,18 @@ class BatchStore:
         self._cancel = register(client, "batch_cancel")
 
     # --- API side ----------------------------------------------------------------------------
-    def create(self, fields: dict[str, Any], lines: list[str], errors: dict[int, str]) -> dict:
+    def create(self, fields: dict[str, Any], lines: list[str], errors: dict[int, str],
+               stored_bytes: int = 0) -> dict:
         """Stores a new batch with its parsed lines and the error lines of malformed ones, and
-        marks it due for a driver."""
+        marks it due for a driver. `stored_bytes` (batch_stored_size) is charged to its
+        owner's storage quota until the batch expires, in the same transaction."""
         batch_id = fields["id"]
         ttl = int(float(fields["expires_at"]) - time.time()) + self.ttl_s
         pipe = self.r.pipeline(transaction=True)
+        if stored_bytes:
+            owner = fields["owner"]
+            pipe.zadd(Keys.owner_stored(owner), {f"{batch_id} {stored_bytes}": time.time() + ttl})
+            pipe.incrby(Keys.owner_stored_bytes(owner), stored_bytes)
         pipe.hset(batch_key(batch_id), mapping={**fields, "total": len(lines), "next_line": 0})
         for start in range(0, len(lines), 1000):
             pipe.rpush(batch_key(batch_id, "lines"), *lines[start:start + 1000])
@@ -132,6 +139,14 @@ class BatchStore:
         self.index.add(fields["owner"], {batch_id: float(fields["created_at"])}, pipe)
         pipe.execute()
         return self.get(batch_id, fields["owner"])
+
+    @staticmethod
+    def stored_size(fields: dict[str, Any], lines: list[str], errors: dict[int, str]) -> int:
+        """About the bytes a new batch keeps in Redis (its owner's storage quota counts them):
+        its parsed lines, error lines and record, with Redis's overhead (records.py's)."""
+        raw = (sum(map(len, lines)) + sum(map(len, errors.values()))
+               + sum(len(k) + len(str(v)) for k, v in fields.items()))
+        return int(REDIS_OVERHEAD * raw)
 
     def get(self, batch_id: str, owner: str) -> dict | None:
         if not _BATCH_ID.fullmatch(batch_id):

@@ -10,6 +10,7 @@ from .base import (ADMITTING_KEY, UNSTARTED_KEY, StorePart, owner_seqs_key,
 
 PRIORITY_SEP = "\x06\x16"   # kombu's Redis priority-queue separator
 ADMITTING_S = 60.0   # an admission whose messages were never sent (a dead API) counts this long
+STORAGE_PRUNE = 1000   # expired storage entries pruned at most per call (admit.lua's PRUNE)
 
 
 def queue_lists(queue: str) -> list[str]:
@@ -77,6 +78,22 @@ class Admission(StorePart):
         room); at least 1."""
         oldest = self.r.zrange(owner_stored_key(owner), 0, 0, withscores=True)
         return max(1, int((oldest[0][1] if oldest else 0) - time.time()) + 1)
+
+    def storage_used(self, owner: str) -> int:
+        """The bytes an owner's stored results keep now, its expired entries pruned first
+        (what admit.lua does inside admission; here for stores that charge outside it, as a
+        batch's creation does)."""
+        gone = self.r.zrangebyscore(owner_stored_key(owner), "-inf", time.time(), 0,
+                                    STORAGE_PRUNE)
+        if gone:
+            pipe = self.r.pipeline(transaction=False)
+            for member in gone:
+                item_id, size = (member.decode() if isinstance(member, bytes)
+                                 else member).rsplit(" ", 1)
+                self._unstore(keys=[owner_stored_key(owner), owner_stored_bytes_key(owner)],
+                              args=[item_id, int(size)], client=pipe)
+            pipe.execute()
+        return int(self.r.get(owner_stored_bytes_key(owner)) or 0)
 
     def unstore(self, owner: str, seq_id: str, size: int) -> None:
         """An ended sequence's record was deleted before it expired: its `size` bytes no

@@ -1,6 +1,7 @@
 """A key's ended jobs may keep at most LLMQ_KEY_STORAGE_BYTES in Redis (issue 48): past it,
 its submissions are 429 `storage_quota_exceeded` before any job exists, until some of its
-results expire; other keys are not affected. Without keys every job shares one quota."""
+results expire; other keys are not affected. Without keys every job shares one quota. A
+batch's creation is charged the same way, until the batch expires."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ from common.protocol import FinishReason
 from common.store import record_key
 
 from .test_api_unit import Api, assert_error, auth
+from .test_batches_api import create, line, upload
 
 RESULT_TTL = 3600
 
@@ -79,3 +81,45 @@ def test_a_deleted_response_gives_its_room_back():
     assert int(api.r.get(Keys.owner_stored_bytes(owner))) == 0
     assert api.r.zcard(Keys.owner_stored(owner)) == 0
     assert post_job(api, "k1").status_code == 202
+
+
+def batch_file(api: Api, key: str, lines: int, chars: int) -> str:
+    text = "\n".join(line(f"r{i}", {"prompt": "x" * chars, "max_tokens": 1})
+                     for i in range(lines))
+    return upload(api, text, auth(key))
+
+
+def test_each_batch_creation_is_charged_to_its_key_until_the_batch_expires():
+    """A batch keeps its parsed lines until it expires, and one file may be batched again and
+    again: each creation counts toward the key's quota, the 429 comes before a batch exists,
+    and another key's batches are unaffected."""
+    quota = 100_000
+    api = Api(api_keys=("k1", "k2"), key_storage_bytes=quota, result_ttl_s=RESULT_TTL)
+    file_id = batch_file(api, "k1", lines=10, chars=1_000)
+    owner = None
+    used, made = [0], 0
+    while True:
+        resp = create(api, file_id, auth("k1"))
+        if resp.status_code != 200:
+            break
+        made += 1
+        owner = owner or next(iter(api.r.keys("llmq:owner:*:stored-bytes"))).split(":")[2]
+        used.append(int(api.r.get(Keys.owner_stored_bytes(owner))))
+        assert used[-1] - used[-2] > 10_000   # its ten 1,000-character lines, and more
+        assert used[-1] <= quota
+    assert made >= 2
+    err = assert_error(resp, 429, "rate_limit_error")
+    assert err["code"] == "storage_quota_exceeded"
+    assert int(resp.headers["Retry-After"]) > RESULT_TTL   # when the oldest batch expires
+    listed = api.client.get("/v1/batches?limit=100", headers=auth("k1")).get_json()["data"]
+    assert len(listed) == made   # the refused one does not exist
+    assert create(api, batch_file(api, "k2", lines=10, chars=1_000), auth("k2")).status_code == 200
+    expire_all(api, owner)   # its batches expired: their room is free again
+    assert create(api, file_id, auth("k1")).status_code == 200
+
+
+def test_a_batch_larger_than_the_whole_quota_is_a_400():
+    api = Api(api_keys=("k1",), key_storage_bytes=20_000)
+    resp = create(api, batch_file(api, "k1", lines=30, chars=1_000), auth("k1"))
+    err = assert_error(resp, 400, "invalid_request_error")
+    assert err["code"] == "storage_quota_exceeded" and err["param"] == "input_file_id"
