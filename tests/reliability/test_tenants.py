@@ -302,6 +302,15 @@ def test_a_key_past_its_refusals_is_answered_unread_and_its_connection_closed(gu
     assert head_out.startswith(b"HTTP/1.1 429"), answer[:300]
     assert b"Connection: close" in head_out and b"Retry-After: " in head_out
     assert json.loads(body)["error"]["code"] == "too_many_invalid_requests"
+    # As an OpenAI client sees it: a RateLimitError naming the code, not a dropped connection.
+    import openai
+
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEYS[0], max_retries=0)
+    with pytest.raises(openai.RateLimitError) as err:
+        sdk.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}],
+                                    logit_bias={str(i): 1 for i in range(400)})
+    assert err.value.code == "too_many_invalid_requests"
+    assert err.value.response.headers["Retry-After"]
     # The other key's bodies are still read and served.
     r = requests.post(f"http://127.0.0.1:{port}/v1/jobs", json={"prompt": "x", "max_tokens": 1},
                       headers={"Authorization": f"Bearer {KEYS[1]}"})
