@@ -467,13 +467,33 @@ class WorkloadManager:
         return n
 
     def _next_chunks(self, limit: int) -> dict[str, int]:
-        """This step's chunk of each running sequence still being prefilled (at most `limit`
-        tokens each); moves them on."""
+        """This step's chunk of each running sequence still being prefilled; moves them on.
+        Uncapped, each gets up to `limit` (the whole budget). Capped, the step carries the
+        cap once for each such prompt, as before, but pooled and given to the oldest first
+        (the rest get nothing this step): several long prompts in flight each taking a small
+        chunk every step each read their whole context every step, and all get their first
+        token late; one bigger chunk reads one context once. On the mixed load (16 streams,
+        prompts of 16-3,000 tokens) small chunks for all kept ~8 prompts in flight and ran
+        the model at 74 ms CPU per output token; see docs/architecture.md, "Long prompts
+        beside a decoding batch". One long prompt beside a batch (the lengths phase) gets
+        the cap, as before."""
         chunks = {}
         total = {s.seq_id: s.num_tokens for s in self.running}
         self._credit = {s: c for s, c in self._credit.items() if s in self._prompt_left}
+        capped = limit < self.max_num_batched_tokens
+        pool = float(limit * len(self._prompt_left))
         for sid, left in list(self._prompt_left.items()):
-            chunks[sid] = self._paced_chunk(sid, left, total.get(sid, left) - left, limit)
+            done = total.get(sid, left) - left
+            if not capped:
+                chunks[sid] = self._paced_chunk(sid, left, done, limit)
+            elif pool < 1:
+                chunks[sid] = 0                  # waits its turn, earning nothing
+            else:
+                share = min(pool, self.max_num_batched_tokens)
+                chunks[sid] = self._paced_chunk(sid, left, done, share)
+                # What it did not spend goes on to the next only once it is done: one still
+                # being computed keeps its credit (the pace of a deep prompt's chunks).
+                pool = pool - self._cost(chunks[sid], done) if chunks[sid] >= left else 0.0
             if left > chunks[sid]:
                 self._prompt_left[sid] = left - chunks[sid]
             else:

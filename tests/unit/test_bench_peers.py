@@ -14,7 +14,8 @@ from bench import loadgen
 from bench.loadgen import Inflight, stream_completion
 from bench.peers import (ServerPeer, best_of_rounds, completion_payload, gguf_type,
                          llama_server_peer, peers_phase, refresh_fractions, run_system,
-                         synthetic_prompts)
+                         synthetic_prompts, vllm_peer)
+from bench.peers_mixed import MIXED_RANGE
 from .factories import FakeStream
 
 
@@ -180,6 +181,13 @@ def test_llama_server_gets_the_llama_cpp_backends_thread_count(tmp_path, monkeyp
     assert threads() == ("1", "1")
     monkeypatch.delenv("LLMQ_TORCH_THREADS")
     assert threads() == (str(os.cpu_count()),) * 2
+
+
+def test_vllm_takes_the_mixed_loads_longest_prompt_and_its_output(tmp_path):
+    """At a 2,048-token context vLLM refused the mixed load's four longest prompts, and its
+    row then skipped their prefill: every peer serves the same load."""
+    argv = vllm_peer("model", tmp_path, 16, 64).argv(1)
+    assert int(argv[argv.index("--max-model-len") + 1]) >= MIXED_RANGE[1] + 64
 
 
 def test_the_systems_are_llmq_then_the_peers_then_llmqs_other_backends(tmp_path):

@@ -198,6 +198,34 @@ def test_a_long_prompt_gets_the_capped_chunk_per_step_while_the_batch_decodes():
     assert sizes == [4, 4, 2, None]                  # 14 = 4 + 4 + 4 + 2, then it decodes
 
 
+def test_long_prompts_in_flight_pool_their_caps_and_the_oldest_goes_first():
+    """Two long prompts beside a decoding batch: the step carries the cap once for each, as
+    before, but all of it goes to the older one (one context read a step, not two), which
+    gets its first token in half the steps; the younger takes the pool once it is done."""
+    cap = 4
+    wm = make_manager(max_num_batched_tokens=64, long_prefill_tokens=cap)
+    running = make_seq(2, max_tokens=100)
+    wm.add(running)
+    step(wm)
+    older, younger = make_seq(20), make_seq(20)
+    wm.add(older)
+    wm.add(younger)
+    out = wm.schedule()
+    assert out.first_chunks == {older.seq_id: cap, younger.seq_id: cap}
+    chunks, first_token = [], {}
+    while not younger.output_token_ids:
+        end_what_stops(wm, wm.update(out, model_tokens(wm, out)))
+        for seq in (older, younger):
+            if seq.output_token_ids:
+                first_token.setdefault(seq.seq_id, len(chunks))
+        out = wm.schedule()
+        chunks.append((out.chunks.get(older.seq_id), out.chunks.get(younger.seq_id)))
+        assert sum(out.chunks.values()) <= cap * len(out.chunks)   # the cap per prompt
+    assert chunks[:2] == [(2 * cap, 0), (2 * cap, 0)]   # 16 left: two steps of both caps
+    assert first_token[older.seq_id] == 2                # (each alone at the cap: 4 steps)
+    assert [y for _o, y in chunks[2:] if y] == [cap] * 4  # then the younger, at its own cap
+
+
 def test_a_prompt_with_prompt_logprobs_is_chunked_like_any_other():
     """Prompt logprobs exempt a prompt from nothing: its 2,000 tokens go in capped chunks
     beside the decoding batch (the model process scores each chunk's positions as it goes)."""
