@@ -12,7 +12,8 @@ from worker.model.transformers import cpu_kernels
 from worker.model.transformers.backend import TransformersBackend
 from worker.model.transformers.packed_linear import PackedLinear
 from worker.model.transformers.quantized_linear import (AUTO, QuantizedLinear, dequantize,
-                                                        quantize_linears, resolve_quantization)
+                                                        quantize_int8, quantize_linears,
+                                                        resolve_quantization)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +48,24 @@ def test_a_quantized_linear_stays_close_to_the_float_one(kernels, mode, tol):
     with torch.inference_mode():
         want = lin(x)
         got = QuantizedLinear(lin, lin.weight, mode, kernels)(x)
-    # relative to the output's size: int8 rounds each weight to 1/254 of its row's largest,
+    # relative to the output's size: int8 rounds each weight to 1/254 of its group's largest,
     # int4 to 1/30 of its group's range
     assert (got - want).abs().max() <= tol * want.abs().max()
+
+
+def test_one_large_weight_coarsens_only_its_own_group_of_32():
+    """int8's scale is per 32 inputs: a weight 100x the rest (as an outlier channel makes)
+    sets the rounding step of its own group only, and every other weight of its row keeps a
+    step of 1/254 of its own group's largest."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 128) * 0.02
+    w[:, 5] = 2.0                                    # in the first group of every row
+    q, scales = quantize_int8(w)
+    err = (dequantize("int8", q, scales) - w).abs()
+    rest = w[:, 32:].abs().reshape(4, -1, 32).amax(-1)
+    assert scales.shape == (4, 4) and scales.dtype == torch.float16
+    assert (err[:, 32:].reshape(4, -1, 32).amax(-1) <= rest / 254 * 1.01).all()
+    assert err[:, :32].max() > rest.max() / 254     # (the outlier's own group is coarse)
 
 
 def test_steps_above_the_row_limit_take_the_float_layer(kernels):

@@ -2,11 +2,12 @@
 // worker/model/transformers/cpu_kernels.py, used by worker/model/transformers/quantized_linear.py).
 //
 // At one row a linear layer is a matrix-vector product: every weight is read once and used
-// once, so its time is the weight's bytes over the memory bandwidth. int8 weights (one scale
-// per output row) read a quarter of float32's bytes, int4 (a scale and a minimum per group of
-// 32 along the input) an eighth plus the groups' 8 bytes. The activations stay float32 (a
-// bfloat16 input is widened first); each weight is widened to float32 and multiplied in with
-// an FMA, so the only error is the weight's rounding.
+// once, so its time is the weight's bytes over the memory bandwidth. int8 weights (a float16
+// scale per group of 32 along the input, llama.cpp's Q8_0) read 17/64 of float32's bytes, int4
+// (a float32 scale and minimum per group of 32) an eighth plus the groups' 8 bytes. A scale per
+// group, not per output row, keeps one large weight from coarsening its whole row's rounding.
+// The activations stay float32 (a bfloat16 input is widened first); each weight is widened to
+// float32 and multiplied in with an FMA, so the only error is the weight's rounding.
 //
 // torch's own CPU kernels for these (aten::_weight_int8pack_mm, _weight_int4pack_mm_for_cpu)
 // are vectorised for bfloat16 inputs only, and on the AVX2 build machine took about as long as
@@ -29,7 +30,7 @@ namespace {
 using llmq::hsum;
 
 constexpr int64_t TILE = 4;      // output rows per tile
-constexpr int64_t GROUP = 32;    // int4: inputs per (scale, minimum) group
+constexpr int64_t GROUP = 32;    // inputs per group: int8's scale, int4's (scale, minimum)
 
 // Output rows per task: ~64K weights each, so that a small layer does not pay the threads'
 // fork and join for a few microseconds of work.
@@ -46,18 +47,34 @@ inline __m256 widen_i8(const int8_t* p) {
 
 inline __m256 widen_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 
-// out[n0 .. n0+cnt) of one input row: int8 weight rows times x, scaled.
-void int8_tile(const int8_t* w, const float* scales, const float* x, int64_t k, int64_t n0,
+// out[n0 .. n0+cnt) of one input row: per group of 32, the sum of q * x, scaled by the
+// group's float16 scale.
+void int8_tile(const int8_t* w, const uint16_t* scales, const float* x, int64_t k, int64_t n0,
                int64_t cnt, float* out) {
+  const int64_t groups = k / GROUP;
   __m256 acc[TILE];
   for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
   const int8_t* rows[TILE];
-  for (int t = 0; t < TILE; ++t) rows[t] = w + (n0 + std::min<int64_t>(t, cnt - 1)) * k;
-  for (int64_t j = 0; j < k; j += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + j);
-    for (int t = 0; t < TILE; ++t) acc[t] = _mm256_fmadd_ps(widen_i8(rows[t] + j), xv, acc[t]);
+  const uint16_t* sc[TILE];
+  for (int t = 0; t < TILE; ++t) {
+    const int64_t n = n0 + std::min<int64_t>(t, cnt - 1);
+    rows[t] = w + n * k;
+    sc[t] = scales + n * groups;
   }
-  for (int64_t t = 0; t < cnt; ++t) out[t] = hsum(acc[t]) * scales[n0 + t];
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * GROUP;
+    const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+    const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+    for (int t = 0; t < TILE; ++t) {
+      const int8_t* p = rows[t] + g * GROUP;
+      __m256 s = _mm256_mul_ps(widen_i8(p), x0);
+      s = _mm256_fmadd_ps(widen_i8(p + 8), x1, s);
+      s = _mm256_fmadd_ps(widen_i8(p + 16), x2, s);
+      s = _mm256_fmadd_ps(widen_i8(p + 24), x3, s);
+      acc[t] = _mm256_fmadd_ps(s, _mm256_set1_ps(_cvtsh_ss(sc[t][g])), acc[t]);
+    }
+  }
+  for (int64_t t = 0; t < cnt; ++t) out[t] = hsum(acc[t]);
 }
 
 // The same for int4: per group, the sum of q * x is scaled, and the minimum times the group's
@@ -115,18 +132,19 @@ void check(const torch::Tensor& x, const torch::Tensor& w, int64_t k) {
 
 }  // namespace
 
-// x [rows, k] float32 or bfloat16; weight int8 [n, k] (k a multiple of 8); scales float32 [n].
-// Returns [rows, n] in x's dtype: x @ (weight * scales[:, None]).T + bias.
+// x [rows, k] float32 or bfloat16; weight int8 [n, k] (k a multiple of 32); scales float16
+// [n, k / 32]. Returns [rows, n] in x's dtype: x @ (weight * its group's scale).T + bias.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
                           std::optional<torch::Tensor> bias) {
   const int64_t n = weight.size(0), k = weight.size(1);
   check(x, weight, k);
-  TORCH_CHECK(weight.scalar_type() == at::kChar && k % 8 == 0, "int8 weight, k % 8 == 0");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n);
+  TORCH_CHECK(weight.scalar_type() == at::kChar && k % GROUP == 0, "int8 weight, k % 32 == 0");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+              scales.numel() == n * (k / GROUP), "float16 scales [n, k / 32]");
   const auto xf = as_float(x);
   const float* xp = xf.data_ptr<float>();
   const int8_t* wp = weight.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   return run(x, n, k, bias, [&](int64_t r, int64_t n0, int64_t cnt, float* out) {
     int8_tile(wp, sp, xp + r * k, k, n0, cnt, out);
   });
