@@ -46,8 +46,8 @@ LLAMA_SERVER_CONTEXT_PER_SLOT = 512
 LLAMA_SERVER_MIN_CONTEXT = 8192   # the mixed load's longest prompt and its output, with room
 VLLM_KVCACHE_GIB = 1   # 64 x ~100 tokens need ~0.3 GiB in fp32; the machine is shared
 # vLLM's context: the mixed load's longest prompt (3,000 tokens) and its output fit, so that it
-# serves every prompt the others serve (at 2,048 it refused the four longest with a 400, and
-# its row skipped their prefill, the costliest work of the load).
+# serves every prompt the others serve; a refused prompt's prefill, the costliest work of the
+# load, would be missing from its row.
 VLLM_MAX_MODEL_LEN = 4096
 FORCE_LENGTH = {"ignore_eos": True}   # every server takes it; min_tokens is added where taken
 WORDS = ("river stone light garden window music paper winter market silver story forest "

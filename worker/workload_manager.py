@@ -469,14 +469,11 @@ class WorkloadManager:
     def _next_chunks(self, limit: int) -> dict[str, int]:
         """This step's chunk of each running sequence still being prefilled; moves them on.
         Uncapped, each gets up to `limit` (the whole budget). Capped, the step carries the
-        cap once for each such prompt, as before, but pooled and given to the oldest first
-        (the rest get nothing this step): several long prompts in flight each taking a small
-        chunk every step each read their whole context every step, and all get their first
-        token late; one bigger chunk reads one context once. On the mixed load (16 streams,
-        prompts of 16-3,000 tokens) small chunks for all kept ~8 prompts in flight and ran
-        the model at 74 ms CPU per output token; see docs/architecture.md, "Long prompts
-        beside a decoding batch". One long prompt beside a batch (the lengths phase) gets
-        the cap, as before."""
+        cap once for each such prompt, pooled and given to the oldest first (the rest get
+        nothing this step): small chunks for all would each read their whole context every
+        step, and all would get their first token late; one bigger chunk reads one context
+        once (docs/architecture.md, "Long prompts beside a decoding batch"). One long
+        prompt beside a batch gets the cap."""
         chunks = {}
         total = {s.seq_id: s.num_tokens for s in self.running}
         self._credit = {s: c for s, c in self._credit.items() if s in self._prompt_left}

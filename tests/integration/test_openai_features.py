@@ -203,8 +203,8 @@ def test_n_gives_n_choices_with_summed_usage(client, model, stack):
     kw = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3,
               extra_body={"ignore_eos": True})
     # On llama_cpp a seed repeats only in the same company and the same KV cells (docs/api.md,
-    # `seed`): a later request's texts may part at a near tie (CI saw a streamed choice's last
-    # token differ), so there the texts are compared within one response only.
+    # `seed`): a later request's texts may part at a near tie, so there the texts are
+    # compared within one response only.
     same = stack["backend"] != "llama_cpp"
     resp = client.completions.create(n=2, **kw)
     assert [c.index for c in resp.choices] == [0, 1]

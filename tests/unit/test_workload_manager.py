@@ -199,8 +199,8 @@ def test_a_long_prompt_gets_the_capped_chunk_per_step_while_the_batch_decodes():
 
 
 def test_long_prompts_in_flight_pool_their_caps_and_the_oldest_goes_first():
-    """Two long prompts beside a decoding batch: the step carries the cap once for each, as
-    before, but all of it goes to the older one (one context read a step, not two), which
+    """Two long prompts beside a decoding batch: the step carries the cap once for each, and
+    all of it goes to the older one (one context read a step, not two), which
     gets its first token in half the steps; the younger takes the pool once it is done."""
     cap = 4
     wm = make_manager(max_num_batched_tokens=64, long_prefill_tokens=cap)

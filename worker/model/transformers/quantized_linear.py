@@ -6,14 +6,13 @@ a fifth of it). int8 weights with a float16 scale per 32 inputs (llama.cpp's Q8_
 17/64 of that, int4 with a scale and a minimum per 32 inputs about an eighth
 (worker/model/transformers/quant_linear.cpp, the kernels). At more rows the float matmul
 reuses each weight it loads across the rows while the quantized kernel re-reads it per row:
-on the 2-core AVX2 build machine (one thread) the int8 kernel (then with a scale per row)
-took 0.3-0.5x the packed float32 matmul's time at one row (the lm_head 0.53x), at two rows
+on the 2-core AVX2 build machine (one thread) the int8 kernel took 0.3-0.5x the packed float32 matmul's time at one row (the lm_head 0.53x), at two rows
 0.6x on the layers and 1.1x on the lm_head, at four rows 1.0x and 1.8x. So a step of
 at most `max_rows` rows takes the quantized weights and a larger one the float layer, which is
 kept beside them (the memory of both: float32 + int8 is ~1.27x the model's weights).
 
-`LLMQ_QUANTIZATION` (common/settings.py) picks int8, int4 or none; `auto` is AUTO below, the
-mode the bench's quality guard has passed (bench/quality.py: greedy tokens against float32).
+`LLMQ_QUANTIZATION` (common/settings.py) picks int8, int4 or none; `auto` is AUTO below (why
+it is what it is: its comment; the quality guard: bench/quality.py).
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ TOLERANCE = 1e-4
 MODES = ("int8", "int4")
 # What `auto` means. int8 with a scale per 32 inputs kept 98.0 % of float32's greedy positions
 # on the default model (teacher-forced, every step quantized; 9 of 16 answers unchanged, more
-# than bfloat16's 6; with a scale per row it was 95.5 % and 4), over a float16 KV cache too.
+# than bfloat16's 6), over a float16 KV cache too.
 # It stays off by default for another reason: a step of at most MAX_ROWS rows takes these
 # weights and a larger one the float layer, so a sequence's tokens would depend on how many
 # others share its step, and the transformers backend promises seeded and greedy tokens that
@@ -47,8 +46,8 @@ def resolve_quantization(name: str) -> str:
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 with a float16 scale per group of GROUP inputs: (q [n, k] int8, scales
-    [n, k / GROUP] float16). A scale per output row (as before) let one large weight coarsen
-    its whole row: on the default model 95.5 % of greedy positions kept, against a 95 % bar."""
+    [n, k / GROUP] float16), llama.cpp's Q8_0: one large weight coarsens only its own group's
+    rounding, not its whole row's."""
     w = weight.detach().float()
     n, k = w.shape
     g = w.reshape(n, k // GROUP, GROUP)
