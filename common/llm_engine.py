@@ -86,7 +86,10 @@ class LLMEngine:
         served = self.settings.resolve_model(model)
         if served is None:
             raise ValueError(f"no model named {model!r}")
-        deadline = time.time() + timeout_s if timeout_s else None
+        # The deadline counts from the record's own created_at, so a job never reports ending
+        # on its timeout before the timeout has passed since it was created.
+        created_at = time.time()
+        deadline = created_at + timeout_s if timeout_s else None
         seq_ids = seq_ids or [new_seq_id() for _ in inputs]
         reqs = [SequenceRequest(seq_id=seq_id, owner=owner, deadline=deadline,
                                 **{"params": params, **inp})
@@ -96,7 +99,8 @@ class LLMEngine:
             req.priority = self._fair_priority(priority, unfinished + i)
         try:
             charged_to = self._charge_rate_limits(reqs, owner)
-            jobs = self.store.create(reqs, model=served.name, charged_to=charged_to)
+            jobs = self.store.create(reqs, model=served.name, charged_to=charged_to,
+                                     created_at=created_at)
         except BaseException:
             self.store.unadmit(seq_ids, owner)
             raise

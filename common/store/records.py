@@ -64,10 +64,11 @@ class RecordStore(StorePart):
     SCRIPTS = {"_finish": "finish"}
 
     def create(self, requests: Iterable[SequenceRequest], model: str = "",
-               charged_to: str = "") -> list[Job]:
+               charged_to: str = "", created_at: float | None = None) -> list[Job]:
         """Stores new queued records (one round trip for a whole batch) and returns their jobs.
-        `charged_to`: the rate window their tokens were reserved in (settled at the end)."""
-        created = str(now())
+        `charged_to`: the rate window their tokens were reserved in (settled at the end);
+        `created_at`: the time their deadlines count from (default: now)."""
+        created = str(now() if created_at is None else created_at)
         jobs, pipe = [], self.r.pipeline(transaction=True)
         for req in requests:
             if req.owner:

@@ -98,6 +98,16 @@ def test_post_prompt_creates_a_queued_job_and_sends_one_task(api):
         **job, "queue_position": 0, "estimated_start_s": None}
 
 
+def test_a_jobs_deadline_counts_from_its_created_at(api):
+    """A job that ends on its timeout never reports having taken less than the timeout:
+    the deadline and created_at are one clock reading, not two taken admission apart."""
+    client, r, celery, store = api
+    job = client.post("/v1/jobs", json={"prompt": "x", "timeout": 0.5}).get_json()
+    rec = r.hgetall(record_key(job["id"]))
+    assert float(rec["deadline"]) - float(rec["created_at"]) == pytest.approx(0.5, abs=1e-9)
+    assert job["created_at"] == float(rec["created_at"])
+
+
 def test_default_max_tokens_and_top_k_normalisation(api):
     client, r, celery, store = api
     job = client.post("/v1/jobs", json={"prompt": "x", "top_k": -1}).get_json()
