@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from factories import (SoloRun, compare_to_solo, load_model, make_prompts, on_device, plain_logits,
-                       recording, run_batch, run_continuous, solo_references)
+                       recording, run_batch, run_continuous, sharpened, solo_references)
 from worker.model_manager import ModelManager
 from worker.model.transformers.backend import TransformersBackend
 
@@ -162,3 +162,26 @@ def test_default_model_batch_matches_solo(default_model_dir):
     d = run_continuous(worker, prompts, targets, max_joins=3)
     assert any(h["decode"] and h["prefill"] for h in d.history)
     check_all(d.outputs, rec.steps, solo, tol)
+
+
+def test_int8_weights_keep_a_batch_matching_solo(case):
+    """Under int8 weights a solo sequence's steps (one row) take the quantized kernel and a
+    batch's the float layer: both compute with the same weights, so the batch still matches
+    the solo runs of the quantized model to float noise."""
+    from worker.model.transformers import cpu_kernels
+    from worker.model.transformers.quantized_linear import quantize_linears
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    model, info, prompts, _solo = case
+    if str(model.device) != "cpu":
+        pytest.skip("weight-only quantization is a CPU path")
+    quantized = sharpened(model, scale=1.0)   # (a copy)
+    TransformersBackend(quantized, info, 1)   # fuses q/k/v and gate/up, as load does
+    assert quantize_linears(quantized, "int8", kernels) > 0
+    some = {sid: prompts[sid] for sid in list(prompts)[::4]}
+    solo = solo_references(quantized, info, some, N_TOKENS)
+    worker = TransformersBackend(quantized, info, len(some))
+    rec = recording(worker)
+    check_all(run_batch(worker, some, N_TOKENS), rec.steps, solo)

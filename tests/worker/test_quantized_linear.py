@@ -68,17 +68,37 @@ def test_one_large_weight_coarsens_only_its_own_group_of_32():
     assert err[:, :32].max() > rest.max() / 254     # (the outlier's own group is coarse)
 
 
-def test_steps_above_the_row_limit_take_the_float_layer(kernels):
+def test_steps_above_the_row_limit_take_a_float_layer_over_the_same_weights(kernels):
+    """A larger step computes with the weights the kernel reads, dequantized, not the original
+    float ones: a row gets the same numbers at a step of 2 rows and at one of 3 (to float
+    summation order), so its tokens do not depend on how many rows share its step."""
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
     q = QuantizedLinear(lin, lin.weight, "int8", kernels, max_rows=2)
     calls = []
     q.float_linear.register_forward_hook(lambda *_: calls.append(1))
+    x = torch.randn(3, 64)
     with torch.inference_mode():
-        q(torch.randn(2, 64))
+        small = q(x[:2])
         assert not calls
-        x = torch.randn(3, 64)
-        assert torch.equal(q(x), lin(x)) and calls
+        large = q(x)
+        assert calls
+        want = x @ dequantize("int8", q.q, q.scales).t() + lin.bias
+        torch.testing.assert_close(large, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(large[:2], small, rtol=1e-5, atol=1e-5)
+        assert (large - lin(x)).abs().max() > 1e-4   # (the original weights give other numbers)
+
+
+def test_a_tied_lm_heads_embedding_keeps_its_float_weights(kernels):
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.embed, model.head = nn.Embedding(32, 64), nn.Linear(64, 32, bias=False)
+    model.head.weight = model.embed.weight           # tied, as SmolLM2's
+    before = model.embed.weight.detach().clone()
+    assert quantize_linears(model, "int8", kernels) == 1
+    assert isinstance(model.head, QuantizedLinear)
+    assert torch.equal(model.embed.weight, before)
+    assert not torch.equal(model.head.float_linear.weight, before)
 
 
 def worker_with(model_dir: str, quantization: str) -> TransformersBackend:
@@ -148,6 +168,9 @@ def test_greedy_tokens_at_one_row_against_the_float_model(kernels, tiny_model, m
     assert same / total >= agree
 
 
-def test_auto_is_the_mode_the_guard_passed():
-    assert resolve_quantization("auto") == AUTO
-    assert [resolve_quantization(m) for m in ("none", "int8", "int4")] == ["none", "int8", "int4"]
+def test_auto_is_int8_under_float32_only():
+    """The guard measured int8 under float32 (bench/quality.py); under bfloat16 auto is off."""
+    assert resolve_quantization("auto", torch.float32) == AUTO == "int8"
+    assert resolve_quantization("auto", torch.bfloat16) == "none"
+    assert [resolve_quantization(m, torch.bfloat16) for m in ("none", "int8", "int4")] == [
+        "none", "int8", "int4"]

@@ -115,7 +115,7 @@ class TransformersBackend(ModelBackend):
         # After the worker is built: its LlamaForward fuses q/k/v and gate/up first, and the
         # fused linears are quantized and packed as one. Quantized first: packing then packs
         # the float layers the quantized ones keep for large steps.
-        mode = resolve_quantization(settings.quantization)
+        mode = resolve_quantization(settings.quantization, model.dtype)
         if mode != "none" and info.device == "cpu":
             done = quantize_linears(model, mode, cpu_kernels.load())
             log.info("%s weights for %d linear layers at steps of up to %d rows", mode, done,

@@ -6,10 +6,13 @@ a fifth of it). int8 weights with a float16 scale per 32 inputs (llama.cpp's Q8_
 17/64 of that, int4 with a scale and a minimum per 32 inputs about an eighth
 (worker/model/transformers/quant_linear.cpp, the kernels). At more rows the float matmul
 reuses each weight it loads across the rows while the quantized kernel re-reads it per row:
-on the 2-core AVX2 build machine (one thread) the int8 kernel took 0.3-0.5x the packed float32 matmul's time at one row (the lm_head 0.53x), at two rows
-0.6x on the layers and 1.1x on the lm_head, at four rows 1.0x and 1.8x. So a step of
-at most `max_rows` rows takes the quantized weights and a larger one the float layer, which is
-kept beside them (the memory of both: float32 + int8 is ~1.27x the model's weights).
+on the 2-core AVX2 build machine (one thread) the int8 kernel took 0.3-0.5x the packed float32
+matmul's time at one row (the lm_head 0.53x), at two rows 0.6x on the layers and 1.1x on the
+lm_head, at four rows 1.0x and 1.8x. So a step of at most `max_rows` rows takes the quantized
+weights and a larger one a float layer over the same weights dequantized (it replaces the
+original float layer; a tied lm_head's embedding keeps its own, +21 % of the default model's
+float32 weights). Both compute with one set of weights, so a sequence's tokens do not depend on
+how many others share its step beyond float summation order, as with the float model alone.
 
 `LLMQ_QUANTIZATION` (common/settings.py) picks int8, int4 or none; `auto` is AUTO below (why
 it is what it is: its comment; the quality guard: bench/quality.py).
@@ -29,19 +32,18 @@ GROUP = 32            # inputs per group (int8: a scale; int4: a scale and a min
 # sums run in another order), relative to the output's largest magnitude.
 TOLERANCE = 1e-4
 MODES = ("int8", "int4")
-# What `auto` means. int8 with a scale per 32 inputs kept 98.0 % of float32's greedy positions
-# on the default model (teacher-forced, every step quantized; 9 of 16 answers unchanged, more
-# than bfloat16's 6), over a float16 KV cache too.
-# It stays off by default for another reason: a step of at most MAX_ROWS rows takes these
-# weights and a larger one the float layer, so a sequence's tokens would depend on how many
-# others share its step, and the transformers backend promises seeded and greedy tokens that
-# do not (tests/worker/test_batch_invariance.py). `int8` trades that for ~1.9x at one user.
-AUTO = "none"
+# What `auto` means: int8 under a float32 model. int8 with a scale per 32 inputs kept 98.0 % of
+# float32's greedy positions on the default model (teacher-forced, every step quantized; 9 of
+# 16 answers unchanged, more than bfloat16's 6), over a float16 KV cache too, and decodes ~1.9x
+# as fast at one user. Under bfloat16 the guard has not measured int8, so auto leaves it off.
+AUTO = "int8"
 
 
-def resolve_quantization(name: str) -> str:
-    """LLMQ_QUANTIZATION as none, int8 or int4."""
-    return AUTO if name == "auto" else name
+def resolve_quantization(name: str, dtype: torch.dtype = torch.float32) -> str:
+    """LLMQ_QUANTIZATION as none, int8 or int4, for a model of `dtype`."""
+    if name != "auto":
+        return name
+    return AUTO if dtype == torch.float32 else "none"
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,16 +85,17 @@ def dequantize(mode: str, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 class QuantizedLinear(nn.Module):
     """A linear layer over int8 or int4 weights at steps of at most `max_rows` rows, and over
-    the float layer it was made from at larger ones."""
+    the same weights dequantized into a float layer at larger ones."""
 
     def __init__(self, linear: nn.Module, weight: torch.Tensor, mode: str, kernels,
                  max_rows: int = MAX_ROWS):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.float_linear = linear
         self.mode, self.max_rows = mode, max_rows
         self.q, self.scales = (quantize_int8 if mode == "int8" else quantize_int4)(weight)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.float_linear = _float_layer(dequantize(mode, self.q, self.scales).to(weight.dtype),
+                                         linear.bias)
         self._kernel = kernels.int8_linear if mode == "int8" else kernels.int4_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,6 +147,16 @@ def set_max_rows(model: nn.Module, rows: int) -> None:
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
             m.max_rows = rows
+
+
+def _float_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear over `weight` [out, in] and `bias`, without initialising weights first."""
+    layer = torch.nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0],
+                                     bias=bias is not None, dtype=weight.dtype)
+    layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+    return layer
 
 
 def _float_weight(module: nn.Module) -> torch.Tensor | None:
