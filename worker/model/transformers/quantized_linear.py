@@ -1,14 +1,14 @@
 """QuantizedLinear: a CPU linear layer that reads int8 or int4 weights at a small decode step.
 
-At a step of one or two rows a linear layer reads every weight once per row it computes, so
-the step's time is the weights' bytes (SmolLM2-135M: ~540 MB in float32 per token, the lm_head
-a fifth of it). int8 weights with a float16 scale per 32 inputs (llama.cpp's Q8_0) read
-17/64 of that, int4 with a scale and a minimum per 32 inputs about an eighth
-(worker/model/transformers/quant_linear.cpp, the kernels). At more rows the float matmul
-reuses each weight it loads across the rows while the quantized kernel re-reads it per row:
-on the 2-core AVX2 build machine (one thread) the int8 kernel took 0.3-0.5x the packed float32
-matmul's time at one row (the lm_head 0.53x), at two rows 0.6x on the layers and 1.1x on the
-lm_head, at four rows 1.0x and 1.8x. So a step of at most `max_rows` rows takes the quantized
+At a step of a few rows a linear layer reads every weight once per row it computes, so the
+step's time is the weights' bytes (SmolLM2-135M: ~540 MB in float32 per token, the lm_head a
+fifth of it). int8 weights with a float16 scale per 32 inputs (llama.cpp's Q8_0) read 17/64 of
+that, int4 with a scale and a minimum per 32 inputs about an eighth
+(worker/model/transformers/quant_linear.cpp, the kernels). At more rows the float matmul reuses
+each weight it loads across the rows while the quantized kernel widens it again per row: on the
+2-core AVX2 build machine (2 threads, a whole model's layers read from memory) the int8 kernel
+took 0.32x the packed float32 matmul's time at one row, 0.42x at two, 0.56x at four, 0.7-0.9x
+at six to eight and 1.0x at sixteen. So a step of at most `max_rows` rows takes the quantized
 weights and a larger one a float layer over the same weights dequantized (it replaces the
 original float layer; a tied lm_head's embedding keeps its own, +21 % of the default model's
 float32 weights). Both compute with one set of weights, so a sequence's tokens do not depend on
@@ -26,7 +26,7 @@ from torch import nn
 
 log = logging.getLogger("llmq.quantized_linear")
 
-MAX_ROWS = 2          # the largest step (rows) that takes the quantized weights; see above
+MAX_ROWS = 4          # the largest step (rows) that takes the quantized weights; see above
 GROUP = 32            # inputs per group (int8: a scale; int4: a scale and a minimum)
 # How far the kernel's result may be from the float matmul over the dequantized weights (its
 # sums run in another order), relative to the output's largest magnitude.
