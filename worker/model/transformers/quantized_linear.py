@@ -1,18 +1,18 @@
 """QuantizedLinear: a CPU linear layer that reads int8 or int4 weights at a small decode step.
 
-At a step of a few rows a linear layer reads every weight once per row it computes, so the
-step's time is the weights' bytes (SmolLM2-135M: ~540 MB in float32 per token, the lm_head a
-fifth of it). int8 weights with a float16 scale per 32 inputs (llama.cpp's Q8_0) read 17/64 of
-that, int4 with a scale and a minimum per 32 inputs about an eighth
-(worker/model/transformers/quant_linear.cpp, the kernels). At more rows the float matmul reuses
-each weight it loads across the rows while the quantized kernel widens it again per row: on the
-2-core AVX2 build machine (2 threads, a whole model's layers read from memory) the int8 kernel
-took 0.32x the packed float32 matmul's time at one row, 0.42x at two, 0.56x at four, 0.7-0.9x
-at six to eight and 1.0x at sixteen. So a step of at most `max_rows` rows takes the quantized
-weights and a larger one a float layer over the same weights dequantized (it replaces the
-original float layer; a tied lm_head's embedding keeps its own, +21 % of the default model's
-float32 weights). Both compute with one set of weights, so a sequence's tokens do not depend on
-how many others share its step beyond float summation order, as with the float model alone.
+At a step of a few rows a linear layer's time is mostly reading every weight once, the weights'
+bytes (SmolLM2-135M: ~540 MB in float32 per token, the lm_head a fifth of it). int8 weights
+with a float16 scale per 32 inputs (llama.cpp's Q8_0) read 17/64 of that, int4 with a scale and
+a minimum per 32 inputs about an eighth (worker/model/transformers/quant_linear.cpp, the
+kernels). At more rows the float matmul reuses each weight it loads across the rows while the
+quantized kernel widens it again per row: on the 2-core AVX2 build machine (2 threads, a whole
+model's layers read from memory) the int8 kernel took 0.32x the packed float32 matmul's time at
+one row, 0.42x at two, 0.56x at four, 0.7-0.9x at six to eight and 1.0x at sixteen. So a step
+of at most `max_rows` rows takes the quantized weights and a larger one a float layer over the
+same weights dequantized (it replaces the original float layer; a tied lm_head's embedding
+keeps its own, +21 % of the default model's float32 weights). Both compute with one set of
+weights, so a sequence's tokens do not depend on how many others share its step beyond float
+summation order, as with the float model alone.
 
 `LLMQ_QUANTIZATION` (common/settings.py) picks int8, int4 or none; `auto` is AUTO below (why
 it is what it is: its comment; the quality guard: bench/quality.py).
@@ -129,7 +129,11 @@ def quantize_linears(model: nn.Module, mode: str, kernels, max_rows: int = MAX_R
             new = QuantizedLinear(child, weight, mode, kernels, max_rows)
             x = torch.randn(2, new.in_features, generator=gen)
             with torch.inference_mode():
-                ref = x @ dequantize(mode, new.q, new.scales).t()
+                # (under float32 the float layer's weight is the dequantized one: not again)
+                exact = new.float_linear.weight
+                if exact.dtype != torch.float32:
+                    exact = dequantize(mode, new.q, new.scales)
+                ref = x @ exact.t()
                 if new.bias is not None:
                     ref += new.bias
                 err = (new._kernel(x, new.q, new.scales, new.bias) - ref).abs().max()
