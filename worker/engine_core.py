@@ -425,6 +425,11 @@ class EngineCore:
                 self._publish()
                 if in_flight is None:
                     return res
+                if cut:
+                    # The newcomers it prefilled decode from the next step: the multi-step
+                    # request's later passes would hold their second tokens back.
+                    self._cut = True
+                    self.executor.cut_short()
                 continue
             return res
 

@@ -789,9 +789,12 @@ def test_the_pace_of_a_pass_is_read_only_off_bursts_that_decoded_the_whole_batch
     run(engine, [a, b])
 
 
-def a_burst_of_passes(store, **settings):
-    """Sequence a decoding alone in a multi-step request held at the gate (its pace known from
-    one pass), b submitted: (engine, executor, backend, a, the stepping thread)."""
+def a_burst_of_passes(store, interjects: bool = False, priority: int | None = None,
+                      **settings):
+    """Sequence a (of `priority`) decoding alone in a multi-step request held at the gate (its
+    pace known from one pass), b submitted: (engine, executor, backend, a, the stepping
+    thread). `interjects`: the executor prefills a better priority inside the step, as the
+    transformers backend does; else not, as llama_cpp."""
     from common.settings import Settings
     from worker.engine_core import EngineCore
 
@@ -799,13 +802,13 @@ def a_burst_of_passes(store, **settings):
 
     backend = ScriptedBackend({}, multi_step=True, pass_s=0.001)
     executor = GatedExecutor(backend)
-    executor.interjects = False   # as llama_cpp: no prefill inside a step
+    executor.interjects = interjects
     engine = EngineCore("w1", Settings(multi_step_window_s=0.05, **settings), store, executor,
                         WordTokenizer())
     engine.fit_to_model()
     submit(store, "a", max_tokens=60)
     submit(store, "b", max_tokens=3)
-    a = engine.admit("a")
+    a = engine.admit("a", priority=priority)
     executor.gate.set()
     engine.step()   # prefill
     engine.step()   # one pass: the pace of one row
@@ -831,6 +834,25 @@ def test_a_newcomer_cuts_a_multi_step_request_short_and_is_prefilled_next(store)
     assert a.num_output_tokens == made + 1        # the burst ended after its first
     engine.step()
     assert [s.seq_id for s in backend.requests[-1].prefill] == ["b"]
+    backend.hooks = StepHooks()
+    run(engine, [a, b])
+    assert store.get_job("b")["status"] == "succeeded" and a.num_output_tokens == 60
+
+
+def test_an_interjected_newcomer_cuts_a_multi_step_request_short(store):
+    """A better priority is prefilled inside the multi-step request in flight (interjected);
+    the request's later passes would hold the newcomer's second token back for the window,
+    so the engine cuts them short and the newcomer decodes from the next step."""
+    engine, executor, backend, a, stepping = a_burst_of_passes(store, interjects=True, priority=9)
+    made = a.num_output_tokens
+    b = engine.admit("b", priority=0)   # rings the bell mid-step: interjected
+    assert wait_until(lambda: b.num_output_tokens == 1, 10, "b's first token")
+    assert wait_until(lambda: executor.cuts == 1, 10, "the cut")
+    executor.gate.set()
+    stepping.join(10)
+    assert backend.requests[-1].num_steps == 16 and a.num_output_tokens == made + 1
+    engine.step()
+    assert "b" in backend.requests[-1].decode_seq_ids
     backend.hooks = StepHooks()
     run(engine, [a, b])
     assert store.get_job("b")["status"] == "succeeded" and a.num_output_tokens == 60

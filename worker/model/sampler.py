@@ -77,6 +77,15 @@ class SamplingState:
         self.token_ids.append(token_id)
         self.num_output_tokens += 1
 
+    @property
+    def ended(self) -> bool:
+        """The last token ends the sequence (the engine's rule, output_processor.end_on_token:
+        a stop token once min_tokens are out, or max_tokens reached). A backend running
+        several passes per step stops a sequence's passes there."""
+        n, p = self.num_output_tokens, self.params
+        return n >= p.max_tokens or (n > 0 and n >= p.min_tokens
+                                     and self.last_token_id in self.stop_token_ids)
+
 
 class Sampler:
     """Masks structured rows, takes log-probabilities, applies penalties, biases, min_tokens,

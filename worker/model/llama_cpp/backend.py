@@ -217,7 +217,7 @@ class LlamaCppBackend(ModelBackend):
         if not live or any(sid not in self.chains for sid in live):
             return
         for _ in range(req.num_steps - 1):
-            live = [sid for sid in live if not self._ended(sid)]
+            live = [sid for sid in live if not self.states[sid].ended]
             if not live or not self.hooks.another_pass():
                 return
             rows = sorted(((sid, self.states[sid].last_token_id, self.positions[sid], SAMPLE)
@@ -235,14 +235,6 @@ class LlamaCppBackend(ModelBackend):
                 self.states[sid].record(tok)
                 res.more_token_ids.setdefault(sid, []).append(tok)
 
-    def _ended(self, sid: str) -> bool:
-        """The sequence's last token ends it (the engine's rule, output_processor.end_on_token:
-        a stop token once min_tokens are out, or max_tokens reached)."""
-        st = self.states[sid]
-        n, p = st.num_output_tokens, st.params
-        return n >= p.max_tokens or (n > 0 and n >= p.min_tokens
-                                     and st.last_token_id in st.stop_token_ids)
-
     # --- running ahead ------------------------------------------------------------------------
     def run_ahead(self) -> None:
         """Decodes the next token of the only running sequence before the engine asks for it
@@ -258,7 +250,7 @@ class LlamaCppBackend(ModelBackend):
             return
         (sid,) = self.slots
         chain, st = self.chains.get(sid), self.states[sid]
-        if chain is None or self._ended(sid):
+        if chain is None or st.ended:
             return
         t0 = time.perf_counter()
         pos = self.positions[sid]
