@@ -17,7 +17,8 @@ class HarnessHooks:
     """What the test harness asks of a worker; the defaults do nothing."""
 
     # The engine waits this long in every step, alongside the model's compute (a floor on the
-    # step time), so the suite can run with a slow engine on a fast machine.
+    # step time), so the suite can run with a slow engine on a fast machine; and runs one
+    # decode pass a step (no multi-step), so that N tokens take at least N such steps.
     step_delay_s: float = 0.0
     # The engine parks its thread at this moment (received | handback) for a test to kill it.
     stall_at: str = ""

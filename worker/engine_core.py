@@ -168,7 +168,8 @@ class EngineCore:
         admits against, whether a step may run several decode passes, and the batch and step
         limits of the model's device."""
         self.workload_manager.set_kv_budget(*self.executor.kv_capacity)
-        self.workload_manager.set_multi_step(self.executor.multi_step)
+        self.workload_manager.set_multi_step(self.executor.multi_step
+                                             and not self.hooks.step_delay_s)
         self.workload_manager.set_exact_resume(self.executor.info.resumes_exactly)
         # The model process took the same device defaults (worker/model/process.py).
         device = self.settings.for_device(self.executor.info.device)

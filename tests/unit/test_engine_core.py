@@ -188,6 +188,28 @@ def test_multi_step_streams_every_token_and_ends_where_one_pass_a_step_does(para
     assert max(r.num_steps for r in one_reqs) == 1   # a backend that cannot is asked for one
 
 
+def test_a_test_step_delay_runs_one_pass_a_step(store):
+    """LLMQ_TEST_STEP_DELAY paces the engine for tests that act while work runs: N tokens must
+    still take N delayed steps, so the engine asks a multi-step backend for one pass a step."""
+    from common.settings import Settings
+    from common.test_hooks import HarnessHooks
+    from worker.engine_core import EngineCore
+    from worker.inprocess_executor import InProcessExecutor
+
+    from .factories import WordTokenizer
+
+    backend = ScriptedBackend({}, multi_step=True, pass_s=0.001)
+    executor = InProcessExecutor(backend_factory=lambda: backend)
+    executor.start()
+    engine = EngineCore("w1", Settings(multi_step_window_s=0.05), store, executor,
+                        WordTokenizer(), hooks=HarnessHooks(step_delay_s=0.001))
+    engine.fit_to_model()
+    submit(store, "s", max_tokens=8)
+    seq = engine.admit("s")
+    run(engine, [seq])
+    assert seq.num_output_tokens == 8 and {r.num_steps for r in backend.requests} == {1}
+
+
 class RoundTrips:
     """Counts the store's round trips to Redis: a command sent alone, or a pipeline."""
 

@@ -372,7 +372,7 @@ def _multi_step(backend, prompts: dict[str, list[int]], params: dict, num_steps:
     out = {sid: [t] for sid, t in res.token_ids.items()}
     passes = []
     while True:
-        live = [sid for sid in prompts if not backend._ended(sid)]
+        live = [sid for sid in prompts if not backend.states[sid].ended]
         if not live:
             break
         res = backend.step(StepRequest(decode_seq_ids=live, num_steps=num_steps))

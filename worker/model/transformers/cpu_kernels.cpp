@@ -1,6 +1,7 @@
 // The CPU kernels' Python module (built by worker/model/transformers/cpu_kernels.py): decode attention over the
 // paged KV cache (decode_attention.cpp) and a Llama layer's fused elementwise ops
-// (layer_ops.cpp), and weight-only quantized linear layers (quant_linear.cpp).
+// (layer_ops.cpp), weight-only quantized linear layers (quant_linear.cpp), and a decoder
+// layer of a small decode step in one call over them (decode_layer.cpp).
 #include <torch/extension.h>
 #include <optional>
 #include <vector>
@@ -18,6 +19,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
                           std::optional<torch::Tensor> bias);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale_min,
                           std::optional<torch::Tensor> bias);
+void bind_decode_layer(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention, pools read in place");
@@ -31,4 +33,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("scales"), pybind11::arg("bias"));
   m.def("int4_linear", &int4_linear, "x @ (int4 weight, per-32 scale and min).T + bias",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("scale_min"), pybind11::arg("bias"));
+  bind_decode_layer(m);
 }

@@ -33,10 +33,13 @@ from .paged_attention import paged_attention_forward
 
 
 class LayerKernels(NamedTuple):
-    """The fused elementwise ops a forward calls (worker/model/transformers/layer_ops.cpp's functions)."""
+    """The fused elementwise ops a forward calls (worker/model/transformers/layer_ops.cpp's
+    functions), and the class that runs a whole layer of a small decode step in one call
+    (worker/model/transformers/decode_layer.cpp)."""
     add_rms_norm: Callable
     silu_mul: Callable
     rotary: Callable
+    decode_layer: Callable
 
 
 class LlamaForward:
@@ -68,8 +71,18 @@ class LlamaForward:
                 and self.inter % 8 == 0 and self.head_dim % 16 == 0)
         # (the module's functions, not the module: a module object cannot be deep-copied, and
         # the layers' pre-hooks reach this forward from the model)
-        self.kernels = LayerKernels(kernels.add_rms_norm, kernels.silu_mul, kernels.rotary) \
+        self.kernels = LayerKernels(kernels.add_rms_norm, kernels.silu_mul, kernels.rotary,
+                                    kernels.DecodeLayer) \
             if kernels is not None and fused and fits else None
+        # The layers as decode_layer.cpp's DecodeLayers, once their linears are quantized
+        # (built at the first small decode step after that; see _decode_layers).
+        self._decode: tuple[tuple, list] | None = None
+        self.whole_layers = True   # (tests turn it off to compare with the Python path)
+
+    def __getstate__(self) -> dict:
+        # A copy of the model (tests move one to another device) builds its own DecodeLayers,
+        # over its own weights; they cannot be copied.
+        return {**self.__dict__, "_decode": None}
 
     @classmethod
     def for_model(cls, model, before_layer: Callable[[], None], kernels=None
@@ -131,7 +144,16 @@ class LlamaForward:
         cos, sin = (t[0].contiguous() for t in self.rotary(x[None], pos[None]))   # [T, dim]
         kv = self.splits[2]
         delta = None                                           # the last sublayer's output
-        for norm1, attn, norm2, mlp in self.layers:
+        decode = self._decode_layers(plan, tokens)
+        if decode is not None:
+            tables, lengths = plan.decode_tables()
+            cache = plan.cache
+            for (_, attn, _, _), layer in zip(self.layers, decode):
+                self.before_layer()
+                delta = layer(x, delta, cos, sin, cache.k[attn.layer_idx],
+                              cache.v[attn.layer_idx], plan.write_slots, plan.new_blocks,
+                              tables, lengths, cache.block_size)
+        for norm1, attn, norm2, mlp in self.layers if decode is None else ():
             self.before_layer()
             h = ops.add_rms_norm(x, delta, norm1.weight, norm1.variance_epsilon)
             qkv = attn.qkv_proj(h)
@@ -145,6 +167,41 @@ class LlamaForward:
             delta = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(h)))
         x = ops.add_rms_norm(x[keep], delta[keep], self.norm.weight, self.norm.variance_epsilon)
         return self.model.lm_head(x)
+
+
+    def _decode_layers(self, plan, tokens: int) -> list | None:
+        """The layers as DecodeLayers for this pass, or None where the Python path runs it: a
+        pass with a prompt's chunk, without the decode kernel, over layers not all quantized
+        (QuantizedLinear), or of more rows than their limit."""
+        from .quantized_linear import QuantizedLinear   # (it imports nothing of this file)
+
+        cache = plan.cache
+        if (not self.whole_layers or plan.prefill_rows or cache.decode_kernel is None
+                or not self.layers):
+            return None
+        _, attn, _, mlp = self.layers[0]
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if self._decode is None or self._decode[0] != linears:   # (quantizing replaces them)
+            quantized = all(isinstance(m, QuantizedLinear) for _, a, _, p in self.layers
+                            for m in (a.qkv_proj, a.o_proj, p.gate_up_proj, p.down_proj))
+            self._decode = (linears, [self._decode_layer(*layer) for layer in self.layers]
+                            if quantized else None)
+        layers = self._decode[1]
+        if layers is None or tokens > linears[0].max_rows or len(cache.k) < len(layers) \
+                or any(cache.k[a.layer_idx] is None for _, a, _, _ in self.layers):
+            return None
+        return layers
+
+    def _decode_layer(self, norm1, attn, norm2, mlp):
+        """One layer's DecodeLayer, over its quantized linears' weights (shared, not copied)."""
+        def weights(m):
+            return m.q, m.scales, m.bias
+
+        return self.kernels.decode_layer(
+            norm1.weight, norm1.variance_epsilon, norm2.weight, norm2.variance_epsilon,
+            weights(attn.qkv_proj), weights(attn.o_proj), weights(mlp.gate_up_proj),
+            weights(mlp.down_proj), attn.qkv_proj.mode == "int4", self.heads, self.kv_heads,
+            self.head_dim, self.head_dim ** -0.5 if attn.scaling is None else attn.scaling)
 
 
 class _Part(nn.Module):
