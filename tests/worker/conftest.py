@@ -51,6 +51,18 @@ def sharp_device_model(sharp_model, device):
     return on_device(*sharp_model, device)
 
 
+@pytest.fixture(scope="module")
+def kernels():
+    """The CPU kernels' module (worker/model/transformers/cpu_kernels.py); skips where it
+    cannot be built."""
+    from worker.model.transformers import cpu_kernels
+
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    return module
+
+
 @pytest.fixture(params=["avx2", "avx512bf16"])
 def path(request):
     """Runs a CPU kernels' test on each of the bfloat16 kernels' paths: AVX2's and, where the

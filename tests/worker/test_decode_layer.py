@@ -7,17 +7,8 @@ import torch
 
 from factories import make_prompts, new_seq, sharpened
 from worker.messages import StepRequest
-from worker.model.transformers import cpu_kernels
 from worker.model.transformers.backend import TransformersBackend
 from worker.model.transformers.quantized_linear import MAX_ROWS, quantize_linears
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu_kernels.load()
-    if module is None:
-        pytest.skip("the CPU kernels cannot be built here")
-    return module
 
 
 class Counted:

@@ -8,20 +8,11 @@ from torch import nn
 from common.settings import Settings
 from factories import make_prompts, new_seq, sharpened
 from worker.messages import StepRequest
-from worker.model.transformers import cpu_kernels
 from worker.model.transformers.backend import TransformersBackend
 from worker.model.transformers.packed_linear import PackedLinear
 from worker.model.transformers.quantized_linear import (AUTO, QuantizedLinear, dequantize,
                                                         quantize_int8, quantize_linears,
                                                         resolve_quantization)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu_kernels.load()
-    if module is None:
-        pytest.skip("the CPU kernels cannot be built here")
-    return module
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

@@ -2,24 +2,7 @@
 // paged KV cache (decode_attention.cpp) and a Llama layer's fused elementwise ops
 // (layer_ops.cpp), weight-only quantized linear layers (quant_linear.cpp), and a decoder
 // layer of a small decode step in one call over them (decode_layer.cpp).
-#include <torch/extension.h>
-#include <optional>
-#include <vector>
-
-void decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool,
-                      torch::Tensor tables, torch::Tensor lengths, int64_t block_size,
-                      double scale, torch::Tensor out);
-torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta,
-                           torch::Tensor weight, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-std::vector<torch::Tensor> rotary(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                  int64_t heads, int64_t kv_heads);
-bool wide_ops(std::optional<bool> on);
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
-                          std::optional<torch::Tensor> bias);
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale_min,
-                          std::optional<torch::Tensor> bias);
-void bind_decode_layer(pybind11::module& m);
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention, pools read in place");

@@ -4,7 +4,7 @@ One module of five sources: decode attention over the paged KV cache
 (worker/model/transformers/decode_attention.cpp), a Llama layer's fused elementwise ops (worker/model/transformers/layer_ops.cpp),
 weight-only quantized linear layers (worker/model/transformers/quant_linear.cpp), a decoder
 layer of a small decode step in one call over them (worker/model/transformers/decode_layer.cpp) and
-their bindings (worker/model/transformers/cpu_kernels.cpp), with the AVX2 helpers they share (worker/model/transformers/simd.h);
+their bindings (worker/model/transformers/cpu_kernels.cpp), with the AVX2 helpers they share (worker/model/transformers/simd.h) and their entry points' declarations (kernels.h);
 bfloat16's ops and attention have AVX512-BF16 paths, compiled function by function and taken
 where the CPU has the instructions (docs/architecture.md, "The CPU kernels").
 `python -m worker.model.transformers.cpu_kernels build` compiles it (`make model` runs it, so neither the tests nor
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "cpu_kernels.cpp", HERE / "decode_attention.cpp", HERE / "layer_ops.cpp",
            HERE / "quant_linear.cpp", HERE / "decode_layer.cpp"]
-HEADERS = [HERE / "simd.h"]
+HEADERS = [HERE / "simd.h", HERE / "kernels.h"]
 # Portable flags only: -march=native builds crashed on AMX-reporting CPUs (llama.cpp), and the
 # cache may be shared by machines of different CPUs. AVX2 + FMA + F16C is every x86 server
 # CPU since 2013.

@@ -11,23 +11,11 @@
 //   x += o Wo; h = RMSNorm2(x); returns (SiLU(h Wgate) * h Wup) Wdown, the next layer's delta.
 // Only for a layer whose four linears are quantized (QuantizedLinear) and a step of decode
 // rows only, each of at most the quantized layers' row limit.
-#include <torch/extension.h>
 #include <optional>
 #include <tuple>
 #include <vector>
 
-void decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool,
-                      torch::Tensor tables, torch::Tensor lengths, int64_t block_size,
-                      double scale, torch::Tensor out);
-torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta,
-                           torch::Tensor weight, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-std::vector<torch::Tensor> rotary(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                  int64_t heads, int64_t kv_heads);
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
-                          std::optional<torch::Tensor> bias);
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale_min,
-                          std::optional<torch::Tensor> bias);
+#include "kernels.h"
 
 namespace {
 

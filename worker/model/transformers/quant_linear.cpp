@@ -23,6 +23,7 @@
 #include <optional>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
