@@ -11,8 +11,9 @@ from worker.messages import StepRequest
 from worker.model.transformers.backend import TransformersBackend
 from worker.model.transformers.packed_linear import PackedLinear
 from worker.model.transformers.quantized_linear import (AUTO, QuantizedLinear, dequantize,
-                                                        quantize_int8, quantize_linears,
-                                                        resolve_quantization)
+                                                        from_tiles, quantize_int8,
+                                                        quantize_linears, resolve_quantization,
+                                                        to_tiles)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -25,7 +26,7 @@ def test_the_kernel_computes_the_matmul_over_the_dequantized_weight(kernels, mod
     x = torch.randn(rows, 96).to(dtype)
     with torch.inference_mode():
         got = q(x)
-        want = x.float() @ dequantize(mode, q.q, q.scales).t() + lin.bias.float()
+        want = x.float() @ q.dequantized().t() + lin.bias.float()
     assert got.dtype == dtype and got.shape == (rows, 70)
     tol = 1e-5 if dtype == torch.float32 else 1e-2   # (bfloat16: the output's rounding)
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
@@ -59,6 +60,21 @@ def test_one_large_weight_coarsens_only_its_own_group_of_32():
     assert err[:, :32].max() > rest.max() / 254     # (the outlier's own group is coarse)
 
 
+@pytest.mark.parametrize("n", [8, 6])
+def test_int8_weights_are_kept_tile_by_tile_as_the_kernel_streams_them(n):
+    """A tile of four output rows (the last tile the rest) is one run of memory: group by
+    group, its rows' 32 weights one after the other, and its rows' scales likewise."""
+    q = torch.arange(n * 64).reshape(n, 64)            # two groups of 32 a row
+    scales = torch.arange(n * 2).reshape(n, 2)
+    tiled, tiled_scales = to_tiles(q, 32).flatten(), to_tiles(scales, 1).flatten()
+    assert torch.equal(tiled[:128], torch.cat([q[r, :32] for r in range(4)]))
+    assert torch.equal(tiled[128:256], torch.cat([q[r, 32:] for r in range(4)]))
+    assert torch.equal(tiled[256:256 + 32 * (n - 4)], torch.cat([q[r, :32] for r in range(4, n)]))
+    assert tiled_scales[:8].tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert torch.equal(from_tiles(to_tiles(q, 32), 32), q)
+    assert torch.equal(from_tiles(to_tiles(scales, 1), 1), scales)
+
+
 def test_steps_above_the_row_limit_take_a_float_layer_over_the_same_weights(kernels):
     """A larger step computes with the weights the kernel reads, dequantized, not the original
     float ones: a row gets the same numbers at a step of 2 rows and at one of 3 (to float
@@ -74,7 +90,7 @@ def test_steps_above_the_row_limit_take_a_float_layer_over_the_same_weights(kern
         assert not calls
         large = q(x)
         assert calls
-        want = x @ dequantize("int8", q.q, q.scales).t() + lin.bias
+        want = x @ q.dequantized().t() + lin.bias
         torch.testing.assert_close(large, want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(large[:2], small, rtol=1e-5, atol=1e-5)
         assert (large - lin(x)).abs().max() > 1e-4   # (the original weights give other numbers)

@@ -14,8 +14,10 @@
 // the float32 matmul at one row (its lm_head: 7.1 ms int8, 4.9 ms int4, 8.5 ms float32, one
 // thread): they convert each weight with more instructions than this loop spends on it.
 //
-// Four output rows are computed together so that four FMA chains are in flight (one chain
-// waits on its FMA's latency); a task is a run of output rows, so threads split the weight.
+// Four output rows (a tile) are computed together so that four FMA chains are in flight (one
+// chain waits on its FMA's latency); a task is a run of tiles, so threads split the weight.
+// int8's weights are stored tile by tile (int8_tile) so that a thread streams one run of
+// memory, which the prefetches ahead of it keep filled.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -32,10 +34,11 @@ using llmq::hsum;
 
 constexpr int64_t TILE = 4;      // output rows per tile
 constexpr int64_t GROUP = 32;    // inputs per group: int8's scale, int4's (scale, minimum)
-// How many tiles ahead the int8 kernel asks for its weights. The hardware prefetcher kept up
-// with the four interleaved rows of a tile only from cache: weights streamed from memory ran
-// at ~10 GB/s where a plain sum over a buffer reads ~30 GB/s (2 threads, the build machine).
-constexpr int64_t PREFETCH_TILES = 2;
+// How far ahead (bytes) the int8 kernel asks for its weights: 32 groups of a tile. With the
+// weights in tile order (below) a thread reads one stream; with 2-8 KB requested ahead the whole
+// model's layers read at ~25 GB/s where the hardware prefetcher alone reached ~20, and four
+// rows read side by side (each its own stream) ~18 (2 threads, the build machine).
+constexpr int64_t PREFETCH_BYTES = 32 * TILE * GROUP;
 
 // Output rows per task: ~64K weights each, so that a small layer does not pay the threads'
 // fork and join for a few microseconds of work.
@@ -53,39 +56,35 @@ inline __m256 widen_i8(const int8_t* p) {
 inline __m256 widen_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 
 // out[n0 .. n0+cnt) of one input row: per group of 32, the sum of q * x, scaled by the
-// group's float16 scale.
+// group's float16 scale. The weights are in tile order (quantized_linear.py's to_tiles): a tile
+// of cnt output rows holds, group by group, the cnt rows' 32 weights one after the other, and
+// its scales likewise, so that the tile is one run of memory (every earlier tile is full: it
+// starts at row n0's offset).
 void int8_tile(const int8_t* w, const uint16_t* scales, const float* x, int64_t k, int64_t n0,
                int64_t cnt, float* out) {
   const int64_t groups = k / GROUP;
+  const int8_t* tile = w + n0 * k;
+  const uint16_t* sc = scales + n0 * groups;
   __m256 acc[TILE];
   for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
-  const int8_t* rows[TILE];
-  const uint16_t* sc[TILE];
-  for (int t = 0; t < TILE; ++t) {
-    const int64_t n = n0 + std::min<int64_t>(t, cnt - 1);
-    rows[t] = w + n * k;
-    sc[t] = scales + n * groups;
-  }
-  // The tile PREFETCH_TILES ahead, requested now (see PREFETCH_TILES); past the weight's end
-  // only where the last tiles are, and a prefetch never faults.
-  const int8_t* ahead = w + (n0 + PREFETCH_TILES * TILE) * k;
-  const uint16_t* ahead_sc = scales + (n0 + PREFETCH_TILES * TILE) * groups;
-  for (int64_t b = 0; b < TILE * groups * 2; b += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(ahead_sc) + b, _MM_HINT_T0);
-  for (int64_t g = 0; g < groups; ++g) {
+  int64_t at[TILE];   // each chain's row in the tile (a short tile repeats its last row)
+  for (int t = 0; t < TILE; ++t) at[t] = std::min<int64_t>(t, cnt - 1);
+  // (past the weight's end only where the last tiles are: a prefetch never faults)
+  _mm_prefetch(reinterpret_cast<const char*>(sc + TILE * groups), _MM_HINT_T0);
+  for (int64_t g = 0; g < groups; ++g, tile += cnt * GROUP, sc += cnt) {
+    const char* ahead = reinterpret_cast<const char*>(tile) + PREFETCH_BYTES;
+    for (int64_t b = 0; b < TILE * GROUP; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    if ((g & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(sc) + 256, _MM_HINT_T0);
     const float* xg = x + g * GROUP;
     const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
     const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
-    if ((g & 1) == 0)   // a 64-byte line holds two groups of each row
-      for (int t = 0; t < TILE; ++t)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + t * k + g * GROUP), _MM_HINT_T0);
     for (int t = 0; t < TILE; ++t) {
-      const int8_t* p = rows[t] + g * GROUP;
+      const int8_t* p = tile + at[t] * GROUP;
       __m256 s = _mm256_mul_ps(widen_i8(p), x0);
       s = _mm256_fmadd_ps(widen_i8(p + 8), x1, s);
       s = _mm256_fmadd_ps(widen_i8(p + 16), x2, s);
       s = _mm256_fmadd_ps(widen_i8(p + 24), x3, s);
-      acc[t] = _mm256_fmadd_ps(s, _mm256_set1_ps(_cvtsh_ss(sc[t][g])), acc[t]);
+      acc[t] = _mm256_fmadd_ps(s, _mm256_set1_ps(_cvtsh_ss(sc[at[t]])), acc[t]);
     }
   }
   for (int64_t t = 0; t < cnt; ++t) out[t] = hsum(acc[t]);
@@ -149,7 +148,7 @@ void check(const torch::Tensor& x, const torch::Tensor& w, int64_t k) {
 }  // namespace
 
 // x [rows, k] float32 or bfloat16; weight int8 [n, k] (k a multiple of 32); scales float16
-// [n, k / 32]. Returns [rows, n] in x's dtype: x @ (weight * its group's scale).T + bias.
+// [n, k / 32]; both in tile order (int8_tile). Returns [rows, n] in x's dtype: x @ (weight * its group's scale).T + bias.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
                           std::optional<torch::Tensor> bias) {
   const int64_t n = weight.size(0), k = weight.size(1);

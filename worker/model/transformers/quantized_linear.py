@@ -6,8 +6,8 @@ with a float16 scale per 32 inputs (llama.cpp's Q8_0) read 17/64 of that, int4 w
 a minimum per 32 inputs about an eighth (worker/model/transformers/quant_linear.cpp, the
 kernels). At more rows the float matmul reuses each weight it loads across the rows while the
 quantized kernel widens it again per row: on the 2-core AVX2 build machine (2 threads, a whole
-model's layers read from memory) the int8 kernel took 0.32x the packed float32 matmul's time at
-one row, 0.42x at two, 0.56x at four, 0.7-0.9x at six to eight and 1.0x at sixteen. So a step
+model's layers read from memory) the int8 kernel took 0.27x the packed float32 matmul's time at
+one row, 0.40x at two, 0.55x at four, 0.8-0.9x at six to eight and 1.4x at sixteen. So a step
 of at most `max_rows` rows takes the quantized weights and a larger one a float layer over the
 same weights dequantized (it replaces the original float layer; a tied lm_head's embedding
 keeps its own, +21 % of the default model's float32 weights). Both compute with one set of
@@ -28,6 +28,7 @@ log = logging.getLogger("llmq.quantized_linear")
 
 MAX_ROWS = 4          # the largest step (rows) that takes the quantized weights; see above
 GROUP = 32            # inputs per group (int8: a scale; int4: a scale and a minimum)
+TILE = 4              # output rows the kernels compute together (quant_linear.cpp's TILE)
 # How far the kernel's result may be from the float matmul over the dequantized weights (its
 # sums run in another order), relative to the output's largest magnitude.
 TOLERANCE = 1e-4
@@ -74,6 +75,29 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.contiguous(), torch.stack([scale, lo], -1).contiguous()
 
 
+def to_tiles(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """[n, k] in the int8 kernel's tile order, the same shape: each TILE output rows (the last
+    tile the rest) stored group of `cols` columns by group, their rows' `cols` values one after
+    the other, so that the kernel reads a tile as one run of memory (quant_linear.cpp,
+    PREFETCH_BYTES). q: cols GROUP; its scales: cols 1."""
+    n, k = t.shape
+    full = n // TILE * TILE
+    parts = [t[:full].reshape(-1, TILE, k // cols, cols).transpose(1, 2).reshape(-1)]
+    if full < n:
+        parts.append(t[full:].reshape(1, n - full, k // cols, cols).transpose(1, 2).reshape(-1))
+    return torch.cat(parts).reshape(n, k)
+
+
+def from_tiles(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """to_tiles undone: [n, k] in row order."""
+    n, k = t.shape
+    full = n // TILE * TILE
+    parts = [t[:full].reshape(-1, k // cols, TILE, cols).transpose(1, 2).reshape(-1)]
+    if full < n:
+        parts.append(t[full:].reshape(1, k // cols, n - full, cols).transpose(1, 2).reshape(-1))
+    return torch.cat(parts).reshape(n, k)
+
+
 def dequantize(mode: str, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The float32 weight a quantized one stands for (tests and the load check compare to it)."""
     n = q.shape[0]
@@ -92,10 +116,14 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.mode, self.max_rows = mode, max_rows
-        self.q, self.scales = (quantize_int8 if mode == "int8" else quantize_int4)(weight)
+        q, scales = (quantize_int8 if mode == "int8" else quantize_int4)(weight)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
-        self.float_linear = _float_layer(dequantize(mode, self.q, self.scales).to(weight.dtype),
+        self.float_linear = _float_layer(dequantize(mode, q, scales).to(weight.dtype),
                                          linear.bias)
+        # q and scales as the kernel reads them (int8: in tile order; dequantized() undoes it)
+        if mode == "int8":
+            q, scales = to_tiles(q, GROUP), to_tiles(scales, 1)
+        self.q, self.scales = q, scales
         self._kernel = kernels.int8_linear if mode == "int8" else kernels.int4_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,6 +132,12 @@ class QuantizedLinear(nn.Module):
         if flat.shape[0] > self.max_rows:
             return self.float_linear(x)
         return self._kernel(flat, self.q, self.scales, self.bias).reshape(*lead, self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight the quantized one stands for."""
+        if self.mode == "int8":
+            return dequantize("int8", from_tiles(self.q, GROUP), from_tiles(self.scales, 1))
+        return dequantize(self.mode, self.q, self.scales)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -132,7 +166,7 @@ def quantize_linears(model: nn.Module, mode: str, kernels, max_rows: int = MAX_R
                 # (under float32 the float layer's weight is the dequantized one: not again)
                 exact = new.float_linear.weight
                 if exact.dtype != torch.float32:
-                    exact = dequantize(mode, new.q, new.scales)
+                    exact = new.dequantized()
                 ref = x @ exact.t()
                 if new.bias is not None:
                     ref += new.bias
