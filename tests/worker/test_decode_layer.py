@@ -8,7 +8,7 @@ import torch
 from factories import make_prompts, new_seq, sharpened
 from worker.messages import StepRequest
 from worker.model.transformers.backend import TransformersBackend
-from worker.model.transformers.quantized_linear import MAX_ROWS, quantize_linears
+from worker.model.transformers.quantized_linear import quantize_linears
 
 
 class Counted:
@@ -61,7 +61,7 @@ def test_whole_layers_give_the_python_paths_logits_to_the_bit(kernels, tiny_mode
     model, info = tiny_model
     quantized = sharpened(model, scale=1.0)   # (a copy)
     TransformersBackend(quantized, info, max_num_seqs=8)   # fuses q/k/v and gate/up, as load
-    assert quantize_linears(quantized, mode, kernels) > 0
+    assert quantize_linears(quantized, mode, kernels, max_rows=4) > 0   # (5 rows: above)
     prompts = make_prompts(5, lengths=[3, 7, 8, 15, 30], vocab=info.vocab_size)
     runs = []
     for whole in (True, False):
@@ -74,7 +74,7 @@ def test_whole_layers_give_the_python_paths_logits_to_the_bit(kernels, tiny_mode
         # The 4-row decodes: 10, the one apart from the newcomer's first chunk, the last 2;
         # not those a chunk rides with, nor the 5-row ones
         assert Counted.calls == (13 * quantized.config.num_hidden_layers if whole else 0)
-    assert MAX_ROWS == 4 and len(runs[0]) == len(runs[1])
+    assert len(runs[0]) == len(runs[1])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 

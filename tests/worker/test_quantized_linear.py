@@ -10,8 +10,8 @@ from factories import make_prompts, new_seq, sharpened
 from worker.messages import StepRequest
 from worker.model.transformers.backend import TransformersBackend
 from worker.model.transformers.packed_linear import PackedLinear
-from worker.model.transformers.quantized_linear import (AUTO, QuantizedLinear, dequantize,
-                                                        from_tiles, quantize_int8,
+from worker.model.transformers.quantized_linear import (AUTO, MAX_ROWS, QuantizedLinear,
+                                                        dequantize, from_tiles, quantize_int8,
                                                         quantize_linears, resolve_quantization,
                                                         to_tiles)
 
@@ -19,15 +19,17 @@ from worker.model.transformers.quantized_linear import (AUTO, QuantizedLinear, d
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 7])
-def test_the_kernel_computes_the_matmul_over_the_dequantized_weight(kernels, mode, dtype, rows):
+@pytest.mark.parametrize("n", [70, 67])   # a last tile of two output rows, of three
+def test_the_kernel_computes_the_matmul_over_the_dequantized_weight(kernels, mode, dtype, rows,
+                                                                    n):
     torch.manual_seed(0)
-    lin = nn.Linear(96, 70, bias=True).to(dtype)   # 70 outputs: a last tile of two rows
+    lin = nn.Linear(96, n, bias=True).to(dtype)
     q = QuantizedLinear(lin, lin.weight, mode, kernels, max_rows=rows)
     x = torch.randn(rows, 96).to(dtype)
     with torch.inference_mode():
         got = q(x)
         want = x.float() @ q.dequantized().t() + lin.bias.float()
-    assert got.dtype == dtype and got.shape == (rows, 70)
+    assert got.dtype == dtype and got.shape == (rows, n)
     tol = 1e-5 if dtype == torch.float32 else 1e-2   # (bfloat16: the output's rounding)
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
@@ -138,11 +140,12 @@ def test_the_engine_takes_the_quantized_weights_at_one_row_and_the_float_ones_at
         assert not worker.step(req).errors
         return dict(seen)
 
-    prompts = make_prompts(8, lengths=[5] * 8, vocab=worker.info.vocab_size)
+    n = MAX_ROWS["int8"] + 1
+    prompts = make_prompts(n, lengths=[5] * n, vocab=worker.info.vocab_size)
     count(StepRequest(prefill=[new_seq("a", prompts[0])]))
     assert count(StepRequest(decode_seq_ids=["a"])) == {"quantized": len(layers), "float": 0}
     count(StepRequest(prefill=[new_seq(f"s{i}", p) for i, p in enumerate(prompts[1:])]))
-    many = [f"s{i}" for i in range(7)] + ["a"]
+    many = [f"s{i}" for i in range(n - 1)] + ["a"]
     assert count(StepRequest(decode_seq_ids=many)) == {"quantized": 0, "float": len(layers)}
 
 

@@ -121,11 +121,11 @@ class TransformersBackend(ModelBackend):
         if mode != "none" and info.device == "cpu":
             done = quantize_linears(model, mode, cpu_kernels.load())
             log.info("%s weights for %d linear layers at steps of up to %d rows", mode, done,
-                     QUANT_MAX_ROWS)
+                     QUANT_MAX_ROWS[mode])
             if done:
                 worker.info = dataclasses.replace(
                     worker.info, kernels=f"{worker.info.kernels}; linears: {mode} weights at "
-                                         f"up to {QUANT_MAX_ROWS} rows")
+                                         f"up to {QUANT_MAX_ROWS[mode]} rows")
         if settings.packed_linears and info.device == "cpu":
             log.info("packed %d linear layers for oneDNN", pack_linears(model))
         return worker

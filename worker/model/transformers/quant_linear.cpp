@@ -90,6 +90,57 @@ void int8_tile(const int8_t* w, const uint16_t* scales, const float* x, int64_t 
   for (int64_t t = 0; t < cnt; ++t) out[t] = hsum(acc[t]);
 }
 
+// The same at several input rows (x [R, k], R <= ROWS), two of the tile's output rows (a, b)
+// at a time: each weight is widened and scaled once and multiplied into every row, where
+// int8_tile would widen it again per row. (So the weights are the dequantized ones, rounded
+// to float32 as dequantize() rounds them, and a row's sum runs over k in one chain of 8 lanes:
+// another order than int8_tile's, to float noise.) 2 x 4 accumulators, the two weights and x
+// fit AVX2's 16 registers.
+constexpr int64_t ROWS = 4;
+
+template <int R>
+void int8_rows(const int8_t* tile, const uint16_t* sc, int64_t cnt, int64_t a, int64_t b,
+               const float* x, int64_t k, float* out, int64_t n) {
+  const int64_t groups = k / GROUP;
+  __m256 acc[2][R];
+  for (int i = 0; i < R; ++i) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, tile += cnt * GROUP, sc += cnt) {
+    const __m256 sa = _mm256_set1_ps(_cvtsh_ss(sc[a])), sb = _mm256_set1_ps(_cvtsh_ss(sc[b]));
+    for (int c = 0; c < GROUP; c += 8) {
+      const __m256 wa = _mm256_mul_ps(widen_i8(tile + a * GROUP + c), sa);
+      const __m256 wb = _mm256_mul_ps(widen_i8(tile + b * GROUP + c), sb);
+      for (int i = 0; i < R; ++i) {
+        const __m256 xv = _mm256_loadu_ps(x + i * k + g * GROUP + c);
+        acc[0][i] = _mm256_fmadd_ps(wa, xv, acc[0][i]);
+        acc[1][i] = _mm256_fmadd_ps(wb, xv, acc[1][i]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    out[i * n + a] = hsum(acc[0][i]);
+    out[i * n + b] = hsum(acc[1][i]);
+  }
+}
+
+// Every input row of one tile (output rows n0 .. n0+cnt), ROWS rows at a time.
+void int8_tile_rows(const int8_t* w, const uint16_t* scales, const float* x, int64_t rows,
+                    int64_t k, int64_t n0, int64_t cnt, float* out, int64_t n) {
+  const int8_t* tile = w + n0 * k;
+  const uint16_t* sc = scales + n0 * (k / GROUP);
+  for (int64_t r = 0; r < rows; r += ROWS)
+    for (int64_t a = 0; a < cnt; a += 2) {
+      const int64_t b = std::min(a + 1, cnt - 1);   // (an odd tile's last row twice)
+      const float* xr = x + r * k;
+      float* o = out + r * n;
+      switch (std::min(ROWS, rows - r)) {
+        case 4: int8_rows<4>(tile, sc, cnt, a, b, xr, k, o, n); break;
+        case 3: int8_rows<3>(tile, sc, cnt, a, b, xr, k, o, n); break;
+        case 2: int8_rows<2>(tile, sc, cnt, a, b, xr, k, o, n); break;
+        default: int8_rows<1>(tile, sc, cnt, a, b, xr, k, o, n); break;
+      }
+    }
+}
+
 // The same for int4: per group, the sum of q * x is scaled, and the minimum times the group's
 // sum of x added (w = q * scale + min).
 void int4_tile(const uint8_t* w, const float* scale_min, const float* x, const float* xsum,
@@ -119,22 +170,18 @@ void int4_tile(const uint8_t* w, const float* scale_min, const float* x, const f
   for (int64_t t = 0; t < cnt; ++t) out[t] = hsum(acc[t]) + mins[t];
 }
 
-// Runs tile(row, n0, cnt, out) over every input row and tile of output rows, then adds the
-// bias and casts to x's dtype.
+// Runs tile(n0, cnt, out) over every tile of output rows (it computes out[r * n + n0 + j] for
+// every input row r and j < cnt), then adds the bias and casts to x's dtype.
 template <typename Tile>
 torch::Tensor run(const torch::Tensor& x, int64_t n, int64_t k,
                   const std::optional<torch::Tensor>& bias, Tile tile) {
   const int64_t rows = x.size(0);
   auto out = torch::empty({rows, n}, x.options().dtype(torch::kFloat));
   float* op = out.data_ptr<float>();
+  // Tiles outer, rows inner: a thread's share of a large weight is megabytes, and a second
+  // row would read it from memory again; a tile is a few KB, still in L1 for the next row.
   at::parallel_for(0, (n + TILE - 1) / TILE, grain(k) / TILE, [&](int64_t begin, int64_t end) {
-    // Tiles outer: a thread's share of a large weight is megabytes, and a second row would
-    // read it from memory again; a tile is a few KB, still in L1 for the next row.
-    for (int64_t i = begin; i < end; ++i)
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n0 = i * TILE;
-        tile(r, n0, std::min(TILE, n - n0), op + r * n + n0);
-      }
+    for (int64_t i = begin; i < end; ++i) tile(i * TILE, std::min(TILE, n - i * TILE), op);
   });
   if (bias) out.add_(*bias);
   return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
@@ -160,8 +207,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
   const float* xp = xf.data_ptr<float>();
   const int8_t* wp = weight.data_ptr<int8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  return run(x, n, k, bias, [&](int64_t r, int64_t n0, int64_t cnt, float* out) {
-    int8_tile(wp, sp, xp + r * k, k, n0, cnt, out);
+  const int64_t rows = x.size(0);
+  return run(x, n, k, bias, [&](int64_t n0, int64_t cnt, float* out) {
+    if (rows == 1)   // memory-bound: int8_tile streams the weights
+      int8_tile(wp, sp, xp, k, n0, cnt, out + n0);
+    else             // more rows: int8_tile_rows widens each weight once
+      int8_tile_rows(wp, sp, xp, rows, k, n0, cnt, out + n0, n);
   });
 }
 
@@ -181,7 +232,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
   const float* xs = xsum.data_ptr<float>();
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const float* sp = scale_min.data_ptr<float>();
-  return run(x, n, k, bias, [&](int64_t r, int64_t n0, int64_t cnt, float* out) {
-    int4_tile(wp, sp, xp + r * k, xs + r * (k / GROUP), k, n0, cnt, out);
+  return run(x, n, k, bias, [&](int64_t n0, int64_t cnt, float* out) {
+    for (int64_t r = 0; r < x.size(0); ++r)
+      int4_tile(wp, sp, xp + r * k, xs + r * (k / GROUP), k, n0, cnt, out + r * n + n0);
   });
 }

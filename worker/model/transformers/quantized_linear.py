@@ -4,15 +4,18 @@ At a step of a few rows a linear layer's time is mostly reading every weight onc
 bytes (SmolLM2-135M: ~540 MB in float32 per token, the lm_head a fifth of it). int8 weights
 with a float16 scale per 32 inputs (llama.cpp's Q8_0) read 17/64 of that, int4 with a scale and
 a minimum per 32 inputs about an eighth (worker/model/transformers/quant_linear.cpp, the
-kernels). At more rows the float matmul reuses each weight it loads across the rows while the
-quantized kernel widens it again per row: on the 2-core AVX2 build machine (2 threads, a whole
-model's layers read from memory) the int8 kernel took 0.27x the packed float32 matmul's time at
-one row, 0.40x at two, 0.55x at four, 0.8-0.9x at six to eight and 1.4x at sixteen. So a step
-of at most `max_rows` rows takes the quantized weights and a larger one a float layer over the
-same weights dequantized (it replaces the original float layer; a tied lm_head's embedding
-keeps its own, +21 % of the default model's float32 weights). Both compute with one set of
-weights, so a sequence's tokens do not depend on how many others share its step beyond float
-summation order, as with the float model alone.
+kernels). One row streams the weights (int8: stored by tiles of four output rows, one run of
+memory a thread); at more rows the int8 kernel widens each weight once and multiplies it into
+four rows at a time, but the float matmul reuses each weight it loads better still as rows
+grow. On the 2-core AVX2 build machine (2 threads, a whole model's layers read from memory) the
+int8 kernel took 0.27x the packed float32 matmul's time at one row, 0.33x at two, 0.4x at
+four, 0.55x at eight, 0.7x at sixteen and 1.0x at 32. int4's kernel widens its weights again
+for each row, and keeps the limit of four rows the int8 kernel had when it did the same. So a
+step of at most `max_rows` rows (MAX_ROWS, per mode) takes the quantized weights and a larger
+one a float layer over the same weights dequantized (it replaces the original float layer; a
+tied lm_head's embedding keeps its own, +21 % of the default model's float32 weights). Both
+compute with one set of weights, so a sequence's tokens do not depend on how many others share
+its step beyond float summation order, as with the float model alone.
 
 `LLMQ_QUANTIZATION` (common/settings.py) picks int8, int4 or none; `auto` is AUTO below (why
 it is what it is: its comment; the quality guard: bench/quality.py).
@@ -26,7 +29,8 @@ from torch import nn
 
 log = logging.getLogger("llmq.quantized_linear")
 
-MAX_ROWS = 4          # the largest step (rows) that takes the quantized weights; see above
+# The largest step (rows) that takes the quantized weights, per mode; see above.
+MAX_ROWS = {"int8": 16, "int4": 4}
 GROUP = 32            # inputs per group (int8: a scale; int4: a scale and a minimum)
 TILE = 4              # output rows the kernels compute together (quant_linear.cpp's TILE)
 # How far the kernel's result may be from the float matmul over the dequantized weights (its
@@ -35,8 +39,9 @@ TOLERANCE = 1e-4
 MODES = ("int8", "int4")
 # What `auto` means: int8 under a float32 model. int8 with a scale per 32 inputs kept 98.0 % of
 # float32's greedy positions on the default model (teacher-forced, every step quantized; 9 of
-# 16 answers unchanged, more than bfloat16's 6), over a float16 KV cache too, and decodes ~1.9x
-# as fast at one user. Under bfloat16 the guard has not measured int8, so auto leaves it off.
+# 16 answers unchanged, more than bfloat16's 6), over a float16 KV cache too, and decodes ~4x
+# as fast at one user, ~1.4x at 16 rows. Under bfloat16 the guard has not measured int8, so
+# auto leaves it off.
 AUTO = "int8"
 
 
@@ -112,10 +117,10 @@ class QuantizedLinear(nn.Module):
     the same weights dequantized into a float layer at larger ones."""
 
     def __init__(self, linear: nn.Module, weight: torch.Tensor, mode: str, kernels,
-                 max_rows: int = MAX_ROWS):
+                 max_rows: int | None = None):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.mode, self.max_rows = mode, max_rows
+        self.mode, self.max_rows = mode, MAX_ROWS[mode] if max_rows is None else max_rows
         q, scales = (quantize_int8 if mode == "int8" else quantize_int4)(weight)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.float_linear = _float_layer(dequantize(mode, q, scales).to(weight.dtype),
@@ -144,7 +149,7 @@ class QuantizedLinear(nn.Module):
                 f"{self.mode} up to {self.max_rows} rows")
 
 
-def quantize_linears(model: nn.Module, mode: str, kernels, max_rows: int = MAX_ROWS) -> int:
+def quantize_linears(model: nn.Module, mode: str, kernels, max_rows: int | None = None) -> int:
     """Wraps the float32 and bfloat16 nn.Linear layers of a CPU model (the lm_head included)
     in QuantizedLinears; returns how many. Before packing: pack_linears then packs the float
     layers inside them. Needs the CPU kernels' module;
