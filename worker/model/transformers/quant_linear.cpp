@@ -195,7 +195,8 @@ void check(const torch::Tensor& x, const torch::Tensor& w, int64_t k) {
 }  // namespace
 
 // x [rows, k] float32 or bfloat16; weight int8 [n, k] (k a multiple of 32); scales float16
-// [n, k / 32]; both in tile order (int8_tile). Returns [rows, n] in x's dtype: x @ (weight * its group's scale).T + bias.
+// [n, k / 32]; both in tile order (int8_tile). Returns [rows, n] in x's dtype:
+// x @ (weight * its group's scale).T + bias.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
                           std::optional<torch::Tensor> bias) {
   const int64_t n = weight.size(0), k = weight.size(1);
