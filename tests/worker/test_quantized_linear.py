@@ -147,6 +147,8 @@ def test_the_engine_takes_the_quantized_weights_at_one_row_and_the_float_ones_at
     count(StepRequest(prefill=[new_seq(f"s{i}", p) for i, p in enumerate(prompts[1:])]))
     many = [f"s{i}" for i in range(n - 1)] + ["a"]
     assert count(StepRequest(decode_seq_ids=many)) == {"quantized": 0, "float": len(layers)}
+    # the limit itself still takes the quantized weights (the multi-row kernel)
+    assert count(StepRequest(decode_seq_ids=many[1:])) == {"quantized": len(layers), "float": 0}
 
 
 def test_no_quantization_leaves_the_float_layers(tiny_model_dir):

@@ -10,7 +10,7 @@ four rows at a time, but the float matmul reuses each weight it loads better sti
 grow. On the 2-core AVX2 build machine (2 threads, a whole model's layers read from memory) the
 int8 kernel took 0.27x the packed float32 matmul's time at one row, 0.33x at two, 0.4x at
 four, 0.55x at eight, 0.7x at sixteen and 1.0x at 32. int4's kernel widens its weights again
-for each row, and keeps the limit of four rows the int8 kernel had when it did the same. So a
+for each row, so past a few rows the float matmul wins: its limit is four rows. So a
 step of at most `max_rows` rows (MAX_ROWS, per mode) takes the quantized weights and a larger
 one a float layer over the same weights dequantized (it replaces the original float layer; a
 tied lm_head's embedding keeps its own, +21 % of the default model's float32 weights). Both
